@@ -1,0 +1,191 @@
+"""Kimi Delta Attention (k3-model.md §3): the layer, its gate, and the two reference scans.
+
+Shapes: B batch, T tokens, H heads, K = d_k, V = d_v. The recurrent state is V-first [B, H, V, K] fp32
+(K3's `state_v_first=True`). Per head and token, with decay e^g (per key channel) and strength beta:
+
+    S <- S * e^g[None, :]            (decay the key columns)
+    S <- S + beta * (v - S k) k^T    (delta rule)
+    o  = S q
+
+`kda_recurrent_reference` runs that token by token; `kda_chunked_reference` runs the same recurrence in
+chunks of 64 with the WY/UT form (fp32 unit-lower-triangular inverse), which is what prefill uses.
+Padding tokens must carry g = 0 and beta = 0: then they leave the state untouched in both forms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import backend
+from k3jax.config import ModelConfig
+from k3jax.layers import causal_conv_with_state, dense, gated_rms_norm, l2_normalize
+
+CHUNK_SIZE = 64
+
+
+def kda_gate(z: jax.Array, a_log: jax.Array, dt_bias: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Log-space forget gate g [..., H, K] (fp32) from the raw f_b output z [..., H, K].
+
+    lower_bound (K3):  g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias))   in (lb, 0)
+    softplus (Kimi-Linear): g = -exp(A_log[h]) * softplus(z + dt_bias)
+    """
+    h, k = z.shape[-2:]
+    a = jnp.exp(a_log[:h].astype(jnp.float32))[:, None]  # [H, 1]; K3 pads A_log to 128 entries
+    x = z.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(h, k)
+    if cfg.kda_gate == "lower_bound":
+        return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a * x)
+    return -a * jax.nn.softplus(x)
+
+
+@backend.register("kda_recurrent", "reference")
+def kda_recurrent_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+    *, all_states: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token KDA.
+
+    Args:
+      q, k: [B, T, H, K] fp32, already L2-normalised (q also scaled by K^-1/2).
+      v: [B, T, H, V]; g: [B, T, H, K] log decay; beta: [B, T, H]; state: [B, H, V, K] fp32.
+      all_states: return the state after every token ([B, T, H, V, K]) instead of the last one.
+
+    Returns:
+      o: [B, T, H, V] fp32 and the final state [B, H, V, K] (or every state, see above).
+    """
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, b_t = inputs  # [B,H,K] [B,H,K] [B,H,V] [B,H,K] [B,H]
+        s = s * jnp.exp(g_t)[:, :, None, :]
+        err = v_t - jnp.einsum("bhvk,bhk->bhv", s, k_t)
+        s = s + jnp.einsum("bhv,bhk->bhvk", b_t[..., None] * err, k_t)
+        o_t = jnp.einsum("bhvk,bhk->bhv", s, q_t)
+        return s, (o_t, s) if all_states else (o_t, None)
+
+    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+    final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), tuple(map(f32, (q, k, v, g, beta))))
+    o = jnp.moveaxis(o, 0, 1)
+    return (o, jnp.moveaxis(states, 0, 1)) if all_states else (o, final)
+
+
+@backend.register("kda_chunked", "reference")
+def kda_chunked_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+    *, chunk_size: int = CHUNK_SIZE,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked KDA (WY/UT form), same arguments and results as `kda_recurrent_reference`.
+
+    Within a chunk, with G = cumsum(g) and S the state at the chunk start (V-first):
+      L[i,j] = beta_i sum_d k_i e^(G_i-G_j) k_j  (j < i);  A = (I + L)^-1 (unit lower triangular, fp32)
+      W = A diag(beta) (e^G * K);  U = A diag(beta) V;  V' = U - W S^T
+      O = (Q * e^G) S^T + Aqk V',   Aqk[i,j] = sum_d q_i e^(G_i-G_j) k_j  (j <= i)
+      S <- S * e^(G_C) + V'^T (e^(G_C - G) * K)
+    Pairwise decays are formed as exp(G_i - G_j) of masked differences, never e^G_i * e^-G_j, which
+    overflows fp32 for lower-bounded gates (G reaches -5 * 64).
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    n = -(-t // c)
+    pad = n * c - t
+
+    def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...] (zero padded: g = beta = 0 is a no-op token)
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, c, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    qc, kc, vc, gc, bc = map(chunks, (q, k, v, g, beta))
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    incl = jnp.tril(jnp.ones((c, c), bool))
+    eye = jnp.eye(c, dtype=jnp.float32)
+
+    def step(s, inputs):
+        q_c, k_c, v_c, g_c, b_c = inputs  # [B,H,C,K] x2, [B,H,C,V], [B,H,C,K], [B,H,C]
+        cum = jnp.cumsum(g_c, axis=2)
+        diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [B,H,C,C,K], G_i - G_j
+        decay_strict = jnp.exp(jnp.where(strict[:, :, None], diff, -jnp.inf))
+        decay_incl = jnp.exp(jnp.where(incl[:, :, None], diff, -jnp.inf))
+        lower = b_c[..., :, None] * jnp.einsum("bhik,bhjk,bhijk->bhij", k_c, k_c, decay_strict)
+        a = jax.scipy.linalg.solve_triangular(
+            eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True, unit_diagonal=True
+        )
+        t_mat = a * b_c[..., None, :]
+        w = t_mat @ (jnp.exp(cum) * k_c)
+        u = t_mat @ v_c
+        v_new = u - jnp.einsum("bhck,bhvk->bhcv", w, s)
+        a_qk = jnp.einsum("bhik,bhjk,bhijk->bhij", q_c, k_c, decay_incl)
+        o = jnp.einsum("bhck,bhvk->bhcv", q_c * jnp.exp(cum), s) + a_qk @ v_new
+        last = cum[:, :, -1, :]  # [B,H,K]
+        s = s * jnp.exp(last)[:, :, None, :] + jnp.einsum(
+            "bhcv,bhck->bhvk", v_new, jnp.exp(last[:, :, None, :] - cum) * k_c
+        )
+        return s, o
+
+    final, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
+    o = jnp.moveaxis(o, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, n * c, h, dv)[:, :t]
+    return o, final
+
+
+def kda_mixer(
+    params: dict,
+    x: jax.Array,
+    conv_state: jax.Array,
+    rec_state: jax.Array,
+    cfg: ModelConfig,
+    *,
+    lengths: jax.Array | None = None,
+    mode: str = "chunked",
+    all_states: bool = False,
+    backend_name: str = "reference",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One KDA attention block on pre-normed x [B, T, D].
+
+    Args:
+      conv_state: [B, W-1, 3*H*K] last inputs of the q|k|v short convs. rec_state: [B, H, V, K] fp32.
+      lengths: [B] valid tokens per row (None = all T); padding leaves both states unchanged.
+      mode: "chunked" (prefill) or "recurrent" (decode / verify) -- mathematically identical.
+      all_states: (recurrent only) return states after every token: conv [B, T, W-1, C] and
+        recurrent [B, T, H, V, K], so speculative verification can roll back by index.
+
+    Returns: (y [B, T, D], new_conv_state, new_rec_state).
+    """
+    b, t, _ = x.shape
+    h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+    qkv = jnp.concatenate([dense(x, params["q_proj"]), dense(x, params["k_proj"]), dense(x, params["v_proj"])], -1)
+    conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]
+    if all_states:
+        y, conv_states = _conv_all_states(qkv, conv_state, conv_w)
+    else:
+        y, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)
+    q, k, v = (y[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))
+    q = l2_normalize(q) * dk**-0.5
+    k = l2_normalize(k)
+    g = kda_gate(dense(dense(x, params["f_a"]), params["f_b"]).reshape(b, t, h, dk),
+                 params["A_log"], params["dt_bias"], cfg)
+    beta = jax.nn.sigmoid(dense(x, params["b_proj"]).astype(jnp.float32))  # [B, T, H]
+    if lengths is not None:
+        valid = jnp.arange(t)[None, :] < lengths[:, None]
+        g = jnp.where(valid[..., None, None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+    if mode == "chunked":
+        o, new_rec = backend.get("kda_chunked", backend_name)(q, k, v, g, beta, rec_state)
+    elif mode == "recurrent":
+        o, new_rec = backend.get("kda_recurrent", backend_name)(q, k, v, g, beta, rec_state, all_states=all_states)
+    else:
+        raise ValueError(f"unknown KDA mode {mode!r}")
+    if "g_proj" in params:
+        gate = dense(x, params["g_proj"])
+    else:
+        gate = dense(dense(x, params["g_a"]), params["g_b"])
+    o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, dk), params["o_norm"], cfg.rms_norm_eps)
+    out = dense(o.reshape(b, t, h * dk), params["o_proj"])
+    return out, (conv_states if all_states else new_conv), new_rec
+
+
+def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
+    """Short conv over all T tokens plus the conv state after every token: [B, T, W-1, C]."""
+    y, _ = causal_conv_with_state(qkv, conv_state, conv_w)
+    full = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, W-1+T, C]
+    w1 = conv_state.shape[1]
+    t = qkv.shape[1]
+    idx = jnp.arange(t)[:, None] + 1 + jnp.arange(w1)[None, :]  # state after token i: full[i+1 : i+W]
+    return y, full[:, idx, :].astype(conv_state.dtype)

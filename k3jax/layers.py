@@ -1,0 +1,89 @@
+"""Primitives shared by every K3 layer (k3-model.md §2). Pure functions over arrays.
+
+Dtype policy, following the public K3 code: activations stay in the parameter dtype between layers;
+norms, gates, the router and the recurrent state compute in float32 and cast back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Kimi RMSNorm: normalise in fp32, cast back to the input dtype, *then* multiply by the weight."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """fla FusedRMSNormGated(activation="sigmoid"): rmsnorm(x) * w * sigmoid(gate), all in fp32."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    out = normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return out.astype(x.dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(|x|^2 + eps) in fp32 (eps inside the sqrt, as fla's in-kernel l2norm)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def glu_activation(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """SiTU-GLU (K3) or SwiGLU (Kimi-Linear) of the gate and up projections, in the input dtype.
+
+    SiTU: [beta*tanh(gate/beta)*sigmoid(gate)] * [lb*tanh(up/lb)], computed in fp32 (K3 SituAndMul).
+    """
+    if cfg.hidden_act == "silu":
+        return jax.nn.silu(gate) * up
+    g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
+    act = cfg.situ_beta * jnp.tanh(g32 / cfg.situ_beta) * jax.nn.sigmoid(g32)
+    if cfg.situ_linear_beta is not None:
+        u32 = cfg.situ_linear_beta * jnp.tanh(u32 / cfg.situ_linear_beta)
+    return (act * u32).astype(gate.dtype)
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w with w stored [in, out]; fp32 accumulation, result in x's dtype."""
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def mlp(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gated MLP (dense layer-0 MLP and the shared experts): down(act(gate x, up x))."""
+    return dense(glu_activation(dense(x, params["gate"]), dense(x, params["up"]), cfg), params["down"])
+
+
+def causal_conv_with_state(
+    x: jax.Array, conv_state: jax.Array, weight: jax.Array, lengths: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal short conv + SiLU, continuing from a state of the previous W-1 inputs.
+
+    Args:
+      x: [B, T, C] new inputs (pre-conv projections).
+      conv_state: [B, W-1, C] the W-1 inputs before x (zeros for a fresh sequence).
+      weight: [W, C]; tap W-1 multiplies the current token.
+      lengths: [B] number of valid tokens of x per row (the rest is padding); None = all T.
+
+    Returns:
+      y: [B, T, C] SiLU(conv) in x's dtype (computed in fp32).
+      new_state: [B, W-1, C] the last W-1 *valid* inputs, for the next call.
+    """
+    b, t, c = x.shape
+    w = weight.shape[0]
+    full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    full32 = full.astype(jnp.float32)
+    w32 = weight.astype(jnp.float32)
+    acc = jnp.zeros((b, t, c), jnp.float32)
+    for i in range(w):
+        acc = acc + full32[:, i : i + t, :] * w32[i]
+    y = jax.nn.silu(acc).astype(x.dtype)
+    if lengths is None:
+        new_state = full[:, t:, :]
+    else:
+        idx = lengths[:, None] + jnp.arange(w - 1)[None, :]  # [B, W-1] positions in `full`
+        new_state = jnp.take_along_axis(full, idx[:, :, None], axis=1)
+    return y, new_state.astype(conv_state.dtype)

@@ -1,0 +1,150 @@
+"""Gated multi-head latent attention, NoPE (k3-model.md §4): naive and absorbed forms.
+
+Shapes: B batch, T query tokens, S key tokens, H heads, N = qk_nope dim, R = qk_rope dim (kept as a
+content channel, never rotated), Vd = v dim, C = kv_lora_rank. One cached token is the 576-wide latent
+[c (C, post-norm) | k_pe (R)], shared by all heads.
+
+Naive form (no cache, `forward`): expand c through kv_b into per-head k_nope / v, then causal softmax.
+Absorbed form (serving): q_hat_h = W_UK,h^T q_nope_h in latent space; scores against cached latents;
+o_h = W_UV,h (sum_s p_s c_s). Both scale by (N + R)^-1/2 and are equal in exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import backend
+from k3jax.config import ModelConfig
+from k3jax.layers import dense, rms_norm
+
+
+def project(params: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries and the latent to cache for pre-normed x [B, T, D].
+
+    Returns: q_nope [B, T, H, N], q_pe [B, T, H, R], latent [B, T, C + R] (= [c | k_pe]).
+    """
+    b, t, _ = x.shape
+    if cfg.q_lora_rank is not None:
+        q = dense(rms_norm(dense(x, params["q_a"]), params["q_a_norm"], cfg.mla_norm_eps), params["q_b"])
+    else:
+        q = dense(x, params["q_proj"])
+    q = q.reshape(b, t, cfg.mla_num_heads, cfg.mla_q_head_dim)
+    kv = dense(x, params["kv_a"])
+    c = rms_norm(kv[..., : cfg.kv_lora_rank], params["kv_a_norm"], cfg.mla_norm_eps)
+    latent = jnp.concatenate([c, kv[..., cfg.kv_lora_rank :]], axis=-1)
+    return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], latent
+
+
+def output(params: dict, attn: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Output gate (K3: attn * sigmoid(g_proj x)) and o_proj. attn: [B, T, H, Vd]."""
+    b, t = attn.shape[:2]
+    attn = attn.reshape(b, t, -1).astype(x.dtype)
+    if cfg.mla_output_gate:
+        attn = attn * jax.nn.sigmoid(dense(x, params["g_proj"]))
+    return dense(attn, params["o_proj"])
+
+
+def split_kv_b(params: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """kv_b [C, H*(N+Vd)] -> W_UK [C, H, N] and W_UV [C, H, Vd]."""
+    w = params["kv_b"].reshape(cfg.kv_lora_rank, cfg.mla_num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
+
+
+def naive_attention(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Causal MLA over x [B, T, D] alone (no cache), in the naive per-head form."""
+    q_nope, q_pe, latent = project(params, x, cfg)
+    c, k_pe = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
+    w_uk, w_uv = split_kv_b(params, cfg)
+    k_nope = jnp.einsum("bsc,chn->bshn", c, w_uk.astype(c.dtype), preferred_element_type=jnp.float32)
+    v = jnp.einsum("bsc,chv->bshv", c, w_uv.astype(c.dtype), preferred_element_type=jnp.float32)
+    k_nope, v = k_nope.astype(x.dtype), v.astype(x.dtype)
+    scores = (
+        jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+        + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)
+    ) * cfg.mla_q_head_dim**-0.5
+    t = x.shape[1]
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    attn = jnp.einsum("bhts,bshv->bthv", probs, v, preferred_element_type=jnp.float32)
+    return output(params, attn, x, cfg)
+
+
+@backend.register("mla_paged_attention", "reference")
+def paged_attention_reference(
+    q_latent: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    page_table: jax.Array,
+    query_positions: jax.Array,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+) -> jax.Array:
+    """Absorbed MLA over a paged latent cache (the cache already holds the new tokens).
+
+    Args:
+      q_latent: [B, T, H, C] absorbed queries (W_UK^T q_nope); q_pe: [B, T, H, R].
+      kv_pages: [P, page_size, C + R] the layer's page pool; page_table: [B, max_pages] page ids.
+      query_positions: [B, T] absolute position of each query; it sees keys at positions <= its own.
+      scale: softmax scale, (N + R)^-1/2.
+
+    Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
+    """
+    b, max_pages = page_table.shape
+    page_size = kv_pages.shape[1]
+    hist = kv_pages[page_table].reshape(b, max_pages * page_size, -1)  # [B, S, C+R]
+    c, k_pe = hist[..., :kv_lora_rank], hist[..., kv_lora_rank:]
+    scores = (
+        jnp.einsum("bthc,bsc->bhts", q_latent, c.astype(q_latent.dtype), preferred_element_type=jnp.float32)
+        + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe.astype(q_pe.dtype), preferred_element_type=jnp.float32)
+    ) * scale
+    visible = jnp.arange(max_pages * page_size)[None, None, :] <= query_positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhts,bsc->bthc", probs, c.astype(jnp.float32))
+
+
+def write_latents(
+    kv_pages: jax.Array, layer: int, latent: jax.Array, page_table: jax.Array, context_lens: jax.Array,
+    lengths: jax.Array,
+) -> jax.Array:
+    """Writes latent [B, T, C+R] at positions context_lens + t (t < lengths) into layer `layer` of the
+    stacked pool kv_pages [L_mla, P, page_size, C+R]; padding positions are dropped."""
+    num_pages, page_size = kv_pages.shape[1:3]
+    t = latent.shape[1]
+    pos = context_lens[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    page = jnp.take_along_axis(page_table, jnp.minimum(pos // page_size, page_table.shape[1] - 1), axis=1)
+    page = jnp.where(jnp.arange(t)[None, :] < lengths[:, None], page, num_pages)  # out of range -> dropped
+    return kv_pages.at[layer, page, pos % page_size].set(latent.astype(kv_pages.dtype), mode="drop")
+
+
+def paged_attention(
+    params: dict,
+    x: jax.Array,
+    kv_pages: jax.Array,
+    layer: int,
+    page_table: jax.Array,
+    context_lens: jax.Array,
+    lengths: jax.Array,
+    cfg: ModelConfig,
+    *,
+    backend_name: str = "reference",
+) -> tuple[jax.Array, jax.Array]:
+    """MLA for new tokens x [B, T, D] appended after context_lens [B] cached tokens.
+
+    Writes the new latents into layer `layer` of the stacked pool kv_pages [L_mla, P, page_size, C+R]
+    (updated in place under donation), then attends in the absorbed form to the whole history.
+    Returns (y [B, T, D], new kv_pages).
+    """
+    q_nope, q_pe, latent = project(params, x, cfg)
+    kv_pages = write_latents(kv_pages, layer, latent, page_table, context_lens, lengths)
+    w_uk, w_uv = split_kv_b(params, cfg)
+    q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=jnp.float32)
+    positions = context_lens[:, None] + jnp.arange(x.shape[1])[None, :]
+    o_latent = backend.get("mla_paged_attention", backend_name)(
+        q_latent.astype(x.dtype), q_pe, kv_pages[layer], page_table, positions,
+        kv_lora_rank=cfg.kv_lora_rank, scale=cfg.mla_q_head_dim**-0.5,
+    )
+    attn = jnp.einsum("bthc,chv->bthv", o_latent, w_uv.astype(jnp.float32))
+    return output(params, attn, x, cfg), kv_pages

@@ -1,0 +1,238 @@
+"""The K3 decoder stack and its entry points: `forward` (no cache) and the serving steps.
+
+Every step takes its caches and metadata as arguments and returns the new caches; nothing is global.
+
+    forward(params, cfg, tokens)                      int32 [B, T] -> float32 logits [B, T, V]
+    prefill(params, cfg, state, tokens, meta)         append T (ragged) tokens per row to the state
+    decode(params, cfg, state, tokens, meta)          one token per row
+    verify(params, cfg, state, tokens, meta)          k tokens per row; KDA states after every position
+    commit_verified(state, verified, slots, accepted) keep an accepted prefix of a verify
+
+Layer l (k3-model.md §6, K3 bookkeeping with B = attn_res_block_size decoder layers per block):
+
+    P = embed(ids); bank = []
+    for l: h = mix(bank + [P]) if bank else P
+           if l % B == 0: bank.append(P); P = None
+           P = P + Mixer_l(input_layernorm(h))           (P = Mixer_l(...) when P is None)
+           h = mix(bank + [P]); P = P + FFN_l(post_attention_layernorm(h))
+    logits = lm_head(norm(mix(bank + [P])))
+
+Without AttnRes (Kimi-Linear) the same loop is the usual pre-norm residual stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from k3jax import kda, mla
+from k3jax.attnres import attn_res_mix
+from k3jax.config import ModelConfig
+from k3jax.layers import rms_norm
+from k3jax.moe import ffn
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Per-request model state, pooled. KDA rows are indexed by slot, MLA latents by page.
+
+    kda:      [L_kda, num_slots, H, V, K] fp32 recurrent states (V-first)
+    conv:     [L_kda, num_slots, W-1, 3*H*K] last inputs of the q|k|v short convs
+    kv_pages: [L_mla, num_pages, page_size, C+R] cached MLA latents; a page is immutable once full
+    """
+
+    kda: jax.Array
+    conv: jax.Array
+    kv_pages: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.kv_pages.shape[2]
+
+
+@flax.struct.dataclass
+class StepMeta:
+    """Where each row of a step's batch lives in the state.
+
+    slots:        [B] int32 KDA/conv slot of each row (distinct within a step)
+    page_table:   [B, max_pages] int32 page ids of each row's history, in order
+    context_lens: [B] int32 tokens already cached for the row
+    lengths:      [B] int32 valid new tokens of the row in this step (the rest of T is padding;
+                  a row with 0 leaves its state unchanged)
+    """
+
+    slots: jax.Array
+    page_table: jax.Array
+    context_lens: jax.Array
+    lengths: jax.Array
+
+
+@flax.struct.dataclass
+class VerifiedStates:
+    """KDA states after every verified position: kda [L_kda, B, T, H, V, K], conv [L_kda, B, T, W-1, C]."""
+
+    kda: jax.Array
+    conv: jax.Array
+
+
+def init_state(cfg: ModelConfig, num_slots: int, num_pages: int, page_size: int, kv_dtype=None) -> DecodeState:
+    """A zeroed state pool: `num_slots` KDA slots and `num_pages` MLA pages of `page_size` tokens."""
+    act = jnp.dtype(cfg.dtype)
+    return DecodeState(
+        kda=jnp.zeros((cfg.num_kda_layers, num_slots, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+        conv=jnp.zeros((cfg.num_kda_layers, num_slots, cfg.kda_conv_kernel - 1, cfg.conv_channels), act),
+        kv_pages=jnp.zeros((cfg.num_mla_layers, num_pages, page_size, cfg.latent_cache_dim), kv_dtype or act),
+    )
+
+
+Mixer = Callable[[int, dict, jax.Array], jax.Array]
+
+
+def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_name: str) -> jax.Array:
+    """Runs all layers on embeddings h [B, T, D]; `mixer(layer, attn_params, x)` is the attention block.
+
+    Returns the final-normed hidden states [B, T, D].
+    """
+    block = cfg.attn_res_block_size
+    eps = cfg.rms_norm_eps
+    bank: list[jax.Array] = []
+    partial_sum: jax.Array | None = h
+    for l, lp in enumerate(params["layers"]):
+        if block is None:
+            h = h + mixer(l, lp["attn"], rms_norm(h, lp["input_layernorm"], eps))
+            h = h + ffn(lp["mlp"], rms_norm(h, lp["post_attention_layernorm"], eps), cfg, backend_name=backend_name)
+            continue
+        x = attn_res_mix(bank + [partial_sum], lp["self_attention_res_proj"], lp["self_attention_res_norm"], eps) if bank else partial_sum
+        if l % block == 0:
+            bank.append(partial_sum)
+            partial_sum = None
+        a = mixer(l, lp["attn"], rms_norm(x, lp["input_layernorm"], eps))
+        partial_sum = a if partial_sum is None else partial_sum + a
+        x = attn_res_mix(bank + [partial_sum], lp["mlp_res_proj"], lp["mlp_res_norm"], eps)
+        partial_sum = partial_sum + ffn(lp["mlp"], rms_norm(x, lp["post_attention_layernorm"], eps), cfg, backend_name=backend_name)
+    if block is not None:
+        h = attn_res_mix(bank + [partial_sum], params["output_attn_res_proj"], params["output_attn_res_norm"], eps)
+    return rms_norm(h, params["norm"], eps)
+
+
+def embed(params: dict, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens]
+
+
+def lm_head(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """float32 logits of hidden states h [..., D]."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def _check_tokens(tokens: jax.Array, ndim: int, what: str) -> None:
+    if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{what}: expected integer tokens of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
+
+
+@partial(jax.jit, static_argnames=("cfg", "backend_name"))
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, backend_name: str = "reference") -> jax.Array:
+    """Logits float32 [B, T, V] for tokens int32 [B, T], with no cache (naive MLA, chunked KDA)."""
+    _check_tokens(tokens, 2, "forward")
+    b = tokens.shape[0]
+    act = jnp.dtype(cfg.dtype)
+
+    def mixer(l, p, x):
+        if cfg.is_mla(l):
+            return mla.naive_attention(p, x, cfg)
+        conv0 = jnp.zeros((b, cfg.kda_conv_kernel - 1, cfg.conv_channels), act)
+        rec0 = jnp.zeros((b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32)
+        return kda.kda_mixer(p, x, conv0, rec0, cfg, mode="chunked", backend_name=backend_name)[0]
+
+    return lm_head(params, cfg, decoder(params, cfg, embed(params, tokens), mixer, backend_name))
+
+
+def _step(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mode: str, all_states: bool, backend_name: str):
+    """Shared body of prefill / decode / verify: returns (hidden [B, T, D], new state, verified states)."""
+    caches = {"kda": state.kda, "conv": state.conv, "kv_pages": state.kv_pages}
+    verified_kda, verified_conv = [], []
+
+    def mixer(l, p, x):
+        j = cfg.mixer_slot[l]
+        if cfg.is_mla(l):
+            y, caches["kv_pages"] = mla.paged_attention(
+                p, x, caches["kv_pages"], j, meta.page_table, meta.context_lens, meta.lengths, cfg,
+                backend_name=backend_name,
+            )
+            return y
+        conv, rec = caches["conv"][j][meta.slots], caches["kda"][j][meta.slots]
+        y, new_conv, new_rec = kda.kda_mixer(
+            p, x, conv, rec, cfg, lengths=meta.lengths, mode=kda_mode, all_states=all_states, backend_name=backend_name
+        )
+        if all_states:  # the pool keeps the pre-verify state until commit_verified picks a position
+            verified_conv.append(new_conv)
+            verified_kda.append(new_rec)
+        else:
+            caches["conv"] = caches["conv"].at[j, meta.slots].set(new_conv)
+            caches["kda"] = caches["kda"].at[j, meta.slots].set(new_rec)
+        return y
+
+    hidden = decoder(params, cfg, embed(params, tokens), mixer, backend_name)
+    new_state = DecodeState(**caches)
+    verified = None
+    if all_states:
+        stack = lambda xs, like: jnp.stack(xs) if xs else jnp.zeros((0, *tokens.shape, *like.shape[2:]), like.dtype)
+        verified = VerifiedStates(kda=stack(verified_kda, state.kda), conv=stack(verified_conv, state.conv))
+    return hidden, new_state, verified
+
+
+@partial(jax.jit, static_argnames=("cfg", "all_logits", "backend_name"), donate_argnames=("state",))
+def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
+            all_logits: bool = False, backend_name: str = "reference"):
+    """Appends tokens int32 [B, T] (row b's first meta.lengths[b] are real) to the state.
+
+    Uses chunked KDA. Pages covering positions context_lens .. context_lens + lengths - 1 must be in the
+    page table. Returns (logits, new state): logits float32 [B, V] at each row's last new token, or
+    [B, T, V] at every position with all_logits=True.
+    """
+    _check_tokens(tokens, 2, "prefill")
+    hidden, state, _ = _step(params, cfg, state, tokens, meta, kda_mode="chunked", all_states=False, backend_name=backend_name)
+    if not all_logits:
+        last = jnp.maximum(meta.lengths - 1, 0)
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return lm_head(params, cfg, hidden), state
+
+
+@partial(jax.jit, static_argnames=("cfg", "backend_name"), donate_argnames=("state",))
+def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
+           backend_name: str = "reference"):
+    """One token per row: tokens int32 [B] -> (logits float32 [B, V], new state). meta.lengths is 1 (or 0
+    for an idle row, which leaves its state unchanged)."""
+    _check_tokens(tokens, 1, "decode")
+    hidden, state, _ = _step(params, cfg, state, tokens[:, None], meta, kda_mode="recurrent", all_states=False, backend_name=backend_name)
+    return lm_head(params, cfg, hidden[:, 0]), state
+
+
+@partial(jax.jit, static_argnames=("cfg", "backend_name"), donate_argnames=("state",))
+def verify(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
+           backend_name: str = "reference"):
+    """Scores k tokens per row (tokens int32 [B, k]: the last accepted token, then k-1 drafts).
+
+    Writes all k latents to the MLA pages (positions past the accepted prefix are simply overwritten
+    later) but leaves the pooled KDA states untouched. Returns (logits float32 [B, k, V], new state,
+    VerifiedStates with the KDA state after every position) -- pass the latter to `commit_verified`.
+    """
+    _check_tokens(tokens, 2, "verify")
+    hidden, state, verified = _step(params, cfg, state, tokens, meta, kda_mode="recurrent", all_states=True, backend_name=backend_name)
+    return lm_head(params, cfg, hidden), state, verified
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def commit_verified(state: DecodeState, verified: VerifiedStates, slots: jax.Array, num_accepted: jax.Array) -> DecodeState:
+    """Keeps the first num_accepted[b] (>= 1) verified positions of each row: copies the KDA and conv
+    states after position num_accepted - 1 into the row's slot."""
+    rows = jnp.arange(slots.shape[0])
+    pick = jnp.clip(num_accepted - 1, 0, verified.kda.shape[2] - 1)
+    return state.replace(
+        kda=state.kda.at[:, slots].set(verified.kda[:, rows, pick]),
+        conv=state.conv.at[:, slots].set(verified.conv[:, rows, pick]),
+    )

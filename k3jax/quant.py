@@ -1,0 +1,69 @@
+"""MXFP4 weight-only quantisation (K3's routed experts, compressed-tensors `mxfp4-pack-quantized`).
+
+A weight [out, in] is stored as
+  packed [out, in/2] uint8: two E2M1 codes per byte, element 2j in the low nibble, 2j+1 in the high one;
+  scale  [out, in/32] uint8: one E8M0 exponent per 32 consecutive inputs,
+and w[o, i] = e2m1(code[o, i]) * 2^(scale[o, i // 32] - 127).
+E2M1 codes: bit 3 is the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GROUP_SIZE = 32
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def is_packed(w) -> bool:
+    return isinstance(w, dict) and "packed" in w
+
+
+def mxfp4_dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """packed [..., out, in/2] uint8, scale [..., out, in/32] uint8 -> weight [..., out, in] in dtype."""
+    if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
+        raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+    n_in = packed.shape[-1] * 2
+    if scale.shape[-1] * GROUP_SIZE != n_in or scale.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(f"MXFP4 scale shape {scale.shape} does not match packed shape {packed.shape}")
+    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], n_in)
+    values = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
+    exponent = scale.astype(jnp.float32) - 127.0
+    factors = jnp.repeat(jnp.exp2(exponent), GROUP_SIZE, axis=-1)
+    return (values * factors).astype(dtype)
+
+
+def mxfp4_quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Round-to-nearest MXFP4 of weight [..., out, in] (numpy): returns (packed, scale) uint8 arrays.
+
+    The group scale is the power of two that maps the group's max |w| to at most 6 (E2M1's largest value).
+    """
+    w = np.asarray(weight, np.float32)
+    if w.shape[-1] % GROUP_SIZE:
+        raise ValueError(f"input dim {w.shape[-1]} is not a multiple of {GROUP_SIZE}")
+    groups = w.reshape(*w.shape[:-1], -1, GROUP_SIZE)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127.0)
+    exp = np.clip(exp, -127, 127)
+    scaled = groups / np.exp2(exp)
+    magnitudes = E2M1_VALUES[:8]
+    idx = np.abs(np.abs(scaled)[..., None] - magnitudes).argmin(-1)
+    codes = (idx | np.where(scaled < 0, 8, 0)).astype(np.uint8).reshape(w.shape)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return packed, (exp[..., 0] + 127).astype(np.uint8)
+
+
+def dequantize_experts(experts: dict, dtype) -> dict:
+    """Expert weights as {"gate", "up": [E, in, out], "down": [E, in, out]}, dequantising MXFP4 entries.
+
+    Packed entries are in HF orientation ([E, out, in/2]) and are transposed here.
+    """
+    out = {}
+    for name, w in experts.items():
+        if is_packed(w):
+            out[name] = jnp.swapaxes(mxfp4_dequantize(w["packed"], w["scale"], dtype), -1, -2)
+        else:
+            out[name] = w
+    return out
