@@ -15,6 +15,9 @@ import numpy as np
 
 GROUP_SIZE = 32
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+# E8M0 scale s -> 2^(s - 127), exact (jnp.exp2 is approximate on XLA:CPU: 222 of the 256 powers are off by ulps);
+# 0xFF is NaN (OCP MX)
+E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.nan).astype(np.float32)
 
 
 def is_packed(w) -> bool:
@@ -30,8 +33,7 @@ def mxfp4_dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) ->
         raise ValueError(f"MXFP4 scale shape {scale.shape} does not match packed shape {packed.shape}")
     codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], n_in)
     values = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
-    exponent = scale.astype(jnp.float32) - 127.0
-    factors = jnp.repeat(jnp.exp2(exponent), GROUP_SIZE, axis=-1)
+    factors = jnp.repeat(jnp.asarray(E8M0_VALUES)[scale.astype(jnp.int32)], GROUP_SIZE, axis=-1)
     return (values * factors).astype(dtype)
 
 
