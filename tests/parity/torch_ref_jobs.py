@@ -192,6 +192,20 @@ def job_kimi_linear_model(arrays: dict, *, config: dict, seed: int, out_dir: str
     return out
 
 
+def job_kimi_linear_from_pretrained(arrays: dict, *, model_dir: str) -> dict:
+    """transformers' own loader on a directory written by someone else (k3jax.weights.save_pretrained):
+    logits of arrays["tokens"], plus what from_pretrained reported as missing / unexpected / mismatched."""
+    m = _kimi_linear()
+    model, info = m.KimiLinearForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True,
+                                                          attn_implementation="eager")
+    model.set_experts_implementation("eager")
+    model.eval()
+    problems = sorted(f"{kind}: {key}" for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                      for key in info.get(kind, ()))
+    logits = model(input_ids=_t(arrays["tokens"]).long(), use_cache=False).logits
+    return {"logits": _np(logits), "problems": np.array(json.dumps(problems))}
+
+
 # ==================================================================================================
 # 2. KDA, gates, AttnRes, SiTU, gated norm, router, MLA, KDA layer
 # ==================================================================================================
@@ -359,6 +373,175 @@ def job_kda_layer(arrays: dict, *, heads: int, head_dim: int, conv: int, eps: fl
     layer.conv1d.weight.copy_(_t(taps.T[:, None, :].copy()))
     layer.o_norm.weight.copy_(_t(arrays["o_norm"]))
     return {"y": _np(layer(x))}
+
+
+# ==================================================================================================
+# 3. a whole K3 model, assembled in torch from the public pieces
+# ==================================================================================================
+
+
+class _GatedMLA(torch.nn.Module):
+    """transformers KimiLinearAttention + K3's output gate: o_proj(attn * sigmoid(g_proj x))."""
+
+    def __init__(self, attn, g_proj):
+        super().__init__()
+        self.attn, self.g_proj = attn, g_proj
+
+    def forward(self, x, mask):
+        if self.g_proj is None:
+            return self.attn(x, attention_mask=mask)[0]
+        gate = torch.sigmoid(self.g_proj(x))
+        hook = self.attn.o_proj.register_forward_pre_hook(lambda mod, args: (args[0] * gate,))
+        try:
+            return self.attn(x, attention_mask=mask)[0]
+        finally:
+            hook.remove()
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    layer.weight.copy_(w)
+    return layer
+
+
+def _situ_mlp(x, w_gate, w_up, w_down, beta, linear_beta):
+    return F.linear(situ_and_mul(F.linear(x, w_gate), F.linear(x, w_up), beta, linear_beta).to(x.dtype), w_down)
+
+
+def job_k3_model(arrays: dict, *, model_dir: str) -> dict:
+    """Logits of arrays["tokens"] [B, T] for a K3 checkpoint directory (kimi_k3 config.json with a
+    kimi_linear text_config, `language_model.` tensor names, one safetensors file), computed by a K3 text
+    model assembled here from public parts, following the structure of K3's public modeling code
+    (KimiDecoderLayer._forward_attn_residual, KimiSparseMoeBlock, KimiMLAAttention, KimiDeltaAttention):
+
+    * KDA: transformers Glm5NextTextLinearAttention (lower-bound gate, torch chunk KDA), its low-rank output
+      gate replaced by K3's full-rank g_proj; A_log cut to the real heads (K3 pads it to 128).
+    * MLA: transformers KimiLinearAttention (NoPE, q_lora) with K3's sigmoid output gate (_GatedMLA).
+    * Router: transformers KimiLinearTopkRouter. Latent MoE (down -> SiTU experts, fp32 sum -> RMSNorm -> up)
+      plus full-width shared experts, SiTU-GLU from K3's SituAndMul formula.
+    * Block AttnRes: fla naive_attnres at every mix point with K3's layer-indexed bookkeeping; norms are
+      transformers KimiLinearRMSNorm (K3's KimiRMSNorm).
+    """
+    from safetensors.torch import load_file
+
+    kl, g5, attnres = _kimi_linear(), _glm5_next(), _fla_attnres_naive()
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3"
+    c = config["text_config"]
+    lac = c["linear_attn_config"]
+    w = {k.removeprefix("language_model."): v.float() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    d, n_layers, eps = c["hidden_size"], c["num_hidden_layers"], c["rms_norm_eps"]
+    mla_layers = {i - 1 for i in lac["full_attn_layers"]}
+    heads, head_dim = lac["num_heads"], lac["head_dim"]
+    beta, linear_beta = c.get("activation_situ_beta") or 1.0, c.get("activation_situ_linear_beta")
+    assert c["hidden_act"] == "situ" and lac["use_full_rank_gate"] and c.get("mla_use_output_gate")
+    block = c["attn_res_block_size"]
+
+    def norm(name, size, norm_eps=eps):
+        module = kl.KimiLinearRMSNorm(size, eps=norm_eps)
+        module.weight.copy_(w[name])
+        return module
+
+    kda_cfg = types.SimpleNamespace(hidden_size=d, linear_num_heads=heads, linear_head_dim=head_dim,
+                                    linear_conv_kernel_dim=lac["short_conv_kernel_size"], hidden_act="silu",
+                                    rms_norm_eps=eps, layer_types=["linear_attention"] * n_layers,
+                                    linear_lower_bound=lac["gate_lower_bound"])
+    mla_cfg = types.SimpleNamespace(attention_dropout=0.0, attention_bias=False, _attn_implementation="eager",
+                                    hidden_size=d, num_attention_heads=c["num_attention_heads"],
+                                    num_key_value_heads=c["num_attention_heads"], q_lora_rank=c["q_lora_rank"],
+                                    kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+                                    qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"])
+    router_cfg = types.SimpleNamespace(num_experts_per_tok=c["num_experts_per_token"], num_local_experts=c["num_experts"],
+                                       hidden_size=d, routed_scaling_factor=c["routed_scaling_factor"],
+                                       n_group=c["num_expert_group"], topk_group=c["topk_group"],
+                                       norm_topk_prob=c["moe_renormalize"])
+    assert c["num_experts_per_token"] > 1  # K3 renormalises only for top_k > 1; transformers' router always does
+
+    def kda_layer(l):
+        a = f"model.layers.{l}.self_attn."
+        layer = g5.Glm5NextTextLinearAttention(kda_cfg, l)
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj"):
+            getattr(layer, name).weight.copy_(w[a + name + ".weight"])
+        layer.conv1d.weight.copy_(torch.cat([w[a + f"{x}_conv1d.weight"] for x in "qkv"], 0))
+        layer.forget_gate.f_a_proj.weight.copy_(w[a + "f_a_proj.weight"])
+        layer.forget_gate.f_b_proj.weight.copy_(w[a + "f_b_proj.weight"])
+        layer.forget_gate.dt_bias.copy_(w[a + "dt_bias"])
+        layer.forget_gate.A_log.copy_(w[a + "A_log"][:heads])
+        layer.g_a_proj, layer.g_b_proj = torch.nn.Identity(), _linear(w[a + "g_proj.weight"])
+        layer.o_norm.weight.copy_(w[a + "o_norm.weight"])
+        return lambda x, mask: layer(x)
+
+    def mla_layer(l):
+        a = f"model.layers.{l}.self_attn."
+        attn = kl.KimiLinearAttention(mla_cfg, l).eval()
+        attn.q_a_proj.weight.copy_(w[a + "q_a_proj.weight"])
+        attn.q_a_layernorm.weight.copy_(w[a + "q_a_layernorm.weight"])
+        attn.q_b_proj.weight.copy_(w[a + "q_b_proj.weight"])
+        for name in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            getattr(attn, name).weight.copy_(w[a + name + ".weight"])
+        attn.kv_a_layernorm.weight.copy_(w[a + "kv_a_layernorm.weight"])
+        return _GatedMLA(attn, _linear(w[a + "g_proj.weight"]))
+
+    def ffn(l):
+        m = f"model.layers.{l}.block_sparse_moe."
+        if l < c["first_k_dense_replace"] or l % c["moe_layer_freq"]:
+            p = f"model.layers.{l}.mlp."
+            return lambda x: _situ_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"],
+                                       beta, linear_beta)
+        router = kl.KimiLinearTopkRouter(router_cfg)
+        router.weight.copy_(w[m + "gate.weight"])
+        router.e_score_correction_bias.copy_(w[m + "gate.e_score_correction_bias"])
+        latent_norm = norm(m + "routed_expert_norm.weight", c["routed_expert_hidden_size"])
+        experts = [tuple(w[f"{m}experts.{e}.{x}.weight"] for x in ("w1", "w3", "w2")) for e in range(c["num_experts"])]
+
+        def moe(x):
+            shape = x.shape
+            flat = x.reshape(-1, d)
+            _, weights, ids = router(flat)
+            z = F.linear(flat, w[m + "routed_expert_down_proj.weight"])
+            y = torch.zeros_like(z, dtype=torch.float32)
+            for e, (w1, w3, w2) in enumerate(experts):
+                tok, slot = torch.where(ids == e)
+                if len(tok):
+                    y.index_add_(0, tok, _situ_mlp(z[tok], w1, w3, w2, beta, linear_beta).float() * weights[tok, slot, None])
+            y = F.linear(latent_norm(y.to(x.dtype)), w[m + "routed_expert_up_proj.weight"])
+            shared = _situ_mlp(flat, *(w[f"{m}shared_experts.{x}_proj.weight"] for x in ("gate", "up", "down")), beta, linear_beta)
+            return (y + shared).reshape(shape)
+
+        return moe
+
+    layers = []
+    for l in range(n_layers):
+        p = f"model.layers.{l}."
+        layers.append(dict(
+            mixer=mla_layer(l) if l in mla_layers else kda_layer(l), ffn=ffn(l),
+            input_norm=norm(p + "input_layernorm.weight", d), post_norm=norm(p + "post_attention_layernorm.weight", d),
+            attn_res=(w[p + "self_attention_res_proj.weight"], w[p + "self_attention_res_norm.weight"]),
+            mlp_res=(w[p + "mlp_res_proj.weight"], w[p + "mlp_res_norm.weight"]),
+        ))
+
+    def mix(bank, partial, res):
+        proj, gain = res
+        return attnres.naive_attnres(proj, [*bank, partial], gain, rms_eps=eps, scale=1.0)
+
+    tokens = _t(arrays["tokens"]).long()
+    t = tokens.shape[1]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    prefix_sum = F.embedding(tokens, w["model.embed_tokens.weight"])
+    bank = []
+    for l, layer in enumerate(layers):  # KimiDecoderLayer._forward_attn_residual
+        hidden = mix(bank, prefix_sum, layer["attn_res"]) if bank else prefix_sum
+        if l % block == 0:
+            bank.append(prefix_sum)
+            prefix_sum = None
+        a = layer["mixer"](layer["input_norm"](hidden), mask)
+        prefix_sum = a if prefix_sum is None else prefix_sum + a
+        hidden = mix(bank, prefix_sum, layer["mlp_res"])
+        prefix_sum = prefix_sum + layer["ffn"](layer["post_norm"](hidden))
+    hidden = mix(bank, prefix_sum, (w["model.output_attn_res_proj.weight"], w["model.output_attn_res_norm.weight"]))
+    hidden = norm("model.norm.weight", d)(hidden)
+    return {"logits": _np(F.linear(hidden, w["lm_head.weight"])), "bank_size": np.array(len(bank))}
 
 
 # ==================================================================================================
