@@ -120,6 +120,9 @@ class _Style:
     moe: str  # "block_sparse_moe." (hub) or "mlp." (transformers runtime names)
     fused_kda: bool  # transformers runtime KDA names (forget_gate.*, fused conv1d)
     experts: str  # "dense" (w1/w3/w2.weight), "mxfp4" (weight_packed/scale), "fused" (gate_up_proj/down_proj)
+    # transformers 5.x save_pretrained reverts its block_sparse_moe -> mlp rename on *every* `.mlp.`
+    # tensor, so its files name the dense layer-0 MLP `block_sparse_moe.{gate,up,down}_proj`
+    dense_mlp: str = "mlp."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +153,8 @@ def _detect_style(names: set[str]) -> _Style:
         experts = "mxfp4"
     else:
         experts = "dense"
-    return _Style(prefix, head, moe, fused_kda, experts)
+    dense_mlp = "block_sparse_moe." if any(n.endswith(".block_sparse_moe.gate_proj.weight") for n in names) else "mlp."
+    return _Style(prefix, head, moe, fused_kda, experts, dense_mlp)
 
 
 def _hf_entries(cfg: ModelConfig, st: _Style) -> dict[str, _Entry]:
@@ -215,7 +219,7 @@ def _hf_entries(cfg: ModelConfig, st: _Style) -> dict[str, _Entry]:
         mlp = ("layers", l, "mlp")
         if not cfg.is_moe(l):
             for ours in ("gate", "up", "down"):
-                add(L + f"mlp.{ours}_proj.weight", "linear", *mlp, ours)
+                add(L + f"{st.dense_mlp}{ours}_proj.weight", "linear", *mlp, ours)
             continue
         M = L + st.moe
         add(M + "gate.weight", "linear", *mlp, "router")

@@ -162,14 +162,16 @@ def test_hub_layout_names_load_to_the_same_params(reference, loaded, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "transformers 5.24.0 KimiLinearForCausalLM.save_pretrained (default save_original_format=True) reverts its "
-    "'.block_sparse_moe.' -> '.mlp.' rename on *every* '.mlp.' tensor, so the dense layer-0 MLP is written as "
-    "model.layers.0.block_sparse_moe.{gate,up,down}_proj.weight (transformers reads that back); "
-    "k3jax.weights.load_pretrained only accepts mlp.{gate,up,down}_proj for dense layers and rejects the directory"))
-def test_default_transformers_save_loads(reference):
+def test_default_transformers_save_loads(reference, loaded):
+    """transformers 5.24.0's default save_pretrained reverts its '.block_sparse_moe.' -> '.mlp.' rename on
+    every '.mlp.' tensor, so the dense layer-0 MLP is written as block_sparse_moe.{gate,up,down}_proj;
+    load_pretrained accepts that spelling and yields the same parameters."""
     out_dir, _, _ = reference
-    k3jax.load_pretrained(out_dir / "default", dtype="float32")
+    cfg_default, params_default = k3jax.load_pretrained(out_dir / "default", dtype="float32")
+    cfg, params = loaded
+    assert cfg_default.replace(name=cfg.name) == cfg
+    for a, b in zip(jax.tree.leaves(params_default), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("layout", ["transformers", "kimi_linear"])
