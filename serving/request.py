@@ -165,8 +165,11 @@ class Request:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     hit: Any = None
-    checkpoint_slot: int | None = None
-    checkpoint_len: int = 0
+    # KDA checkpoints as (computed length, slot): at most two -- the prompt's last page boundary and
+    # the latest page boundary reached while decoding (overwritten as decoding moves on)
+    checkpoints: list = field(default_factory=list)
+    prompt_boundary: int = 0
+    num_preemptions: int = 0
 
     def __post_init__(self):
         self.prompt_ids = tuple(self.prompt_ids)

@@ -1,0 +1,56 @@
+"""Engine configuration: one frozen dataclass; CLI defaults are read from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one worker serves a model. Sizes in pages/slots; `None` means "size from free memory"."""
+
+    model: str = "k3-tiny"
+    weights: str | None = None  # orbax checkpoint or HF directory; None = random init (seed)
+    seed: int = 0
+    backend: str = "reference"
+    page_size: int = 16
+    num_pages: int | None = None
+    num_slots: int | None = None  # KDA rows: running requests + checkpoints
+    max_running: int = 64  # decode batch limit
+    max_prefill_tokens: int = 512  # token budget of the prefill part of one step
+    max_model_len: int = 4096
+    cache_memory_fraction: float = 0.5  # of free device memory, when sizing pools automatically
+    preemption: str = "recompute"  # "recompute" (drop and redo) or "swap" (pages to host)
+    prefix_cache: bool = True
+    host_cache_gb: float = 0.0  # host L2 tier for evicted pages + checkpoints; 0 = off
+    session_ttl_s: float = 600.0  # a waiting agent session counts as stale after this
+    bucket_growth: int = 2  # shape buckets (rows, tokens, pages) grow by this factor; larger = fewer compiles
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("page_size", "max_running", "max_prefill_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        for name in ("num_pages", "num_slots"):
+            if getattr(self, name) is not None and getattr(self, name) < 2:
+                problems.append(f"{name} must be >= 2 or None")
+        if self.bucket_growth < 2:
+            problems.append("bucket_growth must be >= 2")
+        if self.preemption not in ("recompute", "swap"):
+            problems.append(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        if not 0 < self.cache_memory_fraction <= 0.95:
+            problems.append("cache_memory_fraction must be in (0, 0.95]")
+        if self.host_cache_gb < 0:
+            problems.append("host_cache_gb must be >= 0")
+        if self.max_prefill_tokens < self.page_size:
+            problems.append("max_prefill_tokens must be at least one page")
+        if problems:
+            raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return -(-self.max_model_len // self.page_size)

@@ -1,0 +1,123 @@
+"""Per-request cache memory: pages, a KDA slot, a checkpoint slot, and the prefix cache around them.
+
+Lifecycle of a request's memory (all host-side bookkeeping; device copies go through the runner):
+
+    admit      prefix-cache match -> lock the hit's pages + checkpoint; take a slot; restore the
+               checkpoint into the slot; the request starts with num_cached_tokens = hit length
+    grow       pages for the tokens about to be computed (evicting cache-only pages if needed)
+    checkpoint after a step whose computed length is a page multiple: copy slot -> checkpoint slot
+    release    finished (or preempted by recompute): full pages up to the checkpoint go into the prefix
+               cache with the checkpoint; everything else is unlocked / freed
+
+Invariant: a request's pages[i] holds tokens [i*ps, (i+1)*ps); shared (prefix-hit) pages are full and
+never written again, because a request only writes at positions >= num_cached_tokens.
+"""
+
+from __future__ import annotations
+
+from serving.cache.page_allocator import OutOfPages, PageAllocator, SlotPool
+from serving.cache.prefix_cache import PrefixCache, PrefixHit
+from serving.request import Request
+from serving.runner import ModelRunner
+
+
+class KVManager:
+    def __init__(self, runner: ModelRunner, page_size: int, use_prefix_cache: bool = True, on_evict=None):
+        self.runner, self.page_size, self.use_prefix_cache = runner, page_size, use_prefix_cache
+        self.pages = PageAllocator(runner.num_pages)
+        self.slots = SlotPool(runner.num_slots)
+        self.prefix = PrefixCache(page_size, self.pages, self.slots, on_evict=on_evict)
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # --- admission --------------------------------------------------------------------------
+    def can_admit(self) -> bool:
+        return self.slots.num_free > 0 or self._evict(0, 1)
+
+    def admit(self, req: Request) -> None:
+        """Gives req a slot and restores its longest cached prefix (raises OutOfPages if no slot)."""
+        if self.slots.num_free == 0 and not self._evict(0, 1):
+            raise OutOfPages("no free KDA slot")
+        [req.slot] = self.slots.allocate(1)
+        req.pages, req.checkpoints, req.hit = [], [], None
+        tokens = req.all_ids
+        self.query_tokens += len(tokens)
+        if self.use_prefix_cache:
+            hit = self.prefix.match(tokens)
+            if hit.num_tokens:
+                self.prefix.lock(hit)
+                req.hit = hit
+                req.pages = list(hit.pages)
+                self.runner.copy_slots([hit.checkpoint_slot], [req.slot])
+                self.hit_tokens += hit.num_tokens
+        req.num_cached_tokens = req.hit.num_tokens if req.hit else 0
+        req.num_computed_tokens = req.num_cached_tokens
+        # where the prompt's KDA state gets checkpointed: its last page boundary before the final token
+        # (a later request with the same prompt can then resume there and compute only the tail)
+        req.prompt_boundary = (req.num_tokens - 1) // self.page_size * self.page_size
+
+    # --- growth -----------------------------------------------------------------------------
+    def ensure_pages(self, req: Request, num_tokens: int) -> bool:
+        """Makes req's pages cover `num_tokens` tokens; False if memory is short even after eviction."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.pages.num_free < need and not self._evict(need, 0):
+            return False
+        req.pages.extend(self.pages.allocate(need))
+        return True
+
+    def _evict(self, pages: int, slots: int) -> bool:
+        if not self.use_prefix_cache:
+            return self.pages.num_free >= pages and self.slots.num_free >= slots
+        self.prefix.evict(max(0, pages - self.pages.num_free), max(0, slots - self.slots.num_free))
+        return self.pages.num_free >= pages and self.slots.num_free >= slots
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def maybe_checkpoint(self, req: Request) -> None:
+        """After a step: if req's computed length sits on a page boundary, snapshot its KDA state.
+
+        A request keeps at most two checkpoints: the one at its prompt boundary, and a rolling one at
+        the latest boundary reached while decoding (its slot is overwritten as decoding moves on).
+        """
+        n = req.num_computed_tokens
+        if not self.use_prefix_cache or n == 0 or n % self.page_size:
+            return
+        if req.checkpoints and req.checkpoints[-1][0] == n:
+            return
+        rolling = req.checkpoints and req.checkpoints[-1][0] != req.prompt_boundary
+        if rolling:
+            slot = req.checkpoints.pop()[1]
+        elif self.slots.num_free or self._evict(0, 1):
+            [slot] = self.slots.allocate(1)
+        else:
+            return  # memory is short: skip this checkpoint, the request still runs
+        self.runner.copy_slots([req.slot], [slot])
+        req.checkpoints.append((n, slot))
+
+    # --- release ----------------------------------------------------------------------------
+    def release(self, req: Request, cache: bool = True) -> None:
+        """Frees req's slot and pages; with `cache`, first publishes its checkpointed prefixes."""
+        if cache and self.use_prefix_cache:
+            for length, slot in sorted(req.checkpoints):
+                n_pages = length // self.page_size
+                self.prefix.insert(req.all_ids[:length], req.pages[:n_pages], slot, session=req.session)
+        self.slots.decref([slot for _, slot in req.checkpoints] + [req.slot])
+        if req.hit is not None:
+            self.prefix.unlock(req.hit)
+            own = req.pages[len(req.hit.pages):]
+        else:
+            own = req.pages
+        self.pages.decref(own)
+        req.pages, req.slot, req.checkpoints, req.hit = [], None, [], None
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        self.slots.check_integrity()
+        self.prefix.check_integrity()
+
+    def usage(self) -> float:
+        return self.pages.num_used / max(1, self.runner.num_pages)
+
+
+__all__ = ["KVManager", "OutOfPages", "PrefixHit"]

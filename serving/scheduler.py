@@ -1,0 +1,123 @@
+"""Scheduling policy (colocated mode), stated in one place:
+
+1. Decode first: every running request whose prompt is fully computed decodes one token, up to
+   `max_running` rows. Each needs room for one more token; if pages run out even after evicting
+   cache-only pages, the most recently admitted running request is preempted (recompute: its full
+   pages are published to the prefix cache and it returns to the front of the queue, so it usually
+   resumes from a prefix hit).
+2. Then prefill under a token budget (`max_prefill_tokens` per step): first the unfinished chunks of
+   requests already admitted (oldest first), then new requests in arrival order while the budget, a
+   slot and a running place remain. A chunk that does not finish its prompt ends on a page boundary,
+   so the KDA state there can be checkpointed for the prefix cache.
+Decode and prefill of one step run back to back on the same state; neither starves the other.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.config import EngineConfig
+from serving.kv_manager import KVManager
+from serving.request import Request, RequestStatus
+
+
+@dataclass
+class StepPlan:
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, prompt tokens to compute)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, ecfg: EngineConfig, kv: KVManager):
+        self.ecfg, self.kv = ecfg, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        self.kv.release(victim, cache=True)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim)
+        if victim in plan.decode:
+            plan.decode.remove(victim)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        ps = self.ecfg.page_size
+        # 1. decode
+        for req in list(self.running):
+            if req not in self.running or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            while not self.kv.ensure_pages(req, req.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is req:
+                    break
+            else:
+                plan.decode.append(req)
+        # 2. prefill: continue admitted requests, then admit new ones
+        budget = self.ecfg.max_prefill_tokens
+        for req in self.running:
+            if budget <= 0:
+                break
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining > 1:
+                n = self._chunk(req, remaining, budget, ps)
+                if n:
+                    plan.prefill.append((req, n))
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_running:
+            req = self.waiting[0]
+            if not self.kv.can_admit():
+                break
+            self.waiting.popleft()
+            self.kv.admit(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget, ps)
+            if n == 0:  # no pages even for one chunk: put it back and stop admitting
+                self.running.remove(req)
+                self.kv.release(req, cache=False)
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+                break
+            plan.prefill.append((req, n))
+            budget -= n
+        return plan
+
+    def _chunk(self, req: Request, remaining: int, budget: int, ps: int) -> int:
+        """How many of req's `remaining` uncomputed tokens to prefill now (0 if pages are short).
+
+        A chunk that reaches the last token yields the logits of the next one; a shorter chunk ends on a
+        page boundary when it can, so the KDA state there can be checkpointed."""
+        start = req.num_computed_tokens
+        n = min(remaining, budget)
+        if n < remaining:  # a partial chunk ends on a page boundary (checkpointable)
+            end = (start + n) // ps * ps
+            n = end - start if end > start else n
+        if self.ecfg.prefix_cache and start < req.prompt_boundary < start + n:
+            n = req.prompt_boundary - start  # stop at the prompt boundary to checkpoint it
+        if not self.kv.ensure_pages(req, req.num_computed_tokens + n):
+            return 0
+        return n

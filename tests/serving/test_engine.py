@@ -1,0 +1,146 @@
+"""Engine behaviour on k3-tiny (CPU): greedy equivalences, prefix-cache reuse across turns, a random
+workload with aborts and preemptions, and input validation.
+
+Run: python -m pytest tests/serving/test_engine.py -q
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax
+from serving.config import EngineConfig
+from serving.engine import Engine
+from serving.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = k3jax.load_config("k3-tiny")
+    return cfg, k3jax.init_params(cfg, jax.random.key(0))
+
+
+def make_engine(model, **kw):
+    cfg, params = model
+    opts = dict(page_size=4, num_pages=96, num_slots=24, max_running=4, max_prefill_tokens=32, max_model_len=128,
+                bucket_growth=64)  # few shape buckets: each costs a CPU compile
+    opts.update(kw)
+    return Engine(EngineConfig(**opts), cfg=cfg, params=params)
+
+
+def argmax_chain(model, prompt, n):
+    """Greedy continuation computed independently with the cache-free forward pass (right-padded to a
+    fixed length: causal, so the padding cannot affect earlier positions, and one compile serves all)."""
+    cfg, params = model
+    ids = list(prompt)
+    for _ in range(n):
+        padded = np.full((1, 64), cfg.pad_token_id, np.int32)
+        padded[0, : len(ids)] = ids
+        logits = k3jax.forward(params, cfg, jnp.asarray(padded))
+        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+    return ids[len(prompt):]
+
+
+def prompts(seed, n, lo=3, hi=30, vocab=256):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def test_greedy_matches_forward_argmax(model):
+    engine = make_engine(model)
+    ps = prompts(0, 3)
+    outs = engine.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o == argmax_chain(model, p, 6)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("budget", [4, 12])
+def test_chunked_prefill_budgets_and_cache_do_not_change_greedy_outputs(model, budget):
+    ps = prompts(1, 5)
+    base = make_engine(model, prefix_cache=False, max_prefill_tokens=64).generate(ps, GREEDY)
+    engine = make_engine(model, max_prefill_tokens=budget)
+    assert engine.generate(ps, GREEDY) == base
+    # the same prompts again: now served from the prefix cache, still the same tokens
+    assert engine.generate(ps, GREEDY) == base
+    assert engine.stats()["prefix_hit_tokens"] > 0
+    engine.check_integrity()
+
+
+def test_multi_turn_session_reuses_history(model):
+    engine = make_engine(model, max_prefill_tokens=64)
+    history = prompts(2, 1, 40, 41)[0]
+    for turn in range(3):
+        before = engine.kv.hit_tokens
+        [out] = engine.generate([history], SamplingParams(max_tokens=9, ignore_eos=True), sessions=["agent-1"])
+        hit = engine.kv.hit_tokens - before
+        if turn >= 1:
+            # everything up to the last full page of the previous turn's (prompt + output) is cached
+            assert hit >= 0.9 * len(history) - engine.ecfg.page_size, (turn, hit, len(history))
+        history = history + out + prompts(10 + turn, 1, 5, 6)[0]
+    engine.check_integrity()
+
+
+def test_preemption_keeps_greedy_outputs(model):
+    ps = prompts(3, 4, 20, 30)
+    base = make_engine(model).generate(ps, SamplingParams(max_tokens=12, ignore_eos=True))
+    tight = make_engine(model, num_pages=34, max_running=4)  # 4 requests x ~10 pages do not fit at once
+    assert tight.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True)) == base
+    assert tight.counters["preemptions"] > 0
+    tight.check_integrity()
+
+
+def test_random_workload_with_aborts_ends_clean(model):
+    rng = np.random.default_rng(4)
+    engine = make_engine(model, num_pages=40, max_running=4)
+    live = []
+    for step in range(120):
+        if rng.random() < 0.3 and len(live) < 10:
+            p = rng.integers(0, 256, rng.integers(2, 40)).tolist()
+            sp = SamplingParams(max_tokens=int(rng.integers(1, 10)), temperature=float(rng.choice([0, 0.8])),
+                                seed=int(rng.integers(1 << 30)), ignore_eos=bool(rng.random() < 0.5))
+            live.append(engine.add_request(p, sp, session=f"s{rng.integers(3)}"))
+        if rng.random() < 0.1 and live:
+            engine.abort(live[rng.integers(len(live))])
+        engine.step()
+        engine.check_integrity()
+        live = [r for r in live if not engine.requests[r].is_finished]
+    for r in live:
+        engine.abort(r)
+    assert not engine.scheduler.has_work
+    engine.kv.prefix.clear()
+    engine.check_integrity()
+    assert engine.kv.pages.num_used == 0 and engine.kv.slots.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "prompt,sampling",
+    [
+        ([], SamplingParams()),
+        ([1, 2, 10_000], SamplingParams()),
+        ([1, -1], SamplingParams()),
+        (list(range(120)), SamplingParams(max_tokens=20)),  # over max_model_len 128
+    ],
+)
+def test_bad_requests_raise_and_engine_keeps_serving(model, prompt, sampling):
+    engine = make_engine(model)
+    with pytest.raises(ValueError):
+        engine.add_request(prompt, sampling)
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    engine.check_integrity()
+
+
+def test_bad_sampling_params_raise():
+    for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=-1), dict(temperature=-0.1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_stream_yields_the_generate_tokens(model):
+    engine = make_engine(model)
+    p = prompts(5, 1)[0]
+    streamed = [t for chunk in engine.stream(p, GREEDY) for t in chunk]
+    assert streamed == argmax_chain(model, p, 6)
