@@ -23,9 +23,17 @@ import numpy as np
 
 import k3jax
 from k3jax.sampling import SamplingTensors, sample
+from serving.cache.host_tier import HostStore
 from serving.config import EngineConfig
 from serving.kv_manager import KVManager
-from serving.request import Request, RequestStatus, SamplingParams, check_stop, validate_prompt
+from serving.request import (
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StopStringMatcher,
+    check_stop,
+    validate_prompt,
+)
 from serving.runner import ModelRunner, Row, pool_sizes
 from serving.scheduler import Scheduler, StepPlan
 
@@ -41,8 +49,11 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, ecfg: EngineConfig | None = None, *, cfg=None, params=None):
+    def __init__(self, ecfg: EngineConfig | None = None, *, cfg=None, params=None, detokenize=None):
+        """`detokenize(ids) -> str` enables stop strings (the API layer passes its tokenizer's)."""
         self.ecfg = ecfg = ecfg or EngineConfig()
+        self.detokenize = detokenize
+        self.matchers: dict[str, StopStringMatcher] = {}
         self.cfg = cfg or k3jax.load_config(ecfg.model)
         if params is None:
             if ecfg.weights:
@@ -53,7 +64,8 @@ class Engine:
             raise ValueError(f"max_model_len {ecfg.max_model_len} exceeds the model's {self.cfg.max_position_embeddings}")
         num_pages, num_slots = pool_sizes(self.cfg, ecfg, jax.devices()[0])
         self.runner = ModelRunner(self.cfg, ecfg, params, num_pages, num_slots)
-        self.kv = KVManager(self.runner, ecfg.page_size, ecfg.prefix_cache)
+        store = HostStore(ecfg.host_cache_gb) if ecfg.host_cache_gb > 0 else None
+        self.kv = KVManager(self.runner, ecfg.page_size, ecfg.prefix_cache, store=store, session_ttl_s=ecfg.session_ttl_s)
         self.scheduler = Scheduler(ecfg, self.kv)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -67,9 +79,13 @@ class Engine:
         sampling = sampling or SamplingParams()
         sampling.validate(self.cfg.vocab_size)
         validate_prompt(prompt_ids, self.cfg.vocab_size, self.ecfg.max_model_len, sampling.max_tokens)
+        if sampling.stop and self.detokenize is None:
+            raise ValueError("stop strings need a tokenizer: this engine was built without detokenize")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if sampling.stop:
+            self.matchers[request_id] = StopStringMatcher(sampling.stop, self.detokenize)
         req = Request(request_id=request_id, prompt_ids=tuple(int(t) for t in prompt_ids), sampling=sampling,
                       session=session)
         self.requests[request_id] = req
@@ -85,6 +101,7 @@ class Engine:
         if req.status == RequestStatus.RUNNING:
             self.kv.release(req, cache=False)
         self.scheduler.remove(req)
+        self.matchers.pop(request_id, None)
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
         self.counters["aborted"] += 1
         return True
@@ -144,16 +161,17 @@ class Engine:
             req = self.requests[rid]
             req.output_ids.append(token)
             self.counters["generation_tokens"] += 1
-            reason = check_stop(req, self.cfg.eos_token_id)
+            reason = check_stop(req, self.cfg.eos_token_id, self.matchers.get(rid))
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(StepOutput(rid, [token], req.is_finished, req.finish_reason))
         return outputs
 
     def _finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.kv.release(req, cache=True)
         self.scheduler.remove(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        self.matchers.pop(req.request_id, None)
         req.finish_time = time.monotonic()
         self.counters["finished"] += 1
 
@@ -197,6 +215,8 @@ class Engine:
             "num_slots": self.runner.num_slots,
             "prefix_query_tokens": self.kv.query_tokens,
             "prefix_hit_tokens": self.kv.hit_tokens,
+            "prefix_hit_tokens_host": self.kv.store_hit_tokens,
+            "host_cache": self.kv.store.stats() if self.kv.store is not None else {},
             "prefix_cache": prefix,
             **self.counters,
         }

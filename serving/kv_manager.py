@@ -15,20 +15,81 @@ never written again, because a request only writes at positions >= num_cached_to
 
 from __future__ import annotations
 
+import numpy as np
+
+from serving.cache.hashing import prefix_hashes
 from serving.cache.page_allocator import OutOfPages, PageAllocator, SlotPool
-from serving.cache.prefix_cache import PrefixCache, PrefixHit
+from serving.cache.prefix_cache import CacheEntry, PrefixCache, PrefixHit
+from serving.cache.store import CacheStore, PageBlob
 from serving.request import Request
 from serving.runner import ModelRunner
 
 
 class KVManager:
-    def __init__(self, runner: ModelRunner, page_size: int, use_prefix_cache: bool = True, on_evict=None):
+    """Owns the allocators, the device prefix cache and (optionally) a lower store tier (host L2).
+
+    With a store, every page (and checkpoint) the device cache evicts is copied there first, and
+    admission extends a device hit with pages found in the store, copied back before the prefill.
+    """
+
+    def __init__(self, runner: ModelRunner, page_size: int, use_prefix_cache: bool = True,
+                 store: CacheStore | None = None, session_ttl_s: float = 600.0):
         self.runner, self.page_size, self.use_prefix_cache = runner, page_size, use_prefix_cache
+        self.store = store if use_prefix_cache else None
         self.pages = PageAllocator(runner.num_pages)
         self.slots = SlotPool(runner.num_slots)
-        self.prefix = PrefixCache(page_size, self.pages, self.slots, on_evict=on_evict)
-        self.hit_tokens = 0
+        self.prefix = PrefixCache(page_size, self.pages, self.slots, on_evict=self._offload if self.store is not None else None,
+                                  waiting_ttl_s=session_ttl_s)
+        self.hit_tokens = 0  # all tiers
+        self.store_hit_tokens = 0  # the part of hit_tokens that came back from the store
         self.query_tokens = 0
+
+    # --- the store tier ---------------------------------------------------------------------
+    def _offload(self, entry: CacheEntry, checkpoint_only: bool) -> None:
+        """Device cache eviction hook: copy the page (and its checkpoint, if any) to the store."""
+        latents = self.runner.read_pages([entry.page])[:, 0]
+        kda = conv = None
+        if entry.checkpoint_slot is not None:
+            kda, conv = self.runner.read_slot(entry.checkpoint_slot)
+        self.store.put(entry.hash, PageBlob(latents=latents, kda=kda, conv=conv))
+
+    def _restore_from_store(self, tokens, device_hit: PrefixHit, session) -> None:
+        """Copies the pages that extend `device_hit` from the store back to the device cache, up to the
+        deepest one with a checkpoint, so that the following `match` sees the longer hit."""
+        hashes = prefix_hashes(tokens[: (len(tokens) - 1) // self.page_size * self.page_size], self.page_size)
+        walk, blobs, target = [], {}, 0
+        for i, h in enumerate(hashes):
+            entry = self.prefix.entry(h)
+            if entry is not None:
+                walk.append(entry.page)
+                if entry.checkpoint_slot is not None:
+                    target = i + 1
+                continue
+            blob = self.store.get(h)
+            if blob is None:
+                break
+            walk.append(None)
+            blobs[i] = blob
+            if blob.has_checkpoint:
+                target = i + 1
+        if target * self.page_size <= device_hit.num_tokens:
+            return
+        missing = [i for i in range(target) if walk[i] is None]
+        need_slot = self.prefix.entry(hashes[target - 1]) is None or self.prefix.entry(hashes[target - 1]).checkpoint_slot is None
+        if not self._evict(len(missing), int(need_slot)) or any(self.prefix.entry(hashes[i]) is None for i in range(target) if walk[i] is not None):
+            return  # memory is short, or eviction removed part of the walk: serve the device hit only
+        new_pages = self.pages.allocate(len(missing))
+        for i, page in zip(missing, new_pages):
+            walk[i] = page
+        self.runner.write_pages(new_pages, np.stack([blobs[i].latents for i in missing], axis=1))
+        ckpt = None
+        if need_slot:
+            [ckpt] = self.slots.allocate(1)
+            self.runner.write_slot(ckpt, blobs[target - 1].kda, blobs[target - 1].conv)
+        self.prefix.insert(tokens[: target * self.page_size], walk[:target], ckpt, session=session)
+        self.pages.decref(new_pages)  # the cache holds them now
+        if ckpt is not None:
+            self.slots.decref([ckpt])
 
     # --- admission --------------------------------------------------------------------------
     def can_admit(self) -> bool:
@@ -43,7 +104,14 @@ class KVManager:
         tokens = req.all_ids
         self.query_tokens += len(tokens)
         if self.use_prefix_cache:
+            if req.session is not None:
+                self.prefix.set_session_state(req.session, "active")
             hit = self.prefix.match(tokens)
+            if self.store is not None:
+                self._restore_from_store(tokens, hit, req.session)
+                device_tokens = hit.num_tokens
+                hit = self.prefix.match(tokens)
+                self.store_hit_tokens += max(0, hit.num_tokens - device_tokens)
             if hit.num_tokens:
                 self.prefix.lock(hit)
                 req.hit = hit
@@ -102,6 +170,8 @@ class KVManager:
             for length, slot in sorted(req.checkpoints):
                 n_pages = length // self.page_size
                 self.prefix.insert(req.all_ids[:length], req.pages[:n_pages], slot, session=req.session)
+            if req.session is not None and req.is_finished:
+                self.prefix.set_session_state(req.session, "waiting")  # its next turn will want this
         self.slots.decref([slot for _, slot in req.checkpoints] + [req.slot])
         if req.hit is not None:
             self.prefix.unlock(req.hit)

@@ -84,6 +84,27 @@ def test_multi_turn_session_reuses_history(model):
     engine.check_integrity()
 
 
+def test_history_evicted_to_host_tier_comes_back(model):
+    """Turn 2 after the device cache was emptied: the history is restored from the host L2 tier, the hit
+    is attributed to it, and greedy outputs equal a cache-free engine's."""
+    engine = make_engine(model, host_cache_gb=0.01, max_prefill_tokens=64)
+    plain = make_engine(model, prefix_cache=False, max_prefill_tokens=64)
+    history = prompts(7, 1, 37, 38)[0]
+    sp = SamplingParams(max_tokens=7, ignore_eos=True)
+    [out] = engine.generate([history], sp, sessions=["agent-2"])
+    assert out == plain.generate([history], sp)[0]
+    engine.kv.prefix.evict(engine.kv.pages.size, engine.kv.slots.size)  # push everything to L2
+    assert len(engine.kv.prefix) == 0 and engine.kv.store.used_bytes > 0
+    turn2 = history + out + [9, 8, 7]
+    before = engine.kv.hit_tokens
+    [out2] = engine.generate([turn2], sp, sessions=["agent-2"])
+    hit = engine.kv.hit_tokens - before
+    assert hit >= 0.9 * len(turn2) - engine.ecfg.page_size
+    assert engine.kv.store_hit_tokens == hit
+    assert out2 == plain.generate([turn2], sp)[0]
+    engine.check_integrity()
+
+
 def test_preemption_keeps_greedy_outputs(model):
     ps = prompts(3, 4, 20, 30)
     base = make_engine(model).generate(ps, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -144,3 +165,25 @@ def test_stream_yields_the_generate_tokens(model):
     p = prompts(5, 1)[0]
     streamed = [t for chunk in engine.stream(p, GREEDY) for t in chunk]
     assert streamed == argmax_chain(model, p, 6)
+
+
+def test_stop_strings_and_stop_ids(model):
+    """A byte-level detokenizer; the greedy chain's text is cut at a stop string taken from its middle."""
+    detok = lambda ids: "".join(chr(65 + i % 26) for i in ids)
+    cfg, params = model
+    engine = Engine(EngineConfig(page_size=4, num_pages=64, num_slots=16, max_running=4, max_model_len=128,
+                                 bucket_growth=64, max_prefill_tokens=32), cfg=cfg, params=params, detokenize=detok)
+    p = prompts(8, 1)[0]
+    chain = argmax_chain(model, p, 6)
+    stop = detok(chain[2:4])
+    rid = engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True, stop=(stop,)))
+    engine.run_until_done([rid])
+    req = engine.requests[rid]
+    assert req.finish_reason == "stop" and req.output_ids == chain[: len(req.output_ids)]
+    assert stop in detok(req.output_ids) and len(req.output_ids) <= 4
+    rid = engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(chain[1],)))
+    engine.run_until_done([rid])
+    assert engine.requests[rid].output_ids == chain[: chain.index(chain[1]) + 1]
+    plain = make_engine(model)
+    with pytest.raises(ValueError, match="tokenizer"):
+        plain.add_request(p, SamplingParams(stop=("x",)))

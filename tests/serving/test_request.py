@@ -148,7 +148,7 @@ def test_request_state_and_derived_lengths():
     assert r.status is RequestStatus.WAITING and not r.is_finished
     assert (r.num_tokens, r.num_output, r.num_prompt, r.remaining_prompt) == (3, 0, 3, 3)
     assert r.slot is None and r.pages == [] and r.finish_reason is None and r.finish_time is None
-    assert r.hit is None and r.checkpoint_slot is None and r.checkpoint_len == 0
+    assert r.hit is None and r.checkpoints == [] and r.prompt_boundary == 0 and r.num_preemptions == 0
     r.num_computed_tokens = 2
     assert r.remaining_prompt == 1
     r.num_computed_tokens = r.num_cached_tokens = 3
