@@ -1,0 +1,40 @@
+"""Test-session setup. Runs before any test module imports jax, so the environment below takes effect.
+
+- XLA_FLAGS gets --xla_force_host_platform_device_count=8 (unless the flag is already there): the
+  parallel strategies are tested on 8 host CPU devices.
+- JAX_PLATFORMS=cpu unless it is set already or this is a GPU run (K3JAX_TEST_GPU=1).
+- Tests marked `gpu` are skipped when no GPU is visible.
+- The CLI's persistent compilation cache is off (K3JAX_COMPILE_CACHE=off) unless set: tests stay hermetic.
+
+Run: `python -m pytest -q` (CPU, as CI does); `K3JAX_TEST_GPU=1 python -m pytest -q -m gpu` on a GPU host.
+"""
+
+import os
+
+import pytest
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+_GPU_RUN = os.environ.get("K3JAX_TEST_GPU", "").lower() in ("1", "true", "yes")
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
+if not _GPU_RUN:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("K3JAX_COMPILE_CACHE", "off")
+
+
+def _gpu_visible() -> bool:
+    import jax
+
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:  # no backend for the requested platforms
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and not _gpu_visible():
+        skip = pytest.mark.skip(reason="needs a GPU (none visible; GPU runs set K3JAX_TEST_GPU=1)")
+        for item in gpu_items:
+            item.add_marker(skip)
