@@ -1,0 +1,302 @@
+"""The `k3jax` command line: `k3jax generate` now; `serve`, `bench` and `plan` slot in as subcommands.
+
+    k3jax generate --model k3-tiny --prompt-tokens 1,2,3 --max-tokens 16
+
+prints the generated token ids (one comma-separated line) on stdout and a timing line on stderr.
+Usage errors (unknown model, bad token ids, empty prompt, max-tokens < 1, ...) exit with code 2 and a
+one-line message, never a traceback. Defaults live once, in the frozen `GenerateArgs` dataclass.
+
+Generation is the serving path on one request: `prefill` of the prompt into a one-slot `DecodeState`,
+then one `decode` step per token, sampling on the host (greedy at temperature 0, else Gumbel-max with
+the seed), stopping at `max_tokens` or at the model's eos token (which is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import k3jax
+from k3jax.model import StepMeta
+
+PROG = "k3jax"
+DEFAULT_MODEL = "k3-tiny"
+COMPILE_CACHE_ENV = "K3JAX_COMPILE_CACHE"  # directory of the persistent XLA cache; "off" disables it
+DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "k3jax" / "xla"
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported as one line on stderr, exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# generate
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """Arguments of `k3jax generate`; the CLI's defaults are these field defaults."""
+
+    model: str | None = None  # preset name, YAML file or HF config; None: DEFAULT_MODEL, or --weights' own
+    prompt_tokens: tuple[int, ...] = ()  # required; 0 <= id < vocab_size
+    max_tokens: int = 16  # tokens to generate (the first comes from prefill)
+    seed: int = 0  # random-init key and sampling seed
+    temperature: float = 0.0  # 0 = greedy
+    page_size: int = 16  # MLA page size of the decode state
+    weights: str | None = None  # orbax checkpoint, or HF safetensors directory; None = random init
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens:
+            raise UsageError("--prompt-tokens is empty: give at least one token id")
+        if self.max_tokens < 1:
+            raise UsageError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.page_size < 1:
+            raise UsageError(f"--page-size must be >= 1, got {self.page_size}")
+        if not self.temperature >= 0.0 or math.isinf(self.temperature):
+            raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    tokens: list[int]  # generated ids, eos included when it stopped there
+    stop: str  # "eos" or "max_tokens"
+    setup_s: float  # parameter init / load plus compilation
+    prefill_s: float  # the prefill step alone (compiled)
+    decode_s: float  # all decode steps (compiled)
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.tokens) - 1
+
+
+def parse_token_ids(text: str) -> tuple[int, ...]:
+    """'1,2, 3' -> (1, 2, 3). Raises argparse.ArgumentTypeError with a readable message."""
+    parts = [p.strip() for p in text.split(",")]
+    if parts == [""]:
+        raise argparse.ArgumentTypeError("empty prompt: give at least one token id, e.g. 1,2,3")
+    ids = []
+    for i, p in enumerate(parts):
+        try:
+            ids.append(int(p))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"token {i} is {p!r}, not an integer (expected comma-separated ids like 1,2,3)"
+            ) from None
+    return tuple(ids)
+
+
+def check_prompt(prompt: Sequence[int], max_tokens: int, cfg) -> None:
+    """Token ids inside the vocabulary, and the whole sequence within the model's positions."""
+    for i, t in enumerate(prompt):
+        if not 0 <= t < cfg.vocab_size:
+            raise UsageError(
+                f"prompt token {i} is {t}: out of vocabulary for {cfg.name} "
+                f"(must be 0 <= id < {cfg.vocab_size})"
+            )
+    if len(prompt) + max_tokens > cfg.max_position_embeddings:
+        raise UsageError(
+            f"prompt ({len(prompt)}) + max tokens ({max_tokens}) exceeds {cfg.name}'s "
+            f"max_position_embeddings ({cfg.max_position_embeddings})"
+        )
+
+
+def _prefill_len(n: int) -> int:
+    """Prompt length padded to a power of two (>= 16), so nearby prompt lengths share one compile."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def load_weights(path: str):
+    """(cfg, params) from a k3jax orbax checkpoint (`save_checkpoint`) or an HF safetensors directory."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"--weights {path}: no such file or directory")
+    config_file = p / "config.json"
+    if not config_file.is_file():
+        raise UsageError(f"--weights {path}: not a k3jax checkpoint nor an HF model directory (no config.json)")
+    try:
+        is_orbax = json.loads(config_file.read_text()).get("format") == "k3jax-orbax"
+        return k3jax.load_checkpoint(p) if is_orbax else k3jax.load_pretrained(p)
+    except (ValueError, OSError) as e:  # a malformed or incomplete checkpoint: the user's input
+        raise UsageError(f"--weights {path}: {e}") from None
+
+
+def generate(
+    params,
+    cfg,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    temperature: float = GenerateArgs.temperature,
+    seed: int = GenerateArgs.seed,
+    page_size: int = GenerateArgs.page_size,
+    warm: Callable[[], None] | None = None,
+) -> GenerateResult:
+    """Generates up to `max_tokens` ids after `prompt` with prefill + decode on a one-slot state.
+
+    `warm`, if given, is waited for before the first step (e.g. background compilation).
+    """
+    t0 = time.perf_counter()
+    n = len(prompt)
+    num_pages = -(-(n + max_tokens) // page_size)
+    state = k3jax.init_state(cfg, num_slots=1, num_pages=num_pages, page_size=page_size)
+    # Step inputs are host (numpy) arrays: jit moves them, with no per-step eager jnp ops.
+    page_table = np.arange(num_pages, dtype=np.int32)[None]
+    slots = np.zeros((1,), np.int32)
+    tokens = np.zeros((1, _prefill_len(n)), np.int32)
+    tokens[0, :n] = prompt
+    rng = np.random.default_rng(seed)
+
+    def sample(logits) -> int:
+        x = np.asarray(logits[0], np.float64)
+        if temperature > 0:
+            x = x / temperature + rng.gumbel(size=x.shape)
+        return int(np.argmax(x))
+
+    if warm is not None:
+        warm()
+    setup = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    meta = StepMeta(slots, page_table, np.zeros((1,), np.int32), np.full((1,), n, np.int32))
+    logits, state = k3jax.prefill(params, cfg, state, tokens, meta)
+    out = [sample(logits)]
+    prefill_s = time.perf_counter() - t
+
+    t = time.perf_counter()
+    one = np.ones((1,), np.int32)
+    while len(out) < max_tokens and out[-1] != cfg.eos_token_id:
+        meta = StepMeta(slots, page_table, np.full((1,), n + len(out) - 1, np.int32), one)
+        logits, state = k3jax.decode(params, cfg, state, np.asarray([out[-1]], np.int32), meta)
+        out.append(sample(logits))
+    decode_s = time.perf_counter() - t
+    jax.block_until_ready(state)
+    stop = "eos" if out[-1] == cfg.eos_token_id else "max_tokens"
+    return GenerateResult(out, stop, setup, prefill_s, decode_s)
+
+
+def _compile_steps(cfg, params_shape, prompt_len: int, max_tokens: int, page_size: int) -> list[Callable]:
+    """Jobs that compile prefill and decode for these shapes (filling the jit caches `generate` hits)."""
+    num_pages = -(-(prompt_len + max_tokens) // page_size)
+    state = jax.eval_shape(lambda: k3jax.init_state(cfg, num_slots=1, num_pages=num_pages, page_size=page_size))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    meta = StepMeta(i32(1), i32(1, num_pages), i32(1), i32(1))
+    prefill = lambda: k3jax.prefill.trace(params_shape, cfg, state, i32(1, _prefill_len(prompt_len)), meta).lower().compile()
+    decode = lambda: k3jax.decode.trace(params_shape, cfg, state, i32(1), meta).lower().compile()
+    return [prefill, decode] if max_tokens > 1 else [prefill]
+
+
+def run_generate(args: GenerateArgs) -> int:
+    t_start = time.perf_counter()
+    enable_compile_cache()  # before anything compiles
+    weights = None
+    if args.weights is not None:
+        cfg, weights = load_weights(args.weights)  # the checkpoint carries its config
+    if args.model is not None or weights is None:
+        try:
+            named = k3jax.load_config(args.model or DEFAULT_MODEL)
+        except (ValueError, OSError) as e:
+            raise UsageError(str(e)) from None
+        if weights is not None and named.replace(name=cfg.name) != cfg:
+            raise UsageError(f"--model {args.model} does not match the config stored with --weights {args.weights}")
+        cfg = named
+    check_prompt(args.prompt_tokens, args.max_tokens, cfg)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        shapes = k3jax.param_shapes(cfg) if weights is None else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), weights)
+        # Compile both steps in the background while the parameters are being initialised.
+        jobs = [pool.submit(job) for job in _compile_steps(cfg, shapes, len(args.prompt_tokens), args.max_tokens,
+                                                           args.page_size)]
+        params = k3jax.init_params(cfg, jax.random.key(args.seed)) if weights is None else weights
+        jax.block_until_ready(params)
+        result = generate(
+            params, cfg, args.prompt_tokens, args.max_tokens, temperature=args.temperature, seed=args.seed,
+            page_size=args.page_size, warm=lambda: [j.result() for j in jobs],
+        )
+    setup_s = time.perf_counter() - t_start - result.prefill_s - result.decode_s
+
+    print(",".join(map(str, result.tokens)), flush=True)
+    rate = f"{result.decode_steps / result.decode_s:.1f} tokens/s" if result.decode_steps else "n/a"
+    print(
+        f"{PROG} generate: {cfg.name}, {len(args.prompt_tokens)} prompt tokens -> {len(result.tokens)} tokens "
+        f"(stop: {result.stop}) | prefill {result.prefill_s * 1e3:.1f} ms | decode {result.decode_steps} steps, "
+        f"{rate} | setup {setup_s:.1f} s (import, init, compile) | total {time.perf_counter() - t_start:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    d = GenerateArgs
+    p = sub.add_parser("generate", help="generate token ids from a prompt of token ids",
+                       description="Prefill a prompt of token ids, then decode; prints the generated ids.")
+    p.add_argument("--model", default=d.model, help=f"preset name, YAML file or HF config dir (default "
+                                                    f"{DEFAULT_MODEL}, or the config stored with --weights)")
+    p.add_argument("--prompt-tokens", type=parse_token_ids, required=True, metavar="IDS",
+                   help="comma-separated prompt token ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"tokens to generate (default {d.max_tokens})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"init and sampling seed (default {d.seed})")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help=f"sampling temperature, 0 = greedy (default {d.temperature})")
+    p.add_argument("--page-size", type=int, default=d.page_size, help=f"MLA page size (default {d.page_size})")
+    p.add_argument("--weights", default=d.weights, metavar="DIR_OR_CKPT",
+                   help="orbax checkpoint or HF safetensors directory (default: random init)")
+    p.set_defaults(_run=lambda ns: run_generate(_to_dataclass(GenerateArgs, ns)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# entry point
+
+
+def enable_compile_cache() -> Path | None:
+    """Turns on JAX's persistent compilation cache (a second `generate` skips most compilation).
+
+    Uses $K3JAX_COMPILE_CACHE, else ~/.cache/k3jax/xla; "off" (or "") disables it. A cache directory
+    the user already configured for JAX (JAX_COMPILATION_CACHE_DIR) is left as it is.
+    """
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    where = os.environ.get(COMPILE_CACHE_ENV, str(DEFAULT_COMPILE_CACHE))
+    if where.strip().lower() in ("", "off", "0", "false", "none"):
+        return None
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return Path(where)
+
+
+def _to_dataclass(cls, ns: argparse.Namespace):
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Kimi K3 in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)  # later: serve, bench, plan -- one _add_<name>(sub) each
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the exit code (argparse's own usage errors raise SystemExit(2))."""
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns._run(ns)
+    except UsageError as e:
+        print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
