@@ -92,21 +92,30 @@ def init_state(cfg: ModelConfig, num_slots: int, num_pages: int, page_size: int,
 Mixer = Callable[[int, dict, jax.Array], jax.Array]
 
 
-def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_name: str) -> jax.Array:
+def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_name: str,
+            capture: tuple[int, ...] = ()) -> tuple[jax.Array, list[jax.Array]]:
     """Runs all layers on embeddings h [B, T, D]; `mixer(layer, attn_params, x)` is the attention block.
 
-    Returns the final-normed hidden states [B, T, D].
+    Returns the final-normed hidden states [B, T, D] and, for each layer in `capture`, the hidden
+    state entering that layer (EAGLE-3 features). With AttnRes that is the layer's attention-side mix
+    over the bank and the partial block sum -- the full residual picture the layer sees -- rather than
+    the bare partial sum P (vLLM's choice), which lacks every completed block.
     """
     block = cfg.attn_res_block_size
     eps = cfg.rms_norm_eps
     bank: list[jax.Array] = []
     partial_sum: jax.Array | None = h
+    captured: dict[int, jax.Array] = {}
     for l, lp in enumerate(params["layers"]):
         if block is None:
+            if l in capture:
+                captured[l] = h
             h = h + mixer(l, lp["attn"], rms_norm(h, lp["input_layernorm"], eps))
             h = h + ffn(lp["mlp"], rms_norm(h, lp["post_attention_layernorm"], eps), cfg, backend_name=backend_name)
             continue
         x = attn_res_mix(bank + [partial_sum], lp["self_attention_res_proj"], lp["self_attention_res_norm"], eps) if bank else partial_sum
+        if l in capture:
+            captured[l] = x
         if l % block == 0:
             bank.append(partial_sum)
             partial_sum = None
@@ -116,7 +125,12 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
         partial_sum = partial_sum + ffn(lp["mlp"], rms_norm(x, lp["post_attention_layernorm"], eps), cfg, backend_name=backend_name)
     if block is not None:
         h = attn_res_mix(bank + [partial_sum], params["output_attn_res_proj"], params["output_attn_res_norm"], eps)
-    return rms_norm(h, params["norm"], eps)
+    return rms_norm(h, params["norm"], eps), [captured[l] for l in capture]
+
+
+def eagle_capture_layers(cfg: ModelConfig) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high feature layers: the inputs of layers 2, L//2 and L-3 (K3: 2, 46, 90)."""
+    return (2, cfg.num_layers // 2, cfg.num_layers - 3)
 
 
 def embed(params: dict, tokens: jax.Array) -> jax.Array:
@@ -134,21 +148,37 @@ def _check_tokens(tokens: jax.Array, ndim: int, what: str) -> None:
         raise ValueError(f"{what}: expected integer tokens of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
 
 
-@partial(jax.jit, static_argnames=("cfg", "backend_name"))
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, backend_name: str = "reference") -> jax.Array:
-    """Logits float32 [B, T, V] for tokens int32 [B, T], with no cache (naive MLA, chunked KDA)."""
-    _check_tokens(tokens, 2, "forward")
-    b = tokens.shape[0]
+def _cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str) -> Mixer:
+    """Attention for a whole sequence with no cache: naive MLA, chunked KDA from zero states."""
     act = jnp.dtype(cfg.dtype)
 
     def mixer(l, p, x):
         if cfg.is_mla(l):
             return mla.naive_attention(p, x, cfg)
-        conv0 = jnp.zeros((b, cfg.kda_conv_kernel - 1, cfg.conv_channels), act)
-        rec0 = jnp.zeros((b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32)
+        conv0 = jnp.zeros((batch, cfg.kda_conv_kernel - 1, cfg.conv_channels), act)
+        rec0 = jnp.zeros((batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32)
         return kda.kda_mixer(p, x, conv0, rec0, cfg, mode="chunked", backend_name=backend_name)[0]
 
-    return lm_head(params, cfg, decoder(params, cfg, embed(params, tokens), mixer, backend_name))
+    return mixer
+
+
+@partial(jax.jit, static_argnames=("cfg", "backend_name"))
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, backend_name: str = "reference") -> jax.Array:
+    """Logits float32 [B, T, V] for tokens int32 [B, T], with no cache (naive MLA, chunked KDA)."""
+    _check_tokens(tokens, 2, "forward")
+    mixer = _cache_free_mixer(cfg, tokens.shape[0], backend_name)
+    return lm_head(params, cfg, decoder(params, cfg, embed(params, tokens), mixer, backend_name)[0])
+
+
+@partial(jax.jit, static_argnames=("cfg", "capture", "backend_name"))
+def forward_with_features(params: dict, cfg: ModelConfig, tokens: jax.Array, capture: tuple[int, ...],
+                          backend_name: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """`forward` plus the hidden states entering the `capture` layers: (logits [B, T, V],
+    features [B, T, len(capture), D]). Used to train and run EAGLE-3 drafters."""
+    _check_tokens(tokens, 2, "forward_with_features")
+    mixer = _cache_free_mixer(cfg, tokens.shape[0], backend_name)
+    hidden, feats = decoder(params, cfg, embed(params, tokens), mixer, backend_name, capture)
+    return lm_head(params, cfg, hidden), jnp.stack(feats, axis=2)
 
 
 def _step(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mode: str, all_states: bool, backend_name: str):
@@ -176,7 +206,7 @@ def _step(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mode: 
             caches["kda"] = caches["kda"].at[j, meta.slots].set(new_rec)
         return y
 
-    hidden = decoder(params, cfg, embed(params, tokens), mixer, backend_name)
+    hidden, _ = decoder(params, cfg, embed(params, tokens), mixer, backend_name)
     new_state = DecodeState(**caches)
     verified = None
     if all_states:

@@ -85,7 +85,7 @@ def test_bookkeeping_matches_sublayer_form(monkeypatch, preset, layers, block):
     monkeypatch.setattr(model, "attn_res_mix", counting_mix)
     monkeypatch.setattr(model, "ffn", lambda p, x, cfg, backend_name: jnp.tanh(x @ p["w"]))
     to_j = lambda t: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), t)
-    got = model.decoder(to_j(params), cfg, jnp.asarray(h, jnp.float32), lambda l, p, x: jnp.tanh(x @ p["w"]), "reference")
+    got = model.decoder(to_j(params), cfg, jnp.asarray(h, jnp.float32), lambda l, p, x: jnp.tanh(x @ p["w"]), "reference")[0]
     want, final_sources = sublayer_oracle(params, cfg, h)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert mix_sizes[-1] == final_sources

@@ -187,3 +187,17 @@ def test_bad_tokens_raise():
     cfg, params = CONFIGS[0], None
     with pytest.raises(ValueError):
         k3jax.forward(k3jax.init_params(cfg, jax.random.key(0)), cfg, jnp.zeros((3,), jnp.int32))
+
+
+def test_forward_with_features_captures_layer_inputs(model):
+    cfg, params = model
+    tokens = jnp.asarray(np.random.default_rng(12).integers(0, cfg.vocab_size, (2, 9)))
+    layers = k3jax.model.eagle_capture_layers(cfg)
+    assert layers == (2, cfg.num_layers // 2, cfg.num_layers - 3)
+    logits, feats = k3jax.model.forward_with_features(params, cfg, tokens, layers)
+    np.testing.assert_array_equal(logits, k3jax.forward(params, cfg, tokens))
+    assert feats.shape == (2, 9, 3, cfg.hidden_size) and np.isfinite(np.asarray(feats)).all()
+    # distinct layers see distinct states, and causality holds: position 4 ignores later tokens
+    assert float(jnp.abs(feats[:, :, 0] - feats[:, :, 2]).max()) > 1e-3
+    _, feats_short = k3jax.model.forward_with_features(params, cfg, tokens[:, :5], layers)
+    assert rel(feats_short[:, 4], feats[:, 4]) < 1e-5
