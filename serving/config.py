@@ -21,7 +21,7 @@ class EngineConfig:
     max_prefill_tokens: int = 512  # token budget of the prefill part of one step
     max_model_len: int = 4096
     cache_memory_fraction: float = 0.5  # of free device memory, when sizing pools automatically
-    preemption: str = "recompute"  # "recompute" (drop and redo) or "swap" (pages to host)
+    preemption: str = "recompute"  # drop the request's private state and recompute (from a prefix hit)
     prefix_cache: bool = True
     host_cache_gb: float = 0.0  # host L2 tier for evicted pages + checkpoints; 0 = off
     session_ttl_s: float = 600.0  # a waiting agent session counts as stale after this
@@ -37,8 +37,8 @@ class EngineConfig:
                 problems.append(f"{name} must be >= 2 or None")
         if self.bucket_growth < 2:
             problems.append("bucket_growth must be >= 2")
-        if self.preemption not in ("recompute", "swap"):
-            problems.append(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        if self.preemption != "recompute":  # swap-to-host preemption is not built yet
+            problems.append(f"preemption must be 'recompute', got {self.preemption!r}")
         if not 0 < self.cache_memory_fraction <= 0.95:
             problems.append("cache_memory_fraction must be in (0, 0.95]")
         if self.host_cache_gb < 0:
