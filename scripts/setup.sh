@@ -45,7 +45,7 @@ echo "setup: ready: $(.venv/bin/python --version 2>&1), $(.venv/bin/python -c 'i
 
 # --with-torch-ref: also build .venv-torchref, the Python 3.11 environment in which tests/parity run the
 # public torch references (transformers' Kimi-Linear, fla-core's naive KDA/AttnRes). torch comes only
-# from a local CPU wheel (--no-index): without one, the parity tests skip instead of pulling a CUDA build.
+# from a local CPU wheel (version 2.13.0+cpu): without one, the parity tests skip instead of pulling CUDA torch.
 if [ "${1:-}" = "--with-torch-ref" ] && [ ! -x .venv-torchref/bin/python ]; then
   wheel_dir="${K3JAX_TORCH_WHEELS:-/opt/wheels}"
   py311="$(command -v python3.11 2>/dev/null || true)"
@@ -54,8 +54,9 @@ if [ "${1:-}" = "--with-torch-ref" ] && [ ! -x .venv-torchref/bin/python ]; then
   fi
   if [ -n "$py311" ] && ls "$wheel_dir"/torch-2.13.0+cpu-cp311-*.whl >/dev/null 2>&1; then
     "$py311" -m venv .venv-torchref
-    if .venv-torchref/bin/python -m pip install --disable-pip-version-check -q --no-index --find-links "$wheel_dir" torch==2.13.0 \
-       && .venv-torchref/bin/python -m pip install --disable-pip-version-check -q transformers==5.24.0 einops==0.8.2 fla-core==0.6.0; then
+    # "+cpu" is a local version PyPI does not carry: torch can only come from the wheel folder
+    if .venv-torchref/bin/python -m pip install --disable-pip-version-check -q --find-links "$wheel_dir" \
+         "torch==2.13.0+cpu" transformers==5.24.0 einops==0.8.2 fla-core==0.6.0; then
       echo "setup: torch reference environment ready (.venv-torchref)" >&2
     else
       echo "setup: could not build .venv-torchref; tests/parity will skip" >&2
