@@ -42,3 +42,20 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a GPU (none visible; GPU runs set K3JAX_TEST_GPU=1)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop jit caches after each test module. A single pytest process otherwise keeps every compiled
+    XLA:CPU executable of the suite alive; their memory mappings accumulate towards the kernel's
+    vm.max_map_count (65530), and one CI run crashed inside XLA compilation late in the suite."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    if os.environ.get("K3JAX_REPORT_MAPS"):
+        with open("/proc/self/maps") as f:
+            print(f"\n[maps after module: {sum(1 for _ in f)}]")
