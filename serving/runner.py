@@ -151,19 +151,23 @@ class ModelRunner:
     def write_slot(self, slot: int, kda: np.ndarray, conv: np.ndarray) -> None:
         self.state = _write_slot(self.state, jnp.asarray(slot, jnp.int32), jnp.asarray(kda), jnp.asarray(conv))
 
-    def warmup(self) -> int:
-        """Compiles every (rows, tokens, pages) bucket used by steady-state steps; returns the count.
+    def warmup(self, prefill: bool = True) -> int:
+        """Compiles every shape bucket that steady-state steps use; returns how many programs ran.
 
-        Warm-up rows write nothing (length 0 on the scratch slot), so the state is unchanged.
+        Warm-up rows carry zero new tokens on the scratch slot, so the state is unchanged. Prefill has
+        rows x tokens x pages buckets: on a large configuration prefer a coarser `bucket_growth`.
         """
         count = 0
-        idle = lambda: Row(self.scratch_slot, [0], 0, [])
         for b in self.row_buckets:
             for p in self.page_buckets:
-                rows = [idle() for _ in range(b)]
-                rows[0].pages = [0] * p
+                rows = [Row(self.scratch_slot, [0] * p, 0, []) for _ in range(b)]
                 meta = self._meta(rows, b, p, [0] * b)
                 _, self.state = k3jax.decode(self.params, self.cfg, self.state, jnp.zeros(b, jnp.int32), meta,
                                              backend_name=self.ecfg.backend)
                 count += 1
+                for t in self.token_buckets if prefill else ():
+                    tokens = jnp.full((b, t), self.cfg.pad_token_id, jnp.int32)
+                    _, self.state = k3jax.prefill(self.params, self.cfg, self.state, tokens, meta,
+                                                  backend_name=self.ecfg.backend)
+                    count += 1
         return count

@@ -187,3 +187,14 @@ def test_stop_strings_and_stop_ids(model):
     plain = make_engine(model)
     with pytest.raises(ValueError, match="tokenizer"):
         plain.add_request(p, SamplingParams(stop=("x",)))
+
+
+def test_steady_state_never_recompiles(model):
+    """After warm-up (every rows x tokens x pages bucket), serving a mixed workload compiles nothing."""
+    engine = make_engine(model)
+    assert engine.runner.warmup() == len(engine.runner.row_buckets) * len(engine.runner.page_buckets) * (
+        1 + len(engine.runner.token_buckets))
+    sizes = (k3jax.prefill._cache_size(), k3jax.decode._cache_size())
+    engine.generate(prompts(12, 7, 2, 60), SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.generate(prompts(13, 2, 2, 10), SamplingParams(max_tokens=3, temperature=0.9, seed=3))
+    assert (k3jax.prefill._cache_size(), k3jax.decode._cache_size()) == sizes
