@@ -413,22 +413,11 @@ def unrolled_logits(params: dict, cfg: ModelConfig, dcfg: DrafterConfig, embed: 
 def save_drafter(path: str | os.PathLike, cfg: ModelConfig, dcfg: DrafterConfig, params: dict, *,
                  overwrite: bool = False, extra: dict | None = None) -> None:
     """Writes params with orbax to path/params and the configs to path/drafter.json."""
-    import shutil
+    from k3jax.weights import write_orbax_tree
 
-    import orbax.checkpoint as ocp
-
-    path = Path(path).absolute()
-    if path.exists() and any(path.iterdir()) and not overwrite:
-        raise ValueError(f"drafter directory {path} is not empty (pass overwrite=True)")
-    if overwrite and (path / "params").exists():
-        shutil.rmtree(path / "params")
-    path.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / "params", params)
-        ckptr.wait_until_finished()
     meta = {"format": "k3jax-eagle3-drafter", "version": 1, "drafter": dcfg.resolve(cfg).to_dict(),
             "target": {**cfg.to_dict(), "mla_layers": list(cfg.mla_layers)}, **(extra or {})}
-    (path / "drafter.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_orbax_tree(path, params, "drafter.json", meta, overwrite=overwrite, what="drafter")
 
 
 def load_drafter(path: str | os.PathLike) -> tuple[ModelConfig, DrafterConfig, dict]:

@@ -71,21 +71,27 @@ _dequantize = jax.jit(mxfp4_dequantize, static_argnums=2)
 # ==================================================================================================
 
 
-def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Any, *, overwrite: bool = False) -> None:
-    """Writes params with orbax to path/params and the config to path/config.json."""
+def write_orbax_tree(path: str | os.PathLike, params: Any, meta_file: str, meta: dict, *, overwrite: bool,
+                     what: str = "checkpoint") -> None:
+    """Orbax params under path/params plus a JSON metadata file beside them (model and drafter checkpoints)."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     if path.exists() and any(path.iterdir()) and not overwrite:
-        raise ValueError(f"checkpoint directory {path} is not empty (pass overwrite=True)")
+        raise ValueError(f"{what} directory {path} is not empty (pass overwrite=True)")
     if overwrite and (path / "params").exists():
         shutil.rmtree(path / "params")
     path.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "params", params)
         ckptr.wait_until_finished()
+    (path / meta_file).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Any, *, overwrite: bool = False) -> None:
+    """Writes params with orbax to path/params and the config to path/config.json."""
     meta = {"format": "k3jax-orbax", "version": 1, "config": {**cfg.to_dict(), "mla_layers": list(cfg.mla_layers)}}
-    (path / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_orbax_tree(path, params, "config.json", meta, overwrite=overwrite)
 
 
 def load_checkpoint(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = None) -> tuple[ModelConfig, Any]:
