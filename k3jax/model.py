@@ -181,8 +181,10 @@ def forward_with_features(params: dict, cfg: ModelConfig, tokens: jax.Array, cap
     return lm_head(params, cfg, hidden), jnp.stack(feats, axis=2)
 
 
-def _step(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mode: str, all_states: bool, backend_name: str):
-    """Shared body of prefill / decode / verify: returns (hidden [B, T, D], new state, verified states)."""
+def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mode: str, all_states: bool,
+              backend_name: str, capture: tuple[int, ...] = ()):
+    """Shared body of prefill / decode / verify (and the speculative loop's feature-capturing step):
+    returns (hidden [B, T, D], new state, verified states or None, features entering `capture` layers)."""
     caches = {"kda": state.kda, "conv": state.conv, "kv_pages": state.kv_pages}
     verified_kda, verified_conv = [], []
 
@@ -206,13 +208,19 @@ def _step(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mode: 
             caches["kda"] = caches["kda"].at[j, meta.slots].set(new_rec)
         return y
 
-    hidden, _ = decoder(params, cfg, embed(params, tokens), mixer, backend_name)
+    hidden, feats = decoder(params, cfg, embed(params, tokens), mixer, backend_name, capture)
     new_state = DecodeState(**caches)
     verified = None
     if all_states:
         stack = lambda xs, like: jnp.stack(xs) if xs else jnp.zeros((0, *tokens.shape, *like.shape[2:]), like.dtype)
         verified = VerifiedStates(kda=stack(verified_kda, state.kda), conv=stack(verified_conv, state.conv))
-    return hidden, new_state, verified
+    return hidden, new_state, verified, feats
+
+
+def last_token_hidden(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
+    """hidden [B, T, D] at each row's last valid new token -> [B, D]."""
+    last = jnp.maximum(lengths - 1, 0)
+    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
 @partial(jax.jit, static_argnames=("cfg", "all_logits", "backend_name"), donate_argnames=("state",))
@@ -225,10 +233,10 @@ def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, met
     [B, T, V] at every position with all_logits=True.
     """
     _check_tokens(tokens, 2, "prefill")
-    hidden, state, _ = _step(params, cfg, state, tokens, meta, kda_mode="chunked", all_states=False, backend_name=backend_name)
+    hidden, state, _, _ = step_body(params, cfg, state, tokens, meta, kda_mode="chunked", all_states=False,
+                                    backend_name=backend_name)
     if not all_logits:
-        last = jnp.maximum(meta.lengths - 1, 0)
-        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        hidden = last_token_hidden(hidden, meta.lengths)
     return lm_head(params, cfg, hidden), state
 
 
@@ -238,7 +246,8 @@ def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
     """One token per row: tokens int32 [B] -> (logits float32 [B, V], new state). meta.lengths is 1 (or 0
     for an idle row, which leaves its state unchanged)."""
     _check_tokens(tokens, 1, "decode")
-    hidden, state, _ = _step(params, cfg, state, tokens[:, None], meta, kda_mode="recurrent", all_states=False, backend_name=backend_name)
+    hidden, state, _, _ = step_body(params, cfg, state, tokens[:, None], meta, kda_mode="recurrent", all_states=False,
+                                    backend_name=backend_name)
     return lm_head(params, cfg, hidden[:, 0]), state
 
 
@@ -252,7 +261,8 @@ def verify(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
     VerifiedStates with the KDA state after every position) -- pass the latter to `commit_verified`.
     """
     _check_tokens(tokens, 2, "verify")
-    hidden, state, verified = _step(params, cfg, state, tokens, meta, kda_mode="recurrent", all_states=True, backend_name=backend_name)
+    hidden, state, verified, _ = step_body(params, cfg, state, tokens, meta, kda_mode="recurrent", all_states=True,
+                                           backend_name=backend_name)
     return lm_head(params, cfg, hidden), state, verified
 
 

@@ -12,8 +12,8 @@ One batch, host-driven rounds (k3-model.md §7):
      KDA/conv states roll back by index while the MLA context advances by a + 1.
 
 Features: k3jax.prefill / k3jax.verify return no hidden states, so `target_step` here is those steps with
-the EAGLE-3 capture added (model._step with `capture` passed to model.decoder; same mixers, same
-cache updates). tests/model/test_speculative.py checks it against k3jax.prefill / k3jax.verify.
+the EAGLE-3 capture added: it calls model.step_body, the body every serving step shares, with
+`capture` set. tests/model/test_speculative.py checks it against k3jax.prefill / k3jax.verify.
 
 Benchmark-only mode: `fixed_accepted=n` accepts exactly n drafts every round whatever the target says,
 so rounds have a fixed shape for throughput measurements. Its outputs are NOT the target's; it raises
@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax import kda, mla
 from k3jax.config import ModelConfig
 from k3jax.drafter import DrafterConfig, draft_tokens, init_drafter_state, target_ids
 from k3jax.model import (
-    DecodeState, StepMeta, VerifiedStates, commit_verified, decoder, embed, init_state, lm_head,
+    DecodeState, StepMeta, commit_verified, init_state, last_token_hidden, lm_head, step_body,
 )
 
 SAMPLINGS = ("greedy", "rejection")
@@ -55,38 +54,13 @@ def target_step(params: dict, cfg: ModelConfig, state: DecodeState, tokens: jax.
 
     Returns (logits, new state, VerifiedStates or None, features [B, T, len(capture), D]).
     """
-    caches = {"kda": state.kda, "conv": state.conv, "kv_pages": state.kv_pages}
-    verified_kda, verified_conv = [], []
-
-    def mixer(l, p, x):  # model._step's mixer
-        j = cfg.mixer_slot[l]
-        if cfg.is_mla(l):
-            y, caches["kv_pages"] = mla.paged_attention(
-                p, x, caches["kv_pages"], j, meta.page_table, meta.context_lens, meta.lengths, cfg,
-                backend_name=backend_name,
-            )
-            return y
-        conv, rec = caches["conv"][j][meta.slots], caches["kda"][j][meta.slots]
-        y, new_conv, new_rec = kda.kda_mixer(p, x, conv, rec, cfg, lengths=meta.lengths,
-                                             mode="recurrent" if verify else "chunked", all_states=verify,
-                                             backend_name=backend_name)
-        if verify:
-            verified_conv.append(new_conv)
-            verified_kda.append(new_rec)
-        else:
-            caches["conv"] = caches["conv"].at[j, meta.slots].set(new_conv)
-            caches["kda"] = caches["kda"].at[j, meta.slots].set(new_rec)
-        return y
-
-    hidden, feats = decoder(params, cfg, embed(params, tokens), mixer, backend_name, capture)
-    feats = jnp.stack(feats, axis=2)
+    hidden, new_state, verified, feats = step_body(
+        params, cfg, state, tokens, meta, kda_mode="recurrent" if verify else "chunked", all_states=verify,
+        backend_name=backend_name, capture=capture,
+    )
     if not verify:
-        last = jnp.maximum(meta.lengths - 1, 0)
-        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return lm_head(params, cfg, hidden), DecodeState(**caches), None, feats
-    stack = lambda xs, like: jnp.stack(xs) if xs else jnp.zeros((0, *tokens.shape, *like.shape[2:]), like.dtype)
-    verified = VerifiedStates(kda=stack(verified_kda, state.kda), conv=stack(verified_conv, state.conv))
-    return lm_head(params, cfg, hidden), DecodeState(**caches), verified, feats
+        hidden = last_token_hidden(hidden, meta.lengths)
+    return lm_head(params, cfg, hidden), new_state, verified, jnp.stack(feats, axis=2)
 
 
 # ----------------------------------------------------------------------------------------------------
