@@ -422,17 +422,7 @@ def save_drafter(path: str | os.PathLike, cfg: ModelConfig, dcfg: DrafterConfig,
 
 def load_drafter(path: str | os.PathLike) -> tuple[ModelConfig, DrafterConfig, dict]:
     """(target cfg, dcfg, params) written by `save_drafter`."""
-    import orbax.checkpoint as ocp
+    from k3jax.weights import read_orbax_tree
 
-    path = Path(path).absolute()
-    meta_file = path / "drafter.json"
-    if not meta_file.is_file():
-        raise ValueError(f"{path} is not a drafter checkpoint: {meta_file} is missing")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != "k3jax-eagle3-drafter":
-        raise ValueError(f"{meta_file}: not a k3jax drafter checkpoint")
-    with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.metadata(path / "params").item_metadata.tree
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
-        params = ckptr.restore(path / "params", target)
+    meta, params = read_orbax_tree(path, "drafter.json", "k3jax-eagle3-drafter", "k3jax drafter checkpoint")
     return ModelConfig.from_dict(meta["target"]), DrafterConfig.from_dict(meta["drafter"]), params

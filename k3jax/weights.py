@@ -94,24 +94,31 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Any, *, o
     write_orbax_tree(path, params, "config.json", meta, overwrite=overwrite)
 
 
-def load_checkpoint(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = None) -> tuple[ModelConfig, Any]:
-    """(cfg, params) saved by `save_checkpoint`; every leaf is placed with `sharding` (default: first device)."""
+def read_orbax_tree(path: str | os.PathLike, meta_file: str, fmt: str, what: str = "k3jax checkpoint", *,
+                    sharding: jax.sharding.Sharding | None = None) -> tuple[dict, Any]:
+    """(metadata, params) written by `write_orbax_tree` with metadata format `fmt`; every leaf is placed
+    with `sharding` (default: the first device)."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} is not a k3jax checkpoint: {config_file} is missing")
-    meta = json.loads(config_file.read_text())
-    if meta.get("format") != "k3jax-orbax":
-        raise ValueError(f"{config_file}: not a k3jax orbax checkpoint config")
-    cfg = ModelConfig.from_dict(meta["config"])
+    meta_path = path / meta_file
+    if not meta_path.is_file():
+        raise ValueError(f"{path} is not a {what}: {meta_path} is missing")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != fmt:
+        raise ValueError(f"{meta_path}: not a {what} ({fmt})")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with ocp.StandardCheckpointer() as ckptr:
         tree = ckptr.metadata(path / "params").item_metadata.tree
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding), tree)
         params = ckptr.restore(path / "params", target)
-    return cfg, params
+    return meta, params
+
+
+def load_checkpoint(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = None) -> tuple[ModelConfig, Any]:
+    """(cfg, params) saved by `save_checkpoint`; every leaf is placed with `sharding` (default: first device)."""
+    meta, params = read_orbax_tree(path, "config.json", "k3jax-orbax", sharding=sharding)
+    return ModelConfig.from_dict(meta["config"]), params
 
 
 # ==================================================================================================
