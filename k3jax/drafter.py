@@ -29,7 +29,6 @@ Parameters (linear weights [in, out]):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from functools import partial
