@@ -5,10 +5,13 @@ For a token x (already post_attention_layernorm'd, full width D):
   routed: z = W_down x (latent width); y = sum_i w_i E_i(z) (fp32 accumulation); y = W_up RMSNorm(y)
   shared: gated MLP on the full-width x
 The expert computation is grouped: assignments are sorted by expert and each expert multiplies its
-contiguous group (`jax.lax.ragged_dot`), never a dense all-experts matmul.
+contiguous group (`jax.lax.ragged_dot`), never a dense all-experts matmul. The "pallas" and "interpret"
+backends of op "moe_experts" run pallas_kernels/moe_gemm.py (fused GLU epilogue, in-kernel MXFP4).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ from k3jax import backend
 from k3jax.config import ModelConfig
 from k3jax.layers import dense, glu_activation, mlp, rms_norm
 from k3jax.quant import dequantize_experts
+from pallas_kernels import moe_gemm
 
 
 def route(router_w: jax.Array, bias: jax.Array, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -64,6 +68,19 @@ def grouped_experts_reference(
     h = glu_activation(grouped(xs, experts["gate"]), grouped(xs, experts["up"]), cfg)
     y = grouped(h, experts["down"]).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def _grouped_experts_pallas(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig,
+                            *, interpret: bool) -> jax.Array:
+    """`grouped_experts_reference` on the Pallas grouped GEMM (MXFP4 entries stay packed)."""
+    return moe_gemm.moe_grouped_mlp(
+        x, ids, weights, experts, activation="silu" if cfg.hidden_act == "silu" else "situ",
+        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, interpret=interpret,
+    )
+
+
+backend.register("moe_experts", "pallas")(partial(_grouped_experts_pallas, interpret=False))
+backend.register("moe_experts", "interpret")(partial(_grouped_experts_pallas, interpret=True))
 
 
 def moe(params: dict, x: jax.Array, cfg: ModelConfig, *, backend_name: str = "reference") -> jax.Array:

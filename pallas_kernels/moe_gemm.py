@@ -1,0 +1,452 @@
+"""MoE grouped GEMM: the routed experts of one MoE layer as two Pallas kernels over expert-sorted rows.
+
+    sum_i w_i E_i(x),   E(x) = down(act(x @ gate, x @ up)),   act = SiTU-GLU (K3) or SwiGLU
+
+Pipeline (`moe_grouped_mlp`):
+  1. assignments (token, expert) are sorted by expert: rows xs [M, K], M = N * top_k, with expert e owning
+     the contiguous rows offsets[e] .. offsets[e+1] (ragged groups; an expert may own none);
+  2. `tile_schedule` cuts the rows into block_m tiles and lists every (tile, expert) pair that overlaps --
+     at most cdiv(M, block_m) + min(E, M) - 1 work items, a bound known at trace time, so the schedule is
+     a fixed-size int32 array computed on device and jit never recompiles for a new routing;
+  3. `grouped_glu`: per work item and output tile, gate and up GEMMs share each x tile, the GLU epilogue runs
+     on the fp32 accumulators and only the rows of the item's expert are stored (masked rows belong to a
+     neighbouring expert's item);
+  4. `grouped_down`: the down GEMM over the same schedule, rows scaled by their routing weight, fp32 out;
+  5. each token sums its top_k rows (a gather through the inverse permutation, deterministic).
+
+Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4-packed as in
+k3jax.quant ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, HF orientation). Packed
+tiles are dequantised inside the kernel (nibbles -> E2M1 values -> times 2^(scale-127) -> activation
+dtype) right before the MMA: weight-only, the activations stay bf16.
+
+Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement on
+the H200 (../shared/design/gpu.md): a Pallas-Triton tiled matmul reached 540 TFLOP/s (87% of XLA's
+622-636), so the tile loop itself is not the limit, while the shipped Mosaic-GPU `ragged_dot_mgpu` reached
+171 TFLOP/s on the grouped shape; Triton-lowered Pallas also runs on CPU in interpret mode, which is how
+CI checks it, and needs no scalar prefetch here (the schedule is read with scalar loads inside the body).
+The benchmark (benchmarks/moe.py) holds it to ragged_dot_mgpu and the XLA dense matmul in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MXFP4_GROUP = 32  # inputs per E8M0 scale
+ACTIVATIONS = ("situ", "silu")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeGemmConfig:
+    """Tile shapes and Triton launch parameters of both kernels (all block sizes powers of two >= 16).
+
+    block_m rows per work item (shared by both kernels: one schedule); glu_block_n output columns of each
+    of gate and up; down_block_n output columns of the down GEMM; block_k the contraction step of both.
+    """
+
+    block_m: int = 64
+    glu_block_n: int = 64
+    down_block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoeGemmConfig.{name}={v} must be a power of two >= 16")
+
+
+def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
+    """Tiles by the mean rows per expert: decode-sized groups take 16-row tiles (the step is a weight
+    read, so the MMA shape hardly matters and fewer padded rows are computed), large groups take 128-row
+    tiles with 8 warps (the shape that reached 540 TFLOP/s as a plain Pallas-Triton matmul)."""
+    per_expert = num_rows / max(num_experts, 1)
+    if per_expert <= 16:
+        return MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64, num_warps=4, num_stages=3)
+    return MoeGemmConfig(block_m=128, glu_block_n=64, down_block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# schedule
+
+
+def num_work_items(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the (row tile, expert) pairs: every tile boundary inside a non-empty group adds one
+    item beyond the tile count, and at most min(E, M) groups are non-empty."""
+    return max(pl.cdiv(num_rows, block_m) + min(num_experts, num_rows) - 1, 1)
+
+
+def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+    """Work items [4, W] int32 for expert-sorted rows: (row tile start, expert, first row, end row).
+
+    group_sizes [E] int32 (rows per expert, summing to <= num_rows). Items are ordered by expert, then by
+    tile, so consecutive programs reuse one expert's weights. Items past the real count have first row ==
+    end row (the kernels skip them).
+    """
+    e = group_sizes.shape[0]
+    w = num_work_items(num_rows, e, block_m)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first_tile = starts // block_m
+    count = jnp.where(sizes > 0, (ends - 1) // block_m - first_tile + 1, 0)
+    item_end = jnp.cumsum(count)
+    item = jnp.arange(w, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(item_end, item, side="right"), e - 1).astype(jnp.int32)
+    tile = first_tile[expert] + item - (item_end - count)[expert]
+    lo = jnp.maximum(starts[expert], tile * block_m)
+    hi = jnp.minimum(ends[expert], tile * block_m + block_m)
+    valid = item < item_end[-1]
+    tile = jnp.where(valid, tile, 0)
+    lo = jnp.where(valid, lo, 0)
+    hi = jnp.where(valid, hi, 0)
+    return jnp.stack([tile * block_m, expert, lo, hi]).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# in-kernel weight tiles
+
+
+def _e2m1_to_f32(codes: jax.Array) -> jax.Array:
+    """E2M1 codes (int32, 0..15) -> float32 values, by bit construction (no table: Triton has no register
+    gather). Magnitude m = codes & 7 is exponent e = m >> 1 and mantissa bit m & 1; for e >= 1 the value is
+    2^(e-1) * (1 + (m & 1) / 2), which is the float32 with exponent field e + 126 and mantissa bit 22 set
+    from m & 1, i.e. bits (m << 22) + (126 << 23). The two subnormal codes m = 0, 1 are 0 and 0.5 = m / 2."""
+    mag = codes & 7
+    normal = jax.lax.bitcast_convert_type((mag << 22) + (126 << 23), jnp.float32)
+    value = jnp.where(mag < 2, mag.astype(jnp.float32) * 0.5, normal)
+    return jnp.where((codes & 8) != 0, -value, value)
+
+
+def _e8m0_to_f32(scale: jax.Array) -> jax.Array:
+    """E8M0 exponents (int32) -> 2^(s-127) as the float32 with exponent field s (s = 0 maps to 0, not
+    2^-127; 0xFF to inf, not NaN -- neither occurs in trained weights)."""
+    return jax.lax.bitcast_convert_type(scale << 23, jnp.float32)
+
+
+def _dequant_tile(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """packed [n, k/2] uint8, scale [n, k/32] uint8 -> weight tile [n, k] in dtype (in-kernel MXFP4)."""
+    n, half = packed.shape
+    k = 2 * half
+    p = packed.astype(jnp.int32)
+    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(n, k)  # element 2j is the low nibble
+    factors = _e8m0_to_f32(scale.astype(jnp.int32))  # [n, k/32]
+    factors = jnp.broadcast_to(factors[:, :, None], (n, k // MXFP4_GROUP, MXFP4_GROUP)).reshape(n, k)
+    return (_e2m1_to_f32(codes) * factors).astype(dtype)
+
+
+class _WeightRefs:
+    """Loads [block_k, block_n] (input x output) tiles of one expert's weight from either layout."""
+
+    def __init__(self, refs, packed: bool):
+        self.refs, self.packed = refs, packed
+
+    def tile(self, expert, k0, n0, block_k: int, block_n: int, dtype):
+        if not self.packed:
+            (w_ref,) = self.refs  # [E, K, N]
+            return w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)].astype(dtype)
+        packed_ref, scale_ref = self.refs  # [E, N, K/2] uint8, [E, N, K/32] uint8
+        packed = packed_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // 2, block_k // 2)]
+        scale = scale_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // MXFP4_GROUP, block_k // MXFP4_GROUP)]
+        return _dequant_tile(packed, scale, dtype).T  # [n, k] -> [k, n]: Triton takes it as a transposed operand
+
+
+def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_beta: float | None) -> jax.Array:
+    """SiTU-GLU / SwiGLU on fp32 accumulators (k3jax.layers.glu_activation without the bf16 round trip)."""
+    if activation == "silu":
+        return gate * jax.nn.sigmoid(gate) * up
+    act = beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
+    if linear_beta is not None:
+        up = linear_beta * jnp.tanh(up / linear_beta)
+    return act * up
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+
+
+def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed: bool, block_m: int,
+                        block_n: int, block_k: int, activation: str, beta: float, linear_beta: float | None):
+    # schedule_ref [4, W] int32 (tile row start, expert, first row, end row)
+    # x_ref        [M_pad, K_pad] expert-sorted rows
+    # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8),
+    #       up refs (same), h_ref [M_pad, I_pad] output
+    n_gate = 2 if gate_packed else 1
+    n_up = 2 if up_packed else 1
+    gate = _WeightRefs(rest[:n_gate], gate_packed)
+    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_packed)
+    h_ref = rest[n_gate + n_up]
+    item, col = pl.program_id(0), pl.program_id(1)
+    lo, hi = schedule_ref[2, item], schedule_ref[3, item]
+
+    @pl.when(hi > lo)
+    def _():
+        row0, expert = schedule_ref[0, item], schedule_ref[1, item]
+        n0 = col * block_n
+        dtype = x_ref.dtype
+
+        def step(kb, carry):
+            acc_gate, acc_up = carry
+            k0 = kb * block_k
+            x = x_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]  # [block_m, block_k]
+            acc_gate += jnp.dot(x, gate.tile(expert, k0, n0, block_k, block_n, dtype), preferred_element_type=jnp.float32)
+            acc_up += jnp.dot(x, up.tile(expert, k0, n0, block_k, block_n, dtype), preferred_element_type=jnp.float32)
+            return acc_gate, acc_up
+
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        acc_gate, acc_up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
+        h = _glu(acc_gate, acc_up, activation, beta, linear_beta).astype(h_ref.dtype)
+        rows = row0 + jnp.arange(block_m)
+        keep = jnp.broadcast_to(((rows >= lo) & (rows < hi))[:, None], (block_m, block_n))
+        plgpu.store(h_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)], h, mask=keep)
+
+
+def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, packed: bool, block_m: int, block_n: int,
+                         block_k: int):
+    # schedule_ref  [4, W] int32
+    # h_ref         [M_pad, I_pad] GLU output rows
+    # row_scale_ref [M_pad] fp32 routing weight of each row
+    # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8),
+    #       y_ref [M_pad, D_pad] fp32 output
+    down = _WeightRefs(rest[:-1], packed)
+    y_ref = rest[-1]
+    item, col = pl.program_id(0), pl.program_id(1)
+    lo, hi = schedule_ref[2, item], schedule_ref[3, item]
+
+    @pl.when(hi > lo)
+    def _():
+        row0, expert = schedule_ref[0, item], schedule_ref[1, item]
+        n0 = col * block_n
+        dtype = h_ref.dtype
+
+        def step(kb, acc):
+            k0 = kb * block_k
+            h = h_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]  # [block_m, block_k]
+            return acc + jnp.dot(h, down.tile(expert, k0, n0, block_k, block_n, dtype), preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        scale = row_scale_ref[pl.ds(row0, block_m)]  # [block_m]
+        rows = row0 + jnp.arange(block_m)
+        keep = jnp.broadcast_to(((rows >= lo) & (rows < hi))[:, None], (block_m, block_n))
+        plgpu.store(y_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)], acc * scale[:, None], mask=keep)
+
+
+# ----------------------------------------------------------------------------------------------------
+# wrappers
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _weight_dims(w) -> tuple[int, int, int]:
+    """(experts, in, out) of a float [E, in, out] or MXFP4-packed {packed [E, out, in/2], scale} weight."""
+    if isinstance(w, dict):
+        packed, scale = w["packed"], w["scale"]
+        if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
+            raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+        if packed.ndim != 3 or scale.shape != (*packed.shape[:2], packed.shape[2] * 2 // MXFP4_GROUP) or packed.shape[2] % 16:
+            raise ValueError(f"MXFP4 shapes packed {packed.shape} / scale {scale.shape} are not [E, out, in/2] / [E, out, in/32]")
+        return packed.shape[0], packed.shape[2] * 2, packed.shape[1]
+    if w.ndim != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"expert weight must be float [E, in, out], got {w.dtype}{list(w.shape)}")
+    return w.shape
+
+
+def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
+    """Zero-pads a weight to (n_in, n_out) -- a no-op (no copy) when the dims are already tile multiples,
+    as all of K3's are. Padded MXFP4 entries are code 0 (= 0.0) with scale 127 (= 1)."""
+    if isinstance(w, dict):
+        packed, scale = w["packed"], w["scale"]
+        e, out, half = packed.shape
+        if (out, 2 * half) != (n_out, n_in):
+            packed = jnp.pad(packed, ((0, 0), (0, n_out - out), (0, n_in // 2 - half)))
+            scale = jnp.pad(scale, ((0, 0), (0, n_out - out), (0, n_in // MXFP4_GROUP - scale.shape[2])), constant_values=127)
+        return packed, scale
+    e, i, o = w.shape
+    if (i, o) != (n_in, n_out):
+        w = jnp.pad(w, ((0, 0), (0, n_in - i), (0, n_out - o)))
+    return (w,)
+
+
+def _pad2(a: jax.Array, rows: int, cols: int) -> jax.Array:
+    if a.shape == (rows, cols):
+        return a
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
+
+
+def _compiler_params(config: MoeGemmConfig, interpret: bool):
+    if interpret:
+        return None
+    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _block(cap: int, dim: int, minimum: int = 16) -> int:
+    """The configured block, shrunk (power of two, >= minimum) for dims smaller than it."""
+    return max(min(cap, 1 << max(dim - 1, 1).bit_length()), minimum)
+
+
+def grouped_glu(xs: jax.Array, schedule: jax.Array, gate, up, *, config: MoeGemmConfig, out_dim: int,
+                activation: str = "situ", situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
+                interpret: bool = False) -> jax.Array:
+    """GLU(xs @ gate_e, xs @ up_e) per expert-sorted row: xs [M_pad, K_pad] -> h [M_pad, out_dim] in xs.dtype.
+
+    xs and out_dim must be tile multiples (weights are zero-padded up to them; `moe_grouped_mlp` picks the
+    sizes); schedule from `tile_schedule`.
+    """
+    m_pad, k_pad = xs.shape
+    i_pad = out_dim
+    gate_packed, up_packed = isinstance(gate, dict), isinstance(up, dict)
+    kernel = functools.partial(
+        _grouped_glu_kernel, gate_packed=gate_packed, up_packed=up_packed, block_m=config.block_m,
+        block_n=config.glu_block_n, block_k=config.block_k, activation=activation, beta=situ_beta,
+        linear_beta=situ_linear_beta,
+    )
+    args = (schedule, xs, *_pad_weight(gate, k_pad, i_pad), *_pad_weight(up, k_pad, i_pad))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, i_pad), xs.dtype),
+        grid=(schedule.shape[1], i_pad // config.glu_block_n),
+        compiler_params=_compiler_params(config, interpret),
+        interpret=interpret,
+        name="moe_grouped_glu",
+    )(*args)
+
+
+def grouped_down(h: jax.Array, schedule: jax.Array, row_scale: jax.Array, down, *, config: MoeGemmConfig,
+                 out_dim: int, interpret: bool = False) -> jax.Array:
+    """row_scale * (h @ down_e) per expert-sorted row: h [M_pad, I_pad] -> y [M_pad, out_dim] float32."""
+    m_pad, i_pad = h.shape
+    kernel = functools.partial(
+        _grouped_down_kernel, packed=isinstance(down, dict), block_m=config.block_m,
+        block_n=config.down_block_n, block_k=config.block_k,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, out_dim), jnp.float32),
+        grid=(schedule.shape[1], out_dim // config.down_block_n),
+        compiler_params=_compiler_params(config, interpret),
+        interpret=interpret,
+        name="moe_grouped_down",
+    )(schedule, h, row_scale, *_pad_weight(down, i_pad, out_dim))
+
+
+def _check_inputs(x, ids, weights, experts, activation):
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be float [N, K], got {x.dtype}{list(x.shape)}")
+    if ids.ndim != 2 or ids.shape[0] != x.shape[0] or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be integer [N, top_k] with N = {x.shape[0]}, got {ids.dtype}{list(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(f"routing weights {list(weights.shape)} must match ids {list(ids.shape)}")
+    if set(experts) != {"gate", "up", "down"}:
+        raise ValueError(f"experts must hold gate, up and down, got {sorted(experts)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    eg, kg, ig = _weight_dims(experts["gate"])
+    eu, ku, iu = _weight_dims(experts["up"])
+    ed, id_, dd = _weight_dims(experts["down"])
+    if not (eg == eu == ed and kg == ku == x.shape[1] == dd and ig == iu == id_):
+        raise ValueError(
+            f"expert shapes disagree: gate [{eg}, {kg}, {ig}], up [{eu}, {ku}, {iu}], down [{ed}, {id_}, {dd}] "
+            f"(as [E, in, out]) for x width {x.shape[1]}"
+        )
+    return eg, kg, ig
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "config", "interpret"))
+def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, activation: str = "situ",
+                    situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
+                    config: MoeGemmConfig | None = None, interpret: bool = False) -> jax.Array:
+    """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) for x [N, K]; result [N, K] in x.dtype (fp32 combine).
+
+    ids/weights [N, top_k] (expert ids in [0, E); each token's k experts need not be distinct). experts:
+    gate/up [E, K, I] and down [E, I, K] float, or MXFP4-packed entries (see module docstring). Runs the
+    Triton-lowered Pallas kernels on the GPU, or interprets them (`interpret=True`, any backend).
+    """
+    num_experts, k_dim, i_dim = _check_inputs(x, ids, weights, experts, activation)
+    n, top_k = ids.shape
+    m = n * top_k
+    config = config or default_config(m, num_experts)
+    packed = any(isinstance(w, dict) for w in experts.values())
+    if packed and config.block_k < MXFP4_GROUP:
+        raise ValueError(f"MXFP4 weights need block_k >= {MXFP4_GROUP}, got {config.block_k}")
+    block_k = _block(config.block_k, max(k_dim, i_dim), MXFP4_GROUP if packed else 16)
+    config = dataclasses.replace(
+        config, block_k=block_k,
+        glu_block_n=_block(config.glu_block_n, i_dim), down_block_n=_block(config.down_block_n, k_dim),
+    )
+    # every padded dim is a multiple of each block that tiles it (all blocks are powers of two)
+    k_pad = _round_up(k_dim, max(block_k, config.down_block_n))
+    i_pad = _round_up(i_dim, max(block_k, config.glu_block_n))
+    m_pad = _round_up(m, config.block_m)
+
+    flat = ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
+    token = order // top_k
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    schedule = tile_schedule(group_sizes, m, config.block_m)
+    xs = _pad2(x[token], m_pad, k_pad)
+    row_scale = jnp.pad(weights.reshape(-1).astype(jnp.float32)[order], (0, m_pad - m))
+
+    h = grouped_glu(xs, schedule, experts["gate"], experts["up"], config=config, out_dim=i_pad, activation=activation,
+                    situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
+    y = grouped_down(h, schedule, row_scale, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
+    inverse = jnp.argsort(order)  # row of each (token, slot)
+    out = y[inverse][:, :k_dim].reshape(n, top_k, k_dim).sum(axis=1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# references (plain jnp)
+
+
+def mxfp4_dequantize_reference(packed: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """packed [..., out, in/2], scale [..., out, in/32] -> [..., in, out] weight (the kernel's layout)."""
+    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1).astype(jnp.int32)
+    values = _e2m1_to_f32(codes) * jnp.repeat(_e8m0_to_f32(scale.astype(jnp.int32)), MXFP4_GROUP, axis=-1)
+    return jnp.swapaxes(values, -1, -2).astype(dtype)
+
+
+def moe_grouped_mlp_reference(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *,
+                              activation: str = "situ", situ_beta: float = 4.0,
+                              situ_linear_beta: float | None = 25.0) -> jax.Array:
+    """The same sum per (token, slot) with each assignment's expert weights gathered (memory O(N k K I):
+    for tests), fp32 math throughout, result in x.dtype."""
+    _check_inputs(x, ids, weights, experts, activation)
+    w = {
+        name: mxfp4_dequantize_reference(v["packed"], v["scale"]) if isinstance(v, dict) else v.astype(jnp.float32)
+        for name, v in experts.items()
+    }
+    x32 = x.astype(jnp.float32)
+    gate = jnp.einsum("nk,njki->nji", x32, w["gate"][ids], precision="highest")  # [N, top_k, I]
+    up = jnp.einsum("nk,njki->nji", x32, w["up"][ids], precision="highest")
+    h = _glu(gate, up, activation, situ_beta, situ_linear_beta)
+    y = jnp.einsum("nji,njid->njd", h, w["down"][ids], precision="highest")
+    return (y * weights.astype(jnp.float32)[..., None]).sum(axis=1).astype(x.dtype)
+
+
+def grouped_flops(num_rows: int, k_dim: int, i_dim: int) -> int:
+    """FLOPs of the three expert GEMMs for num_rows (token, expert) rows."""
+    return 2 * num_rows * k_dim * i_dim * 3
+
+
+def expert_weight_bytes(num_experts_touched: int, k_dim: int, i_dim: int, packed: bool, itemsize: int = 2) -> float:
+    """Bytes of expert weights read once: bf16 (itemsize 2) or MXFP4 (half a byte + 1/32 byte per weight)."""
+    per_weight = (0.5 + 1 / MXFP4_GROUP) if packed else itemsize
+    return num_experts_touched * 3 * k_dim * i_dim * per_weight
+
+
+__all__ = [
+    "MoeGemmConfig", "default_config", "tile_schedule", "num_work_items", "grouped_glu", "grouped_down",
+    "moe_grouped_mlp", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
+    "expert_weight_bytes",
+]
