@@ -1,0 +1,428 @@
+"""Chunked KDA prefill (chunk 64) as two Pallas kernels: a parallel intra-chunk pass and a sequential
+state pass. Packed variable-length batches, V-first fp32 states, optional page-boundary checkpoints.
+
+Math (k3-model.md §3.1; k3jax/kda.py `kda_chunked_reference`), per head, chunk of C = 64 tokens, state S
+at the chunk start (V-first [V, K]), G = cumsum(g) inside the chunk:
+
+    L[i,j] = beta_i sum_d k_i e^(G_i - G_j) k_j   (j < i)        A = (I + L)^-1   (fp32)
+    W = A diag(beta) (e^G * K)      U = A diag(beta) V      Aqk[i,j] = sum_d q_i e^(G_i - G_j) k_j  (j <= i)
+    V' = U - W S^T      O = (e^G * Q) S^T + Aqk V'      S <- S * e^(G_C) + V'^T (e^(G_C - G) * K)
+
+Kernel 1 (`_intra_kernel`, grid = chunks x heads, all independent) fuses the K3 gate (lower-bound or
+softplus form from the raw f_b output + A_log + dt_bias), beta = sigmoid(b), q/k L2 norm and the q scale,
+then forms L and Aqk in 16x16 blocks and the inverse in 16x16 blocks: each diagonal block by the exact
+nilpotent product (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) (four matmul rounds instead of 16
+dependent row substitutions), the off-diagonal blocks by A_ij = -A_ii sum_{j<=m<i} L_im A_mj. It writes
+W, U, e^G Q, e^(G_C - G) K, Aqk and e^(G_C) in a chunk-padded layout.
+Kernel 2 (`_state_kernel`, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
+the state block in registers, writes O straight into the packed output, the final state, and the state
+after every chunk that ends on a multiple of `checkpoint_page_size` (absolute positions: chunks are
+aligned to multiples of 64 of `start_positions`, so every page boundary is a chunk boundary).
+
+Exponent safety: decays are only ever formed as exp(x) with x <= 0, except on diagonal 16x16 blocks with
+a bounded gate (g >= lb, -16 lb <= 80), where exp(P - G_j) <= e^80 < fp32 max; for an unbounded gate
+(softplus, or a precomputed g) the diagonal blocks take the pairwise exp(G_i - G_j) of masked differences.
+g must be <= 0 (a log decay), as both gate forms guarantee.
+
+Backend: Pallas Triton lowering. It expresses everything here (dynamic chunk tables as ordinary int32
+inputs, masked loads/stores at dynamic token offsets, cumsum, while loops), runs in CPU CI with
+interpret=True, and its tensor-core dots take bf16 operands with fp32 accumulation; Mosaic GPU would need
+per-sequence dynamic trip counts through nd_loop and has no interpret path for this mix of masked
+dynamic-offset accesses. Measured against fla-core 0.6.0 `chunk_kda` in benchmarks/kda.py (numbers in
+the module's results file docs/results/kda_h200_2026-11-29.json).
+
+Precision: with bf16 inputs (the model's activations) the intermediates W, U, e^G Q, e^(G_C-G) K, Aqk are
+stored in bf16 and the big matmuls take bf16 operands with fp32 accumulation (as fla does); L and the
+inverse are always fp32 (IEEE). With fp32 inputs every stored value and every dot is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+CHUNK = 64
+SUB = 16  # sub-block of the triangular inverse
+NSUB = CHUNK // SUB
+GATES = ("none", "lower_bound", "softplus")
+_HI = lax.Precision.HIGHEST
+_L2_EPS = 1e-6
+_MAX_DIAG_EXPONENT = 80.0  # e^80 < 3.4e38 / 128 (a dot of 128 such terms stays finite)
+
+
+def _dot(a, b, *, ta=False, tb=False, precision=None):
+    """a @ b (a^T if ta, b^T if tb) with fp32 accumulation."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _gate(z, a_log, dt_bias, gate, lower_bound):
+    """Log decay from the raw gate input z [..., K] with a_log scalar and dt_bias [K] (k3jax.kda.kda_gate)."""
+    if gate == "none":
+        return z
+    x = z + dt_bias
+    a = jnp.exp(a_log)
+    if gate == "lower_bound":
+        return lower_bound * jax.nn.sigmoid(a * x)
+    return -a * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def _identity(n):
+    return jnp.where(lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
+
+
+def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
+                  w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref, *,
+                  gate, lower_bound, beta_sigmoid, qk_l2norm, scale, bounded_diag, stored_dtype):
+    # start_ref, len_ref: [NC] int32 first packed token and valid length of every chunk
+    # q_ref, k_ref: [T, H, K]; v_ref: [T, H, V]; g_ref: [T, H, K] raw gate (or log decay); b_ref: [T, H]
+    # alog_ref: [H] fp32; dtb_ref: [H, K] fp32
+    # w_ref, qg_ref, kg_ref: [C, K] (block of [H, NC, C, K]); u_ref: [C, V]; aqk_ref: [C, C]; gc_ref: [K]
+    c, h = pl.program_id(0), pl.program_id(1)
+    start, length = start_ref[c], len_ref[c]
+    dk = q_ref.shape[-1]
+    f32 = jnp.float32
+    big = stored_dtype  # operand dtype of the W / U matmuls
+    rows = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    alog = alog_ref[h].astype(f32)
+    dtb = dtb_ref[h, :].astype(f32)
+
+    qs, ks, vs, gs, bs, cum, prev = [], [], [], [], [], [], []
+    carry = jnp.zeros((dk,), f32)
+    for i in range(NSUB):
+        valid = rows + i * SUB < length  # [SUB]
+        tok = pl.ds(start + i * SUB, SUB)
+        load = lambda ref, m: plt.load(ref.at[tok, h], mask=m, other=0).astype(f32)
+        q = load(q_ref, valid[:, None])  # [SUB, K]
+        k = load(k_ref, valid[:, None])
+        v = load(v_ref, valid[:, None])  # [SUB, V]
+        g = jnp.where(valid[:, None], _gate(load(g_ref, valid[:, None]), alog, dtb, gate, lower_bound), 0.0)
+        b = load(b_ref, valid)  # [SUB]
+        b = jnp.where(valid, jax.nn.sigmoid(b) if beta_sigmoid else b, 0.0)
+        if qk_l2norm:
+            q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + _L2_EPS) * scale
+            k = k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + _L2_EPS)
+        prev.append(carry)  # G just before this sub-block (>= every G inside it)
+        cum.append(jnp.cumsum(g, axis=0) + carry[None, :])
+        carry = carry + jnp.sum(g, axis=0)
+        qs.append(q), ks.append(k), vs.append(v), gs.append(g), bs.append(b)
+    g_last = carry  # G_C
+
+    eye = _identity(SUB)
+    strict = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) > lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    incl = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) >= lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    # Row-side factors e^(G_r - P_i) <= 1 and column-side factors e^(E_j - G_s) <= 1, E_j = G at the end of j.
+    row_f = [jnp.exp(cum[i] - prev[i][None, :]) for i in range(NSUB)]
+    ends = prev[1:] + [g_last]
+    col_f = [ks[j] * jnp.exp(ends[j][None, :] - cum[j]) for j in range(NSUB)]
+    lower, aqk = {}, {}
+    for i in range(NSUB):
+        kr, qr = ks[i] * row_f[i], qs[i] * row_f[i]
+        for j in range(i):
+            mid = jnp.exp(prev[i] - ends[j])[None, :]  # e^(P_i - E_j) <= 1
+            lower[i, j] = bs[i][:, None] * _dot(kr * mid, col_f[j], tb=True, precision=_HI)
+            aqk[i, j] = _dot(qr * mid, col_f[j], tb=True, precision=_HI)
+        if bounded_diag:  # e^(P_i - G_s) <= e^(16 |lb|) <= e^80
+            kc = ks[i] * jnp.exp(prev[i][None, :] - cum[i])
+            lii, aii = _dot(kr, kc, tb=True, precision=_HI), _dot(qr, kc, tb=True, precision=_HI)
+        else:  # pairwise e^(G_r - G_s) of masked (non-positive) differences
+            diff = cum[i][:, None, :] - cum[i][None, :, :]  # [SUB, SUB, K]
+            decay = jnp.exp(jnp.where(incl[:, :, None], diff, -jnp.inf))
+            lii = jnp.sum(ks[i][:, None, :] * ks[i][None, :, :] * decay, axis=2)
+            aii = jnp.sum(qs[i][:, None, :] * ks[i][None, :, :] * decay, axis=2)
+        lower[i, i] = jnp.where(strict, bs[i][:, None] * lii, 0.0)
+        aqk[i, i] = jnp.where(incl, aii, 0.0)
+
+    # A = (I + L)^-1 in 16x16 blocks.
+    inv = {}
+    for i in range(NSUB):
+        l1 = lower[i, i]
+        l2 = _dot(l1, l1, precision=_HI)
+        l4 = _dot(l2, l2, precision=_HI)
+        l8 = _dot(l4, l4, precision=_HI)
+        x = eye - l1
+        x = x + _dot(x, l2, precision=_HI)
+        x = x + _dot(x, l4, precision=_HI)
+        inv[i, i] = x + _dot(x, l8, precision=_HI)
+        for j in range(i - 1, -1, -1):
+            acc = _dot(lower[i, j], inv[j, j], precision=_HI)
+            for m in range(j + 1, i):
+                acc = acc + _dot(lower[i, m], inv[m, j], precision=_HI)
+            inv[i, j] = -_dot(inv[i, i], acc, precision=_HI)
+
+    prec = _HI if big == jnp.float32 else None
+    kdec = [(ks[j] * jnp.exp(cum[j])).astype(big) for j in range(NSUB)]
+    vb = [vs[j].astype(big) for j in range(NSUB)]
+    for i in range(NSUB):
+        w = jnp.zeros((SUB, dk), f32)
+        u = jnp.zeros((SUB, vs[0].shape[1]), f32)
+        for j in range(i + 1):
+            t = (inv[i, j] * bs[j][None, :]).astype(big)  # A diag(beta)
+            w = w + _dot(t, kdec[j], precision=prec)
+            u = u + _dot(t, vb[j], precision=prec)
+        sl = pl.ds(i * SUB, SUB)
+        w_ref[sl, :] = w.astype(w_ref.dtype)
+        u_ref[sl, :] = u.astype(u_ref.dtype)
+        qg_ref[sl, :] = (qs[i] * jnp.exp(cum[i])).astype(qg_ref.dtype)
+        kg_ref[sl, :] = (ks[i] * jnp.exp(g_last[None, :] - cum[i])).astype(kg_ref.dtype)
+        for j in range(NSUB):
+            blk = aqk[i, j] if j <= i else jnp.zeros((SUB, SUB), f32)
+            aqk_ref[sl, pl.ds(j * SUB, SUB)] = blk.astype(aqk_ref.dtype)
+    gc_ref[...] = jnp.exp(g_last)
+
+
+def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
+                  s0_ref, o_ref, final_ref, ckpt_ref, *, block_v, has_ckpt):
+    # first_ref: [N+1] int32 first chunk of each sequence; start_ref, len_ref, ckpt_idx_ref: [NC] int32
+    # w_ref, qg_ref, kg_ref: [H, NC, C, K]; u_ref: [H, NC, C, V]; aqk_ref: [H, NC, C, C]; gc_ref: [H, NC, K] fp32
+    # s0_ref: [BV, K] (block of [N, H, V, K]); o_ref: [T, H, V]; final_ref: [BV, K]; ckpt_ref: [NCK, H, V, K]
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * block_v, block_v)
+    stored = w_ref.dtype
+    prec = _HI if stored == jnp.float32 else None
+    rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+
+    def chunk(c, s):  # s: [BV, K] fp32, the state before chunk c
+        w, qg, kg = w_ref[h, c], qg_ref[h, c], kg_ref[h, c]  # [C, K]
+        u = u_ref[h, c, :, vs].astype(jnp.float32)  # [C, BV]
+        aqk = aqk_ref[h, c]  # [C, C]
+        gc = gc_ref[h, c]  # [K]
+        sd = s.astype(stored)
+        v_new = u - _dot(w, sd, tb=True, precision=prec)  # [C, BV]
+        vd = v_new.astype(stored)
+        o = _dot(qg, sd, tb=True, precision=prec) + _dot(aqk, vd, precision=prec)
+        s = s * gc[None, :] + _dot(vd, kg, ta=True, precision=prec)
+        plt.store(o_ref.at[pl.ds(start_ref[c], CHUNK), h, vs], o.astype(o_ref.dtype),
+                  mask=(rows < len_ref[c])[:, None])
+        if has_ckpt:
+            idx = ckpt_idx_ref[c]
+            plt.store(ckpt_ref.at[jnp.maximum(idx, 0), h, vs, :], s,
+                      mask=jnp.full((block_v, s.shape[1]), idx >= 0))
+        return s
+
+    s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, s0_ref[...].astype(jnp.float32))
+    final_ref[...] = s
+
+
+def _full(shape):
+    """A block covering the whole array: the kernel indexes it itself (dynamic chunk / token offsets)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _intra_call(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, lower_bound, beta_sigmoid,
+                qk_l2norm, scale, bounded, stored, interpret, num_warps):
+    tp, h, dk = q.shape
+    dv = v.shape[2]
+    num_chunks = tok_start.shape[0]
+    chunk_block = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda c, hh: (hh, c, 0, 0))
+    chunked = lambda d, dtype=stored: jax.ShapeDtypeStruct((h, num_chunks, CHUNK, d), dtype)
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, gate=gate, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
+                          qk_l2norm=qk_l2norm, scale=scale, bounded_diag=bounded, stored_dtype=stored),
+        grid=(num_chunks, h),
+        in_specs=[_full((num_chunks,)), _full((num_chunks,)), _full((tp, h, dk)), _full((tp, h, dk)),
+                  _full((tp, h, dv)), _full((tp, h, dk)), _full((tp, h)), _full((h,)), _full((h, dk))],
+        out_specs=[chunk_block(dk), chunk_block(dv), chunk_block(dk), chunk_block(dk), chunk_block(CHUNK),
+                   pl.BlockSpec((None, None, dk), lambda c, hh: (hh, c, 0))],
+        out_shape=[chunked(dk), chunked(dv), chunked(dk), chunked(dk), chunked(CHUNK),
+                   jax.ShapeDtypeStruct((h, num_chunks, dk), jnp.float32)],
+        interpret=interpret, name="kda_chunk_intra", **params,
+    )(tok_start, length, q, k, v, g, beta, a_log, dt_bias)
+
+
+def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, *, t, n, page, block_v,
+                out_dtype, interpret, num_warps=4):
+    h, num_chunks, _, dk = w.shape
+    dv = u.shape[3]
+    tp = t + CHUNK if interpret else t
+    if block_v is None:  # enough programs to fill the GPU's 132 SMs twice when sequences x heads are few
+        block_v = min(dv, 64)
+        while block_v > 16 and n * h * (dv // block_v) < 2 * 132:
+            block_v //= 2
+    if dv % block_v:
+        raise ValueError(f"block_v={block_v} must divide V={dv}")
+    num_ckpt = t // page + n if page else 1
+    state_block = pl.BlockSpec((None, None, block_v, dk), lambda nn, hh, vv: (nn, hh, vv, 0))
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2))
+    o, final, ckpt = pl.pallas_call(
+        functools.partial(_state_kernel, block_v=block_v, has_ckpt=bool(page)),
+        grid=(n, h, dv // block_v),
+        in_specs=[_full((n + 1,)), _full((num_chunks,)), _full((num_chunks,)), _full((num_chunks,)),
+                  _full(w.shape), _full(u.shape), _full(qg.shape), _full(kg.shape), _full(aqk.shape), _full(gc.shape),
+                  state_block],
+        out_specs=[_full((tp, h, dv)), state_block, _full((num_ckpt, h, dv, dk))],
+        out_shape=[jax.ShapeDtypeStruct((tp, h, dv), out_dtype), jax.ShapeDtypeStruct((n, h, dv, dk), jnp.float32),
+                   jax.ShapeDtypeStruct((num_ckpt, h, dv, dk), jnp.float32)],
+        interpret=interpret, name="kda_chunk_state", **params,
+    )(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state.astype(jnp.float32))
+    return o[:t], final, (ckpt if page else None)
+
+
+def chunk_table(cu_seqlens, start_positions, num_chunks, page_size):
+    """Chunks of every sequence, aligned to absolute multiples of CHUNK.
+
+    Args: cu_seqlens [N+1] int32; start_positions [N] int32 absolute position of each sequence's first token;
+      num_chunks: static bound on the table size; page_size: checkpoint page (or 0 for none).
+    Returns: first [N+1] (chunk range of sequence n = first[n]..first[n+1]), token_start [NC], length [NC]
+      (0 past the last chunk), checkpoint_index [NC] (-1 where the chunk does not end on a page boundary).
+    """
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    end = start_positions + lens
+    count = jnp.where(lens > 0, -(-end // CHUNK) - start_positions // CHUNK, 0)
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count).astype(jnp.int32)])
+    cid = jnp.arange(num_chunks, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(first[1:], cid, side="right"), 0, lens.shape[0] - 1)
+    lo_abs = (start_positions[seq] // CHUNK + cid - first[seq]) * CHUNK
+    lo = jnp.maximum(lo_abs, start_positions[seq])
+    hi = jnp.minimum(lo_abs + CHUNK, end[seq])
+    used = cid < first[-1]
+    length = jnp.where(used, hi - lo, 0).astype(jnp.int32)
+    token_start = jnp.where(used, cu_seqlens[seq] + lo - start_positions[seq], 0).astype(jnp.int32)
+    if page_size:
+        offsets = checkpoint_offsets(cu_seqlens, start_positions, page_size)
+        ck = offsets[seq] + hi // page_size - start_positions[seq] // page_size - 1
+        ckpt = jnp.where(used & (hi % page_size == 0), ck, -1).astype(jnp.int32)
+    else:
+        ckpt = jnp.full((num_chunks,), -1, jnp.int32)
+    return first, token_start, length, ckpt
+
+
+def checkpoint_offsets(cu_seqlens, start_positions, page_size):
+    """[N+1] int32: sequence n's checkpoints are rows offsets[n]..offsets[n+1] of the checkpoint output, in
+    order: the states after absolute positions p*page_size with start < p*page_size <= start + length."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    count = (start_positions + lens) // page_size - start_positions // page_size
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count).astype(jnp.int32)])
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, page_size):
+    if q.ndim != 3 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must be [T, H, K] alike; got {q.shape}, {k.shape}, {g.shape}")
+    t, h, dk = q.shape
+    if v.ndim != 3 or v.shape[:2] != (t, h):
+        raise ValueError(f"v must be [T, H, V] with T, H = {(t, h)}; got {v.shape}")
+    dv = v.shape[2]
+    if beta.shape != (t, h):
+        raise ValueError(f"beta must be [T, H] = {(t, h)}; got {beta.shape}")
+    for name, d in (("K", dk), ("V", dv)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"head dim {name}={d} must be a power of two >= 16 (Triton block shapes)")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise ValueError(f"cu_seqlens must be an integer [N+1] array, N >= 1; got {cu_seqlens.dtype}{cu_seqlens.shape}")
+    n = cu_seqlens.shape[0] - 1
+    if initial_state.shape != (n, h, dv, dk):
+        raise ValueError(f"initial_state must be V-first [N, H, V, K] = {(n, h, dv, dk)}; got {initial_state.shape}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}; got {gate!r}")
+    if gate != "none" and (a_log is None or dt_bias is None):
+        raise ValueError(f"gate={gate!r} needs a_log [H] and dt_bias [H*K]")
+    if gate != "none" and (a_log.shape[0] < h or dt_bias.size != h * dk):
+        raise ValueError(f"a_log must have >= {h} entries and dt_bias {h * dk}; got {a_log.shape}, {dt_bias.shape}")
+    if page_size is not None and (page_size <= 0 or page_size % CHUNK):
+        raise ValueError(f"checkpoint_page_size must be a positive multiple of {CHUNK}; got {page_size}")
+
+
+def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions):
+    t, h, dk = q.shape
+    n = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    start = jnp.zeros((n,), jnp.int32) if start_positions is None else start_positions.astype(jnp.int32)
+    a = jnp.zeros((h,), jnp.float32) if a_log is None else a_log[:h].astype(jnp.float32)
+    b = jnp.zeros((h, dk), jnp.float32) if dt_bias is None else dt_bias.astype(jnp.float32).reshape(h, dk)
+    return cu, start, a, b
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "gate", "lower_bound", "beta_sigmoid", "qk_l2norm", "scale", "checkpoint_page_size", "interpret",
+    "block_v", "num_warps"))
+def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
+              lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
+              checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4):
+    """Chunked KDA over a packed batch of sequences.
+
+    Args:
+      q, k: [T, H, K] packed tokens of N sequences (raw if qk_l2norm, else normalised, q already scaled).
+      v: [T, H, V]. Its dtype is the output dtype and, if bf16, the stored-intermediate / matmul dtype.
+      g: [T, H, K] raw gate input z (gate="lower_bound" / "softplus") or the log decay itself (gate="none",
+        must be <= 0).
+      beta: [T, H] logits (beta_sigmoid) or beta itself.
+      initial_state: [N, H, V, K] V-first state of each sequence (fp32).
+      cu_seqlens: [N+1] int32 sequence n is tokens cu_seqlens[n]..cu_seqlens[n+1] (lengths may be 0).
+      a_log: [>= H] and dt_bias: [H*K], the gate parameters (ignored for gate="none").
+      lower_bound: the K3 gate's bound (g in (lower_bound, 0)).
+      scale: q scale after the fused L2 norm (default K^-1/2).
+      start_positions: [N] absolute position of each sequence's first token (default 0): chunks align to
+        multiples of 64 of it, and checkpoints fall on multiples of checkpoint_page_size of it.
+      checkpoint_page_size: emit the state after every absolute position p*page (start < p*page <= end).
+
+    Returns:
+      o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
+      (rows per sequence as `checkpoint_offsets`; unused rows are unspecified) or None.
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, checkpoint_page_size)
+    t, h, dk = q.shape
+    dv = v.shape[2]
+    n = cu_seqlens.shape[0] - 1
+    cu, start, a, b = _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions)
+    num_chunks = t // CHUNK + 2 * n
+    page = checkpoint_page_size or 0
+    first, tok_start, length, ckpt_idx = chunk_table(cu, start, num_chunks, page)
+    stored = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+    bounded = gate == "lower_bound" and -SUB * lower_bound <= _MAX_DIAG_EXPONENT
+    scale = dk**-0.5 if scale is None else scale
+    if interpret:  # interpret mode clamps out-of-range dynamic slices instead of masking them: pad the tail
+        pad = lambda x: jnp.pad(x, [(0, CHUNK)] + [(0, 0)] * (x.ndim - 1))
+        q, k, v, g, beta = map(pad, (q, k, v, g, beta))
+    w, u, qg, kg, aqk, gc = _intra_call(tok_start, length, q, k, v, g, beta, a, b, gate=gate, lower_bound=lower_bound,
+                                        beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm, scale=scale, bounded=bounded,
+                                        stored=stored, interpret=interpret, num_warps=num_warps)
+    return _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, t=t, n=n,
+                       page=page, block_v=block_v, out_dtype=v.dtype, interpret=interpret)
+
+
+def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
+                        lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
+                        checkpoint_page_size=None):
+    """Plain-jnp twin of `kda_chunk` (same arguments and results): the gate, beta and norm in fp32, then
+    the token-by-token recurrence over each sequence (k3jax.kda.kda_recurrent_reference), unpacked."""
+    from k3jax.kda import kda_recurrent_reference
+
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, checkpoint_page_size)
+    t, h, dk = q.shape
+    n = cu_seqlens.shape[0] - 1
+    cu, start, a, b = _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions)
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k, v, g, beta = map(f32, (q, k, v, g, beta))
+    g = jax.vmap(lambda z, al, db: _gate(z, al, db, gate, lower_bound), in_axes=(1, 0, 0), out_axes=1)(g, a, b)
+    if beta_sigmoid:
+        beta = jax.nn.sigmoid(beta)
+    if qk_l2norm:
+        scale = dk**-0.5 if scale is None else scale
+        q = q * lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + _L2_EPS) * scale
+        k = k * lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + _L2_EPS)
+    lens = cu[1:] - cu[:-1]
+    pos = jnp.arange(t)
+    idx = jnp.clip(cu[:-1, None] + pos[None, :], 0, t - 1)  # [N, T] unpacked (rows padded to T)
+    valid = pos[None, :] < lens[:, None]
+    unpack = lambda x: jnp.where(valid.reshape(n, t, *([1] * (x.ndim - 1))), x[idx], 0.0)
+    o, states = kda_recurrent_reference(*map(unpack, (q, k, v, g, beta)), f32(initial_state), all_states=True)
+    last = jnp.clip(lens - 1, 0, t - 1)
+    final = jnp.where((lens > 0)[:, None, None, None], states[jnp.arange(n), last], f32(initial_state))
+    seq = jnp.clip(jnp.searchsorted(cu[1:], pos, side="right"), 0, n - 1)
+    o_packed = o[seq, pos - cu[seq]].astype(v.dtype)
+    ckpt = None
+    if checkpoint_page_size:
+        p = checkpoint_page_size
+        offsets = checkpoint_offsets(cu, start, p)
+        rows = jnp.arange(t // p + n)
+        owner = jnp.clip(jnp.searchsorted(offsets[1:], rows, side="right"), 0, n - 1)
+        boundary = (start[owner] // p + 1 + rows - offsets[owner]) * p  # absolute position of the row's page end
+        ckpt = states[owner, jnp.clip(boundary - start[owner] - 1, 0, t - 1)]
+        ckpt = jnp.where((rows < offsets[-1])[:, None, None, None], ckpt, 0.0)
+    return o_packed, final, ckpt
