@@ -1,0 +1,214 @@
+"""Fused KDA decode / verify: one Pallas launch per layer for 1..8 new tokens per sequence.
+
+Per sequence b (state slot slots[b]) and head h, for each new token t < T (k3-model.md §3):
+
+    conv:   c = SiLU(sum_i w_i x_{t-W+1+i})  over the last W-1 inputs (conv state) and x_t, for q|k|v
+    norm:   q = c_q / sqrt(|c_q|^2 + 1e-6) * K^-1/2,   k = c_k / sqrt(|c_k|^2 + 1e-6),   v = c_v
+    gate:   g = lb * sigmoid(e^A_log (z + dt_bias))  (K3)  or  -e^A_log softplus(z + dt_bias);  beta = sigmoid(b)
+    delta:  S <- S * e^g[None, :];  S <- S + beta (v - S k) k^T;  o = S q          (S: V-first [V, K] fp32)
+    output: y = RMSNorm(o) * w * sigmoid(gate)
+
+Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there, so they leave S unchanged, and the decode
+conv state keeps the last W-1 *valid* inputs. Decode mode reads and writes the pooled conv / recurrent
+states in place (input_output_aliases) at rows slots[b]. Verify mode (all_states=True) leaves the pools
+alone and writes the conv and recurrent state after every position, so rejection rolls back by index.
+
+The numerics follow the reference path exactly where it rounds: the conv output is cast to the
+activation dtype before the norms, and o to the activation dtype before the gated RMSNorm.
+
+Backend: Pallas Triton lowering. Each program owns one (sequence, head) and keeps its 128x128 fp32 state
+in registers across the T positions; the state is read once and written once (decode) or T times
+(verify), which is the whole memory floor. Slot indices are ordinary int32 inputs (Triton has no scalar
+prefetch) used in the kernel's own pointer arithmetic; the pools are aliased to the outputs. The products
+S k and S q are vector-matrix, so they are broadcast-multiply-reduce on CUDA cores, not tensor-core dots.
+Timed against fla-core 0.6.0 `fused_recurrent_kda` in benchmarks/kda.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+MAX_TOKENS = 8
+GATES = ("lower_bound", "softplus")
+_L2_EPS = 1e-6
+
+
+def _gate(z, a_log, dt_bias, gate, lower_bound):
+    x = z + dt_bias
+    a = jnp.exp(a_log)
+    if gate == "lower_bound":
+        return lower_bound * jax.nn.sigmoid(a * x)
+    return -a * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref, onw_ref,
+                   state_ref, y_ref, conv_out_ref, state_out_ref, *,
+                   num_tokens, gate, lower_bound, eps, all_states, act_dtype):
+    # slots_ref, lens_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v projections (pre-conv)
+    # conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
+    # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
+    # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
+    # y_ref: [B, T, H, V] (activation dtype)
+    # decode:  conv_out_ref: [P, W-1, 3*H*K] (aliases conv_ref); state_out_ref: [P, H, V, K] (aliases state_ref)
+    # verify:  conv_out_ref: [B, T, W-1, 3*H*K]; state_out_ref: [B, T, H, V, K]
+    b, h = pl.program_id(0), pl.program_id(1)
+    f32 = jnp.float32
+    slot, length = slots_ref[b], lens_ref[b]
+    num_heads = alog_ref.shape[0]
+    dk = dtb_ref.shape[1]
+    width = convw_ref.shape[0]
+    segs = [pl.ds(s * num_heads * dk + h * dk, dk) for s in range(3)]  # this head's q, k, v channels
+    conv_w = [[convw_ref[i, segs[s]].astype(f32) for i in range(width)] for s in range(3)]
+    # oldest first, in the activation dtype (the reference concatenates the state with x in x's dtype)
+    window = [[conv_ref[slot, r, segs[s]].astype(act_dtype) for r in range(width - 1)] for s in range(3)]
+    kept = [list(w) for w in window]  # the last W-1 *valid* inputs (decode's new conv state)
+    alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
+    norm_w = onw_ref[...].astype(f32)
+    s = state_ref[slot, h].astype(f32)  # [V, K]
+    for t in range(num_tokens):
+        valid = t < length
+        acts = []
+        for sg in range(3):
+            x_t = x_ref[b, t, segs[sg]]
+            acc = conv_w[sg][width - 1] * x_t.astype(f32)
+            for i in range(width - 1):
+                acc = acc + conv_w[sg][i] * window[sg][i].astype(f32)
+            acts.append(jax.nn.silu(acc).astype(act_dtype).astype(f32))
+            window[sg] = window[sg][1:] + [x_t.astype(act_dtype)]
+            kept[sg] = [jnp.where(valid, new, old) for new, old in zip(window[sg], kept[sg])]
+        q, k, v = acts
+        q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk**-0.5
+        k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
+        g = jnp.where(valid, _gate(z_ref[b, t, h, :].astype(f32), alog, dtb, gate, lower_bound), 0.0)
+        beta = jnp.where(valid, jax.nn.sigmoid(b_ref[b, t, h].astype(f32)), 0.0)
+        s = s * jnp.exp(g)[None, :]
+        err = v - jnp.sum(s * k[None, :], axis=1)  # [V]
+        s = s + (beta * err)[:, None] * k[None, :]
+        o = jnp.sum(s * q[None, :], axis=1).astype(act_dtype).astype(f32)  # [V]
+        o = o * lax.rsqrt(jnp.mean(o * o) + eps) * norm_w * jax.nn.sigmoid(og_ref[b, t, h, :].astype(f32))
+        y_ref[b, t, h, :] = o.astype(y_ref.dtype)
+        if all_states:
+            state_out_ref[b, t, h] = s
+            for sg in range(3):
+                for r in range(width - 1):
+                    conv_out_ref[b, t, r, segs[sg]] = window[sg][r].astype(conv_out_ref.dtype)
+    if not all_states:
+        state_out_ref[slot, h] = s
+        for sg in range(3):
+            for r in range(width - 1):
+                conv_out_ref[slot, r, segs[sg]] = kept[sg][r].astype(conv_out_ref.dtype)
+
+
+def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate):
+    if qkv.ndim != 3:
+        raise ValueError(f"qkv must be [B, T, 3*H*K]; got {qkv.shape}")
+    bsz, t, c = qkv.shape
+    if state.ndim != 4 or state.shape[2] != state.shape[3]:
+        raise ValueError(f"state must be a V-first pool [P, H, V, K] with V == K; got {state.shape}")
+    p, h, dv, dk = state.shape
+    if c != 3 * h * dk:
+        raise ValueError(f"qkv channels {c} != 3 * H * K = {3 * h * dk}")
+    if not 1 <= t <= MAX_TOKENS:
+        raise ValueError(f"decode/verify takes 1..{MAX_TOKENS} tokens per sequence; got T={t}")
+    if dk < 16 or dk & (dk - 1):
+        raise ValueError(f"head dim {dk} must be a power of two >= 16 (Triton block shapes)")
+    if conv_state.ndim != 3 or conv_state.shape[0] != p or conv_state.shape[2] != c:
+        raise ValueError(f"conv_state must be a pool [P={p}, W-1, {c}]; got {conv_state.shape}")
+    if conv_weight.shape != (conv_state.shape[1] + 1, c):
+        raise ValueError(f"conv_weight must be [W, {c}] with W-1 = {conv_state.shape[1]}; got {conv_weight.shape}")
+    if z.shape != (bsz, t, h, dk) or out_gate.shape != (bsz, t, h, dv) or beta.shape != (bsz, t, h):
+        raise ValueError(f"z / out_gate must be [B, T, H, K] = {(bsz, t, h, dk)} and beta [B, T, H]; got "
+                         f"{z.shape}, {out_gate.shape}, {beta.shape}")
+    if slots.shape != (bsz,) or lengths.shape != (bsz,):
+        raise ValueError(f"slots and lengths must be [B={bsz}]; got {slots.shape}, {lengths.shape}")
+    if a_log.shape[0] < h or dt_bias.size != h * dk or o_norm_weight.shape != (dv,):
+        raise ValueError(f"a_log [>= {h}], dt_bias [{h * dk}], o_norm_weight [{dv}]; got "
+                         f"{a_log.shape}, {dt_bias.shape}, {o_norm_weight.shape}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}; got {gate!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "num_warps"),
+                   donate_argnames=())
+def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
+               o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, interpret=False,
+               num_warps=8):
+    """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
+
+    Args:
+      qkv: [B, T, 3*H*K] q|k|v projections before the short conv (activation dtype).
+      conv_state: [P, W-1, 3*H*K] pool of the last W-1 inputs per slot; conv_weight: [W, 3*H*K].
+      z: [B, T, H, K] raw forget-gate input (f_b output); beta: [B, T, H] logits; out_gate: [B, T, H, V].
+      state: [P, H, V, K] fp32 pool of V-first recurrent states (V == K).
+      slots: [B] int32 pool rows (distinct); lengths: [B] int32 valid tokens per row (0 = idle row).
+      a_log: [>= H]; dt_bias: [H*K]; o_norm_weight: [V]; gate / lower_bound: the gate form; eps: RMSNorm eps.
+      all_states: verify mode (see Returns).
+
+    Returns:
+      decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
+        when the caller donates them (they are aliased to the outputs).
+      verify: (y, conv states [B, T, W-1, 3*H*K], states [B, T, H, V, K]) after every position; pools untouched.
+    """
+    _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate)
+    bsz, t, c = qkv.shape
+    p, h, dv, dk = state.shape
+    w1 = conv_state.shape[1]
+    act = qkv.dtype
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    ins = [slots.astype(jnp.int32), lengths.astype(jnp.int32), qkv, conv_state, conv_weight, z, beta, out_gate,
+           a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight, state]
+    y_shape = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
+    if all_states:
+        out_shape = [y_shape, jax.ShapeDtypeStruct((bsz, t, w1, c), conv_state.dtype),
+                     jax.ShapeDtypeStruct((bsz, t, h, dv, dk), jnp.float32)]
+        aliases = {}
+    else:
+        out_shape = [y_shape, jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                     jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+        aliases = {3: 1, 11: 2}
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+    return tuple(pl.pallas_call(
+        functools.partial(_decode_kernel, num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps,
+                          all_states=all_states, act_dtype=act),
+        grid=(bsz, h),
+        in_specs=[full(x) for x in ins],
+        out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape],
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
+    )(*ins))
+
+
+def kda_decode_reference(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
+                         o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False):
+    """Plain-jnp twin of `kda_decode` (same arguments and results), built from the model's reference layers:
+    gather the pools at `slots`, short conv + SiLU, L2 norm, gate, recurrence, gated RMSNorm, scatter back."""
+    from k3jax.kda import kda_recurrent_reference
+    from k3jax.layers import causal_conv_with_state, gated_rms_norm, l2_normalize
+
+    _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate)
+    bsz, t, c = qkv.shape
+    p, h, dv, dk = state.shape
+    conv0, s0 = conv_state[slots], state[slots]
+    y, new_conv = causal_conv_with_state(qkv, conv0, conv_weight, lengths)
+    q, k, v = (y[..., i * h * dk : (i + 1) * h * dk].reshape(bsz, t, h, dk) for i in range(3))
+    q = l2_normalize(q) * dk**-0.5
+    k = l2_normalize(k)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    g = _gate(z.astype(jnp.float32), a_log[:h].astype(jnp.float32)[:, None], dt_bias.astype(jnp.float32).reshape(h, dk),
+              gate, lower_bound)
+    g = jnp.where(valid[..., None, None], g, 0.0)
+    b = jnp.where(valid[..., None], jax.nn.sigmoid(beta.astype(jnp.float32)), 0.0)
+    o, new_rec = kda_recurrent_reference(q, k, v, g, b, s0, all_states=all_states)
+    out = gated_rms_norm(o.astype(qkv.dtype), out_gate, o_norm_weight, eps)
+    if all_states:
+        full = jnp.concatenate([conv0.astype(qkv.dtype), qkv], axis=1)
+        idx = jnp.arange(t)[:, None] + 1 + jnp.arange(conv0.shape[1])[None, :]
+        return out, full[:, idx, :].astype(conv_state.dtype), new_rec
+    return out, conv_state.at[slots].set(new_conv), state.at[slots].set(new_rec)

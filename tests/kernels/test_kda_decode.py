@@ -1,0 +1,98 @@
+"""Fused KDA decode / verify Pallas kernel (interpret mode on CPU) against its plain-jnp reference.
+
+Run: python -m pytest -q tests/kernels/test_kda_decode.py
+Tolerances: fp32 throughout; kernel and reference differ only in summation order of K/V-length dot
+products (~1e-7 relative per step, a few steps), so 1e-5 relative is loose for fp32 and tight for any real
+error (a wrong slot, a missed conv tap or decay is O(1)). Rows and slots the step must not touch are
+compared exactly. bf16 activations: the conv output and o are rounded to bf16 at the same points in both,
+but summation order can flip a rounding: 1e-2.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def decode_inputs(seed, bsz, t, h, dk, pool, width=4, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    c = 3 * h * dk
+    arr = lambda *shape, s=1.0: jnp.asarray((rng.standard_normal(shape) * s).astype(np.float32))
+    step = dict(qkv=arr(bsz, t, c).astype(dtype), z=arr(bsz, t, h, dk), beta=arr(bsz, t, h),
+                out_gate=arr(bsz, t, h, dk).astype(dtype))
+    pools = dict(conv_state=arr(pool, width - 1, c).astype(dtype), state=arr(pool, h, dk, dk))
+    params = dict(conv_weight=arr(width, c, s=0.5), a_log=arr(h, s=0.5), dt_bias=arr(h * dk),
+                  o_norm_weight=1.0 + arr(dk, s=0.1))
+    return step, pools, params
+
+
+def call(fn, step, pools, params, slots, lengths, **kw):
+    return fn(step["qkv"], pools["conv_state"], params["conv_weight"], step["z"], step["beta"], step["out_gate"],
+              pools["state"], jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32),
+              a_log=params["a_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm_weight"], **kw)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_decode_in_place_through_slots(gate):
+    """T = 1, shuffled slots in a larger pool, one idle row (length 0): y and both pools match the reference;
+    slots not in the batch and the idle row's slot are bit-identical to before."""
+    step, pools, params = decode_inputs(0, bsz=3, t=1, h=3, dk=16, pool=7)
+    slots, lengths = [5, 0, 3], [1, 0, 1]
+    y, conv, state = call(kda_decode, step, pools, params, slots, lengths, gate=gate, interpret=True)
+    ry, rconv, rstate = call(kda_decode_reference, step, pools, params, slots, lengths, gate=gate)
+    assert rel(y[np.array([0, 2])], ry[np.array([0, 2])]) < 1e-5
+    assert rel(state, rstate) < 1e-5 and rel(conv, rconv) < 1e-5
+    untouched = [0, 1, 2, 4, 6]  # slot 0 is the idle row: its state must come back unchanged
+    np.testing.assert_array_equal(state[np.array(untouched)], pools["state"][np.array(untouched)])
+    np.testing.assert_array_equal(conv[np.array(untouched)], pools["conv_state"][np.array(untouched)])
+    assert rel(state[5], pools["state"][5]) > 1e-3  # and the live rows did move
+
+
+def test_verify_states_equal_sequential_decode():
+    """T = 4 verify (2 heads, K = 32, a short row of 2 valid tokens): the state after every position equals
+    four sequential single-token decodes, and the outputs match too; the pools are left alone."""
+    t = 4
+    step, pools, params = decode_inputs(1, bsz=2, t=t, h=2, dk=32, pool=4)
+    slots, lengths = [2, 1], [4, 2]
+    y, conv_states, states = call(kda_decode, step, pools, params, slots, lengths, all_states=True, interpret=True)
+    ry, rconv_states, rstates = call(kda_decode_reference, step, pools, params, slots, lengths, all_states=True)
+    assert rel(y, ry) < 1e-5 and rel(states, rstates) < 1e-5 and rel(conv_states, rconv_states) < 1e-5
+    seq = dict(pools)
+    for i in range(t):
+        one = {name: a[:, i : i + 1] for name, a in step.items()}
+        live = [int(i < n) for n in lengths]
+        y1, conv1, state1 = call(kda_decode, one, seq, params, slots, live, interpret=True)
+        seq = dict(conv_state=conv1, state=state1)
+        for r, slot in enumerate(slots):
+            if live[r]:
+                assert rel(y[r, i], y1[r, 0]) < 1e-5, (r, i)
+                assert rel(conv_states[r, i], conv1[slot]) < 1e-5, (r, i)
+            # a padded position leaves the recurrent state where the last valid token put it
+            assert rel(states[r, i], state1[slot]) < 1e-5, (r, i)
+
+
+def test_bf16_activations():
+    step, pools, params = decode_inputs(2, bsz=2, t=2, h=1, dk=16, pool=3, dtype=jnp.bfloat16)
+    slots, lengths = [1, 2], [2, 1]
+    y, conv, state = call(kda_decode, step, pools, params, slots, lengths, interpret=True)
+    ry, rconv, rstate = call(kda_decode_reference, step, pools, params, slots, lengths)
+    assert y.dtype == jnp.bfloat16 and conv.dtype == jnp.bfloat16
+    assert rel(y, ry) < 1e-2 and rel(state, rstate) < 1e-2
+    np.testing.assert_array_equal(conv, rconv)  # the conv state is a copy of inputs: exact
+
+
+def test_bad_arguments_raise():
+    step, pools, params = decode_inputs(3, bsz=1, t=1, h=1, dk=16, pool=2)
+    with pytest.raises(ValueError, match="1..8 tokens"):
+        many = {name: jnp.repeat(a, 9, axis=1) for name, a in step.items()}
+        call(kda_decode, many, pools, params, [0], [1], interpret=True)
+    with pytest.raises(ValueError, match="slots and lengths"):
+        call(kda_decode, step, pools, params, [0, 1], [1], interpret=True)
+    with pytest.raises(ValueError, match="gate must be"):
+        call(kda_decode, step, pools, params, [0], [1], gate="sigmoid", interpret=True)
