@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from k3jax import backend
 from k3jax.config import ModelConfig
-from k3jax.layers import causal_conv_with_state, dense, gated_rms_norm, l2_normalize
+from k3jax.layers import causal_conv_with_state, dense, l2_normalize
 
 CHUNK_SIZE = 64
 
@@ -176,7 +176,7 @@ def kda_mixer(
         gate = dense(x, params["g_proj"])
     else:
         gate = dense(dense(x, params["g_a"]), params["g_b"])
-    o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, dk), params["o_norm"], cfg.rms_norm_eps)
+    o = backend.get("gated_rms_norm", backend_name)(o.astype(x.dtype), gate.reshape(b, t, h, dk), params["o_norm"], cfg.rms_norm_eps)
     out = dense(o.reshape(b, t, h * dk), params["o_proj"])
     return out, (conv_states if all_states else new_conv), new_rec
 

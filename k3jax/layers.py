@@ -6,10 +6,14 @@ norms, gates, the router and the recurrent state compute in float32 and cast bac
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
+from k3jax import backend
 from k3jax.config import ModelConfig
+from pallas_kernels import fused_norm
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -19,12 +23,23 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+@backend.register("gated_rms_norm", "reference")
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """fla FusedRMSNormGated(activation="sigmoid"): rmsnorm(x) * w * sigmoid(gate), all in fp32."""
+    """fla FusedRMSNormGated(activation="sigmoid"): rmsnorm(x) * w * sigmoid(gate), all in fp32.
+
+    Op "gated_rms_norm": this is its reference; pallas_kernels/fused_norm.py is "pallas" / "interpret"."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     out = normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
     return out.astype(x.dtype)
+
+
+def _gated_rms_norm_pallas(x, gate, weight, eps, *, interpret: bool):
+    return fused_norm.gated_rms_norm(x, gate, weight, eps, interpret=interpret)
+
+
+backend.register("gated_rms_norm", "pallas")(partial(_gated_rms_norm_pallas, interpret=False))
+backend.register("gated_rms_norm", "interpret")(partial(_gated_rms_norm_pallas, interpret=True))
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

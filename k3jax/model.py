@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import kda, mla
-from k3jax.attnres import attn_res_mix
+from k3jax.attnres import attn_res_mix_norm
 from k3jax.config import ModelConfig
 from k3jax.layers import rms_norm
 from k3jax.moe import ffn
@@ -113,18 +113,25 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
             h = h + mixer(l, lp["attn"], rms_norm(h, lp["input_layernorm"], eps))
             h = h + ffn(lp["mlp"], rms_norm(h, lp["post_attention_layernorm"], eps), cfg, backend_name=backend_name)
             continue
-        x = attn_res_mix(bank + [partial_sum], lp["self_attention_res_proj"], lp["self_attention_res_norm"], eps) if bank else partial_sum
+        if bank:  # the mix and the pre-norm of the mix: one fused op (the mix is kept only for a capture)
+            x, normed = attn_res_mix_norm(bank + [partial_sum], lp["self_attention_res_proj"], lp["self_attention_res_norm"],
+                                          lp["input_layernorm"], eps, with_mix=l in capture, backend_name=backend_name)
+        else:
+            x, normed = partial_sum, rms_norm(partial_sum, lp["input_layernorm"], eps)
         if l in capture:
             captured[l] = x
         if l % block == 0:
             bank.append(partial_sum)
             partial_sum = None
-        a = mixer(l, lp["attn"], rms_norm(x, lp["input_layernorm"], eps))
+        a = mixer(l, lp["attn"], normed)
         partial_sum = a if partial_sum is None else partial_sum + a
-        x = attn_res_mix(bank + [partial_sum], lp["mlp_res_proj"], lp["mlp_res_norm"], eps)
-        partial_sum = partial_sum + ffn(lp["mlp"], rms_norm(x, lp["post_attention_layernorm"], eps), cfg, backend_name=backend_name)
+        _, normed = attn_res_mix_norm(bank + [partial_sum], lp["mlp_res_proj"], lp["mlp_res_norm"],
+                                      lp["post_attention_layernorm"], eps, backend_name=backend_name)
+        partial_sum = partial_sum + ffn(lp["mlp"], normed, cfg, backend_name=backend_name)
     if block is not None:
-        h = attn_res_mix(bank + [partial_sum], params["output_attn_res_proj"], params["output_attn_res_norm"], eps)
+        _, hidden = attn_res_mix_norm(bank + [partial_sum], params["output_attn_res_proj"], params["output_attn_res_norm"],
+                                      params["norm"], eps, backend_name=backend_name)
+        return hidden, [captured[l] for l in capture]
     return rms_norm(h, params["norm"], eps), [captured[l] for l in capture]
 
 

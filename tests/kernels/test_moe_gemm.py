@@ -163,12 +163,20 @@ def test_bad_inputs_raise():
         MoeGemmConfig(block_m=24)
 
 
-def test_model_forward_interpret_equals_reference():
+def test_model_forward_interpret_equals_reference(monkeypatch):
     """k3-tiny cut to 3 layers (dense, KDA+MoE, MLA+MoE; AttnRes blocks of 2 so the bank, partial sums and
     final mix all occur; fp32, SiTU) with every "interpret" kernel against the reference path. fp32
     summation-order differences only, so the 1e-5 bound of tests/model applies. (3 layers, not 9: each
-    interpreted kernel call site compiles separately, and 9 layers cost ~50 s of CI.)"""
+    interpreted kernel call site compiles separately, and 9 layers cost ~50 s of CI.)
+
+    Only this file's kernels (moe_experts, attn_res_mix_norm, gated_rms_norm) run interpreted: other
+    ops' "interpret" registrations are hidden for the test, so it measures these kernels in the model
+    and stays within its CI time whatever else lands (those kernels have their own model tests)."""
     import k3jax
+
+    for op, name in list(backend._REGISTRY):
+        if name == "interpret" and op not in ("moe_experts", "attn_res_mix_norm", "gated_rms_norm"):
+            monkeypatch.delitem(backend._REGISTRY, (op, name))
 
     cfg = k3_tiny().replace(num_layers=3, mla_layers=(2,), attn_res_block_size=2)
     params = k3jax.init_params(cfg, jax.random.key(3))
