@@ -76,13 +76,13 @@ def test_bookkeeping_matches_sublayer_form(monkeypatch, preset, layers, block):
     params = fake_stack(cfg, d, rng)
     h = rng.standard_normal((2, 3, d))
     mix_sizes = []
-    real_mix = model.attn_res_mix
+    real_mix = model.attn_res_mix_norm  # the decoder's mix points (mix + the following pre-norm)
 
-    def counting_mix(sources, proj, norm, eps):
+    def counting_mix(sources, *args, **kwargs):
         mix_sizes.append(len(sources))
-        return real_mix(sources, proj, norm, eps)
+        return real_mix(sources, *args, **kwargs)
 
-    monkeypatch.setattr(model, "attn_res_mix", counting_mix)
+    monkeypatch.setattr(model, "attn_res_mix_norm", counting_mix)
     monkeypatch.setattr(model, "ffn", lambda p, x, cfg, backend_name: jnp.tanh(x @ p["w"]))
     to_j = lambda t: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), t)
     got = model.decoder(to_j(params), cfg, jnp.asarray(h, jnp.float32), lambda l, p, x: jnp.tanh(x @ p["w"]), "reference")[0]
