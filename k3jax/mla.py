@@ -105,6 +105,29 @@ def paged_attention_reference(
     return jnp.einsum("bhts,bsc->bthc", probs, c.astype(jnp.float32))
 
 
+def _kernel_paged_attention(interpret: bool):
+    """The "pallas" / "interpret" implementation of mla_paged_attention: the Pallas MLA kernels
+    (pallas_kernels/mla_decode.py for q_len <= 8, with a balanced split plan built on device from the
+    positions; mla_prefill.py for longer chunks). Sizes the kernels' Triton tiling cannot take (C or R not a
+    power of two >= 16, page_size not a power of two <= 64: e.g. the tiny test configs) use the reference."""
+
+    def attend(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank, scale):
+        from pallas_kernels import mla_decode, mla_prefill  # imported on use: k3jax does not need Pallas
+
+        if not mla_decode.supported(kv_lora_rank, q_pe.shape[-1], kv_pages.shape[1], kv_pages.dtype):
+            return paged_attention_reference(q_latent, q_pe, kv_pages, page_table, query_positions,
+                                             kv_lora_rank=kv_lora_rank, scale=scale)
+        kernel = mla_decode.mla_decode if q_latent.shape[1] <= mla_decode.MAX_Q_LEN else mla_prefill.mla_prefill
+        return kernel(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank=kv_lora_rank, scale=scale,
+                      interpret=interpret)
+
+    return attend
+
+
+backend.register("mla_paged_attention", "pallas")(_kernel_paged_attention(interpret=False))
+backend.register("mla_paged_attention", "interpret")(_kernel_paged_attention(interpret=True))
+
+
 def write_latents(
     kv_pages: jax.Array, layer: int, latent: jax.Array, page_table: jax.Array, context_lens: jax.Array,
     lengths: jax.Array,

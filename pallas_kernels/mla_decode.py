@@ -1,0 +1,408 @@
+"""Pallas MLA decode: absorbed attention of 1..8 new tokens per request over the paged latent cache.
+
+Math (k3-model.md §4, absorbed form): every cached token is one latent [c (C) | k_pe (R)] shared by all
+heads, so MLA decode is MQA with a (C+R)-wide key and a C-wide value (the key's first C channels). Query
+row (t, h) of request b holds [q_latent | q_pe] (W_UK already folded into q_latent) and position
+pos[b, t]; it sees the keys at positions <= pos (the causal mask inside a speculative draft), and
+    o[b, t, h] = sum_s softmax_s(scale * q . kv_s) c_s       (fp32, before W_UV).
+
+Kernel: rows are (t, h) flattened t-major, so every program works on a block of `block_rows` query rows
+of ONE request against a range of its KV: all heads (and all draft tokens) of a request share each KV
+load. The grid is (row block, work item) with the row block fastest, so the row blocks of a work item
+run side by side and its KV comes from HBM once (then L2). A work item is a (request, KV block range)
+from a split plan (pallas_kernels/mla_plan.py: balanced per-request split counts, or uniform). Pages are
+gathered `block_kv // page_size` at a time through the page table, so page tables need not be ordered.
+A request with one work item gets its normalised output written directly; a split request writes
+per-item partials (normalised output + base-2 log-sum-exp) that a second small kernel merges.
+
+fp8-e4m3 caches carry one fp32 scale per cached token (kv_scales [P, page_size], value = fp8 * scale).
+The scale factors out of both products: s_j = scale_j * (q . kv8_j) and sum_j p_j scale_j c8_j, so the
+kernel converts fp8 to the query dtype for the MMA and applies scales to the [rows, block_kv] tile.
+
+Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement:
+shared/design/gpu.md measures Pallas-Triton at 540 TFLOP/s on a tiled matmul (87% of XLA's), the level
+this kernel needs (96-head MLA decode is near the H200's ridge point: 2*96*(576+512) FLOP per 1152 KV
+bytes = 181 FLOP/B); it indexes pages with in-kernel gathers and runs data-dependent loop bounds (what a
+split plan needs without scalar prefetch); and it runs under `interpret=True` on CPU CI.
+benchmarks/mla.py measures this kernel against the H200's copy bandwidth and the shipped Pallas
+`decode_attention` in one run (docs/results/mla_h200_2026-11-29.json). Mosaic GPU (wgmma + TMA with a
+warp-specialised pipeline, as FlashMLA does) is the route to the last factor; not built here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.mla_plan import SplitPlan, plan_balanced
+
+LOG2E = math.log2(math.e)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
+MAX_Q_LEN = 8  # decode / speculative verify; longer queries go to mla_prefill
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared inner loop (also used by mla_prefill): online softmax over KV blocks [blk_start, blk_end).
+# --------------------------------------------------------------------------------------------------
+def attend_kv_blocks(q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, blk_start, blk_end, *,
+                     kv_lora_rank: int, block_kv: int, page_size: int, softmax_scale: float):
+    """Runs inside a kernel. q_c [rows, C], q_r [rows, R] (query dtype), row_pos [rows] int32; reads request
+    b's pages through page_table_ref [B, max_pages] from kv_ref [P, page_size, C+R] (kv_scale_ref
+    [P, page_size] or None). Returns (acc [rows, C] fp32 un-normalised, m [rows] base-2 running max,
+    l [rows] sum of exp2) over keys at positions in blocks [blk_start, blk_end) that each row may see."""
+    rows = q_c.shape[0]
+    c_dim, r_dim = kv_lora_rank, kv_ref.shape[-1] - kv_lora_rank
+    pages_per_block = block_kv // page_size
+    compute_dtype = q_c.dtype
+    key_offsets = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def body(blk, carry):
+        acc, m_prev, l_prev = carry
+        pages = page_table_ref[b, pl.ds(blk * pages_per_block, pages_per_block)]  # [pages_per_block]
+        kv_c = kv_ref[pages, :, pl.ds(0, c_dim)].reshape(block_kv, c_dim).astype(compute_dtype)
+        kv_r = kv_ref[pages, :, pl.ds(c_dim, r_dim)].reshape(block_kv, r_dim).astype(compute_dtype)
+        s = jnp.dot(q_c, kv_c.T, preferred_element_type=jnp.float32)
+        s += jnp.dot(q_r, kv_r.T, preferred_element_type=jnp.float32)  # [rows, block_kv]
+        if kv_scale_ref is not None:
+            token_scale = kv_scale_ref[pages].reshape(1, block_kv).astype(jnp.float32)
+            s = s * token_scale
+        s = s * (softmax_scale * LOG2E)  # base-2 logits
+        visible = (blk * block_kv + key_offsets)[None, :] <= row_pos[:, None]
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 finite (-> 0).
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        p = jnp.exp2(s - m_safe[:, None])
+        alpha = jnp.exp2(m_prev - m_safe)
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        if kv_scale_ref is not None:
+            p = p * token_scale
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(compute_dtype), kv_c, preferred_element_type=jnp.float32)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((rows, c_dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    return jax.lax.fori_loop(blk_start, blk_end, body, init)
+
+
+def normalise(acc, m, l):
+    """(acc / l, base-2 lse); rows that saw no key give (0, -inf)."""
+    seen = l > 0
+    out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+def _decode_kernel(
+    work_request_ref,  # [W] int32, -1 = padding item
+    work_start_ref,  # [W] int32 first KV block
+    work_end_ref,  # [W] int32 one past the last KV block
+    request_num_work_ref,  # [B] int32
+    q_ref,  # [B, M_pad, C+R] queries, rows (t, h) t-major
+    row_pos_ref,  # [B, M_pad] int32 position of each row's token (-1 for padding rows)
+    page_table_ref,  # [B, max_pages_padded] int32
+    kv_ref,  # [P, page_size, C+R] latent pages
+    *rest,  # kv_scale_ref [P, page_size] fp32 (fp8 caches), then outputs:
+    # out_ref [B, M_pad, C] fp32 final output (single-item requests);
+    # part_o_ref [block_rows, C] fp32 (block of [W, M_pad, C]); part_lse_ref [block_rows] (block of [W, M_pad])
+    has_scales: bool,
+    kv_lora_rank: int,
+    block_rows: int,
+    block_kv: int,
+    page_size: int,
+    softmax_scale: float,
+):
+    kv_scale_ref = rest[0] if has_scales else None
+    out_ref, part_o_ref, part_lse_ref = rest[1:] if has_scales else rest
+    row_block, item = pl.program_id(0), pl.program_id(1)
+    b = work_request_ref[item]
+
+    @pl.when(b >= 0)
+    def _():
+        rows = pl.ds(row_block * block_rows, block_rows)
+        c_dim, r_dim = kv_lora_rank, q_ref.shape[-1] - kv_lora_rank
+        q_c = q_ref[b, rows, pl.ds(0, c_dim)]  # [block_rows, C]
+        q_r = q_ref[b, rows, pl.ds(c_dim, r_dim)]  # [block_rows, R]
+        row_pos = row_pos_ref[b, rows]  # [block_rows]
+        acc, m, l = attend_kv_blocks(
+            q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, work_start_ref[item], work_end_ref[item],
+            kv_lora_rank=kv_lora_rank, block_kv=block_kv, page_size=page_size, softmax_scale=softmax_scale,
+        )
+        out, lse = normalise(acc, m, l)
+        single = request_num_work_ref[b] == 1
+
+        @pl.when(single)
+        def _():
+            out_ref[b, rows, :] = out
+
+        @pl.when(jnp.logical_not(single))
+        def _():
+            part_o_ref[...] = out
+            part_lse_ref[...] = lse
+
+
+def _combine_kernel(
+    request_first_work_ref,  # [B] int32
+    request_num_work_ref,  # [B] int32
+    part_o_ref,  # [W, M_pad, C] fp32 normalised partial outputs
+    part_lse_ref,  # [W, M_pad] fp32 base-2 log-sum-exp of each partial
+    out_in_ref,  # [B, M_pad, C] fp32, aliased to out_ref (single-item requests already written)
+    out_ref,  # [block_rows, C] fp32 (block of [B, M_pad, C])
+    *,
+    block_rows: int,
+):
+    del out_in_ref
+    row_block, b = pl.program_id(0), pl.program_id(1)
+    num_items = request_num_work_ref[b]
+
+    @pl.when(num_items > 1)
+    def _():
+        first = request_first_work_ref[b]
+        rows = pl.ds(row_block * block_rows, block_rows)
+        c_dim = part_o_ref.shape[-1]
+
+        def body(i, carry):
+            acc, m_prev, l_prev = carry
+            lse = part_lse_ref[first + i, rows]  # [block_rows]
+            part = part_o_ref[first + i, rows, :]  # [block_rows, C]
+            m_next = jnp.maximum(m_prev, lse)
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            alpha, weight = jnp.exp2(m_prev - m_safe), jnp.exp2(lse - m_safe)
+            return acc * alpha[:, None] + part * weight[:, None], m_next, l_prev * alpha + weight
+
+        init = (
+            jnp.zeros((block_rows, c_dim), jnp.float32),
+            jnp.full((block_rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_rows,), jnp.float32),
+        )
+        acc, _, l = jax.lax.fori_loop(0, num_items, body, init)
+        out_ref[...] = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+def supported(c_dim: int, r_dim: int, page_size: int, kv_dtype) -> bool:
+    """Whether the kernels' Triton tiling takes these sizes (C, R powers of two >= 16, page_size a power of
+    two <= 64 -- the default block_kv -- and a KV dtype of KV_DTYPES)."""
+    return (_is_pow2(c_dim) and c_dim >= 16 and _is_pow2(r_dim) and r_dim >= 16 and _is_pow2(page_size)
+            and page_size <= 64 and any(jnp.dtype(kv_dtype) == d for d in KV_DTYPES))
+
+
+def _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv,
+                  block_rows):
+    if q_latent.ndim != 4 or q_pe.ndim != 4 or q_latent.shape[:3] != q_pe.shape[:3]:
+        raise ValueError(f"q_latent [B, T, H, C] and q_pe [B, T, H, R] disagree: {q_latent.shape} vs {q_pe.shape}")
+    b, t, _, c_dim = q_latent.shape
+    r_dim = q_pe.shape[-1]
+    if kv_pages.ndim != 3 or kv_pages.shape[-1] != c_dim + r_dim:
+        raise ValueError(f"kv_pages must be [P, page_size, {c_dim + r_dim}], got {kv_pages.shape}")
+    if c_dim != kv_lora_rank:
+        raise ValueError(f"q_latent width {c_dim} != kv_lora_rank {kv_lora_rank}")
+    for name, n in (("kv_lora_rank", c_dim), ("rope dim", r_dim)):
+        if not _is_pow2(n) or n < 16:
+            raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {n}")
+    page_size = kv_pages.shape[1]
+    if not _is_pow2(page_size):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if not _is_pow2(block_kv) or block_kv < max(16, page_size):
+        raise ValueError(f"block_kv must be a power of two >= max(16, page_size={page_size}), got {block_kv}")
+    if not _is_pow2(block_rows) or block_rows < 16:
+        raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [B={b}, max_pages], got {page_table.shape}")
+    if query_positions.shape != (b, t):
+        raise ValueError(f"query_positions must be [B, T] = {(b, t)}, got {query_positions.shape}")
+    if not any(kv_pages.dtype == d for d in KV_DTYPES):
+        raise ValueError(f"kv_pages dtype {kv_pages.dtype} not one of {[jnp.dtype(d).name for d in KV_DTYPES]}")
+    if kv_scales is not None and kv_scales.shape != kv_pages.shape[:2]:
+        raise ValueError(f"kv_scales must be [P, page_size] = {kv_pages.shape[:2]}, got {kv_scales.shape}")
+
+
+def _row_layout(q_latent, q_pe, query_positions, block_rows):
+    """q [B, M_pad, C+R] (rows (t, h) t-major, zero padding) and row positions [B, M_pad] (-1 padding)."""
+    b, t, h, _ = q_latent.shape
+    m = t * h
+    m_pad = -(-m // block_rows) * block_rows
+    q = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1).reshape(b, m, -1)
+    q = jnp.pad(q, ((0, 0), (0, m_pad - m), (0, 0)))
+    row_pos = jnp.repeat(query_positions.astype(jnp.int32), h, axis=1)
+    row_pos = jnp.pad(row_pos, ((0, 0), (0, m_pad - m)), constant_values=-1)
+    return q, row_pos, m_pad
+
+
+def _pad_page_table(page_table, pages_per_block):
+    """[B, max_pages] -> [B, multiple of pages_per_block]; padding entries are page 0 (read, masked out)."""
+    extra = -page_table.shape[1] % pages_per_block
+    return jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, extra)))
+
+
+def attended_lengths(query_positions, max_tokens: int):
+    """Tokens each request reads: max query position + 1, at most the page table's extent. [B]."""
+    return jnp.clip(jnp.max(query_positions, axis=1) + 1, 0, max_tokens).astype(jnp.int32)
+
+
+def default_block_kv(page_size: int) -> int:
+    return max(64, page_size)
+
+
+def default_block_rows(num_rows: int, cap: int) -> int:
+    """Smallest power of two >= 16 holding num_rows = T*H, at most cap."""
+    return min(cap, max(16, 1 << (num_rows - 1).bit_length()))
+
+
+def mla_decode(
+    q_latent: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    page_table: jax.Array,
+    query_positions: jax.Array,
+    plan: SplitPlan | None = None,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    kv_scales: jax.Array | None = None,
+    num_parts: int = 132,
+    block_kv: int | None = None,
+    block_rows: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Absorbed MLA decode over a paged latent cache (the cache already holds this step's tokens).
+
+    Args:
+      q_latent: [B, T, H, C] absorbed queries (W_UK^T q_nope), T = 1..8; q_pe: [B, T, H, R].
+      kv_pages: [P, page_size, C+R] one layer's pages, bf16/fp16/fp32 or float8_e4m3fn.
+      page_table: [B, max_pages] int32 page ids of each request's history in order (any pool order).
+      query_positions: [B, T] int32 absolute position of each query; it sees keys at positions <= its own.
+      plan: SplitPlan over block_kv-token blocks of attended_lengths(query_positions, max_pages*page_size)
+        (mla_plan.plan_balanced / plan_uniform, built on the host); None builds a balanced plan with
+        `num_parts` parts on device from the traced positions.
+      kv_scales: [P, page_size] fp32 per-token dequantisation scales (fp8 caches); None = 1.
+      block_kv: KV tokens per inner step (power of two, multiple of page_size; None = max(64, page_size));
+        block_rows: query rows (t, h) per program (None = T*H rounded up to a power of two, at most 32); num_warps / num_stages: Triton launch parameters.
+      interpret: run the Pallas interpreter (CPU).
+
+    Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
+    """
+    page_size = kv_pages.shape[1]
+    block_kv = default_block_kv(page_size) if block_kv is None else block_kv
+    b, t, h, c_dim = q_latent.shape
+    block_rows = default_block_rows(t * h, 32) if block_rows is None else block_rows
+    _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows)
+    if t > MAX_Q_LEN:
+        raise ValueError(f"mla_decode takes q_len <= {MAX_Q_LEN} per request, got {t}; use mla_prefill")
+    if plan is None:
+        kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
+        plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=num_parts, xp=jnp)
+    if plan.request_num_work.shape != (b,):
+        raise ValueError(f"plan is for batch {plan.request_num_work.shape}, queries for {b}")
+    return _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), kv_scales,
+                       kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv, block_rows=block_rows,
+                       num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "block_rows", "num_warps",
+                                             "num_stages", "interpret"))
+def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_scales, *, kv_lora_rank, scale,
+                block_kv, block_rows, num_warps, num_stages, interpret):
+    b, t, h, c_dim = q_latent.shape
+    page_size = kv_pages.shape[1]
+    work_request, work_start, work_end, request_first_work, request_num_work = plan
+    num_items = work_request.shape[0]
+    q, row_pos, m_pad = _row_layout(q_latent, q_pe, query_positions, block_rows)
+    page_table = _pad_page_table(page_table, block_kv // page_size)
+    n_row_blocks = m_pad // block_rows
+    has_scales = kv_scales is not None
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    inputs = [work_request, work_start, work_end, request_num_work, q, row_pos, page_table, kv_pages]
+    if has_scales:
+        inputs.append(kv_scales.astype(jnp.float32))
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    out_shape = jax.ShapeDtypeStruct((b, m_pad, c_dim), jnp.float32)
+    out, part_o, part_lse = pl.pallas_call(
+        functools.partial(_decode_kernel, has_scales=has_scales, kv_lora_rank=kv_lora_rank, block_rows=block_rows,
+                          block_kv=block_kv, page_size=page_size, softmax_scale=scale),
+        grid=(n_row_blocks, num_items),
+        in_specs=[full(x) for x in inputs],
+        out_specs=[
+            pl.BlockSpec(out_shape.shape, lambda r, w: (0, 0, 0)),
+            pl.BlockSpec((None, block_rows, c_dim), lambda r, w: (w, r, 0)),
+            pl.BlockSpec((None, block_rows), lambda r, w: (w, r)),
+        ],
+        out_shape=[
+            out_shape,
+            jax.ShapeDtypeStruct((num_items, m_pad, c_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_items, m_pad), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="mla_decode",
+    )(*inputs)
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, block_rows=block_rows),
+        grid=(n_row_blocks, b),
+        in_specs=[full(request_first_work), full(request_num_work), full(part_o), full(part_lse), full(out)],
+        out_specs=pl.BlockSpec((None, block_rows, c_dim), lambda r, i: (i, r, 0)),
+        out_shape=out_shape,
+        input_output_aliases={4: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_decode_combine",
+    )(request_first_work, request_num_work, part_o, part_lse, out)
+    return out[:, : t * h].reshape(b, t, h, c_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# References (plain jnp) and fp8 helpers
+# --------------------------------------------------------------------------------------------------
+def dequantize_pages(kv_pages: jax.Array, kv_scales: jax.Array | None) -> jax.Array:
+    """[P, page_size, C+R] (any KV dtype) -> fp32 values (times per-token scales when given)."""
+    kv = kv_pages.astype(jnp.float32)
+    return kv if kv_scales is None else kv * kv_scales.astype(jnp.float32)[..., None]
+
+
+def mla_decode_reference(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank: int, scale: float,
+                         kv_scales=None) -> jax.Array:
+    """Plain-jnp fp32 absorbed MLA over pages (also the reference of mla_prefill). Shapes as mla_decode;
+    returns o_latent [B, T, H, C] fp32."""
+    b, max_pages = page_table.shape
+    page_size = kv_pages.shape[1]
+    hist = dequantize_pages(kv_pages, kv_scales)[page_table].reshape(b, max_pages * page_size, -1)  # [B, S, C+R]
+    c, k_pe = hist[..., :kv_lora_rank], hist[..., kv_lora_rank:]
+    hi = jax.lax.Precision.HIGHEST
+    scores = (
+        jnp.einsum("bthc,bsc->bhts", q_latent.astype(jnp.float32), c, precision=hi)
+        + jnp.einsum("bthr,bsr->bhts", q_pe.astype(jnp.float32), k_pe, precision=hi)
+    ) * scale
+    visible = jnp.arange(max_pages * page_size)[None, None, :] <= query_positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhts,bsc->bthc", probs, c, precision=hi)
+
+
+def quantize_latents_fp8(latent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token fp8-e4m3 quantisation of latents [..., C+R]: returns (fp8 [..., C+R], fp32 scale [...]) with
+    latent ~= fp8 * scale, the token's max |value| mapped to 448."""
+    x = latent.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    token_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x / token_scale[..., None]).astype(jnp.float8_e4m3fn), token_scale
+

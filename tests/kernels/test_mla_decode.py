@@ -1,0 +1,176 @@
+"""MLA decode kernel (Pallas interpret mode) and its split planner against the plain-jnp references.
+
+Run: python -m pytest -q tests/kernels/test_mla_decode.py
+
+Shapes: the point here is sequence length and paging, so heads and widths are small (H = 6 so the rows
+(t, h) fill one padded row block at q_len 1 and two at q_len 4; C = 32, R = 16, the smallest widths the
+Triton tiling takes) and histories are the issue's ragged set 1, 63, 513, 4097 over shuffled 16-token pages.
+
+Tolerance: the reference is fp32 (HIGHEST precision) on the same bf16 queries and the same cache values
+(fp8 pages dequantised exactly as the kernel does: fp8 -> bf16 is exact, the scale multiply is fp32). The
+kernel's only extra rounding is the bf16 cast of the probabilities before the P @ C product (the
+normaliser l stays fp32): relative <= 2^-9 per probability, so <= 2 * 2^-9 ~ 4e-3 for a request whose
+softmax is dominated by a few keys, and far less when it averages over many (measured 3e-4 over the
+batch, 2.4e-3 worst single request). Asserted per request < 5e-3. A wrong mask, page, split boundary or
+merge weight moves the result by O(1e-1).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.testing import shuffled_page_tables
+from pallas_kernels import mla_decode as md
+from pallas_kernels import mla_plan
+
+HEADS, C, R, PAGE = 6, 32, 16, 16
+HISTORIES = np.array([1, 63, 513, 4097])  # tokens cached before this step's q_len new ones
+SCALE = (C + R) ** -0.5
+TOL = 5e-3
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_case(seed: int, q_len: int, kv_dtype):
+    """Random queries, a shuffled page pool holding each request's history + q_len draft tokens, and the
+    draft's positions (row t of request b sits at history_b + t: the causal mask inside the draft)."""
+    rng = np.random.default_rng(seed)
+    b = len(HISTORIES)
+    lens = HISTORIES + q_len
+    max_pages = -(-lens.max() // PAGE) + 1  # one spare page column: never read
+    num_pages = b * max_pages + 5
+    table = shuffled_page_tables(rng, b, max_pages, num_pages)
+    latents = rng.standard_normal((num_pages, PAGE, C + R)).astype(np.float32)
+    latents[..., C:] *= 3.0  # k_pe is not normalised: a different range than c
+    if kv_dtype == jnp.float8_e4m3fn:
+        kv, scales = md.quantize_latents_fp8(jnp.asarray(latents))
+    else:
+        kv, scales = jnp.asarray(latents, kv_dtype), None
+    q_latent = jnp.asarray(rng.standard_normal((b, q_len, HEADS, C)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((b, q_len, HEADS, R)), jnp.bfloat16)
+    positions = jnp.asarray(HISTORIES[:, None] + np.arange(q_len)[None], jnp.int32)
+    return q_latent, q_pe, kv, scales, jnp.asarray(table), positions
+
+
+def kv_lens(positions, table):
+    return np.asarray(md.attended_lengths(positions, table.shape[1] * PAGE))
+
+
+# ---------------------------------------------------------------------------------------------- planner
+def covered_blocks(plan, kv_blocks):
+    """Asserts every request's blocks are covered exactly once, in order, by its contiguous items."""
+    for b, n_blocks in enumerate(kv_blocks):
+        first, count = plan.request_first_work[b], plan.request_num_work[b]
+        assert count >= 1
+        items = np.arange(first, first + count)
+        assert (plan.work_request[items] == b).all()
+        assert plan.work_block_start[items[0]] == 0 and plan.work_block_end[items[-1]] == n_blocks
+        assert (plan.work_block_start[items[1:]] == plan.work_block_end[items[:-1]]).all()
+    assert (plan.work_request >= 0).sum() == plan.request_num_work.sum()
+
+
+@pytest.mark.parametrize("num_parts", [1, 7, 132])
+def test_balanced_plan_covers_and_balances(num_parts):
+    rng = np.random.default_rng(num_parts)
+    lens = np.concatenate([rng.integers(4096, 200_000, 11), [0, 1, 63]])
+    plan = mla_plan.plan_balanced(lens, block_kv=64, num_parts=num_parts)
+    blocks = -(-lens // 64)
+    assert plan.work_request.shape == (mla_plan.max_work_items(len(lens), num_parts),)
+    covered_blocks(plan, blocks)
+    sizes = (plan.work_block_end - plan.work_block_start)[plan.work_request >= 0]
+    chunk = -(-(blocks.sum() + len(lens) * mla_plan.DEFAULT_OVERHEAD_BLOCKS) // num_parts)
+    assert sizes.max() <= chunk  # no item is longer than one part's payload
+    # longer histories never get fewer splits
+    order = np.argsort(lens)
+    assert (np.diff(plan.request_num_work[order]) >= 0).all()
+
+
+def test_plan_on_device_equals_host_and_uniform_plan():
+    lens = np.array([1, 63, 513, 4097, 200_000, 0], np.int32)
+    host = mla_plan.plan_balanced(lens, block_kv=64, num_parts=9)
+    device = jax.jit(lambda x: mla_plan.plan_balanced(x, block_kv=64, num_parts=9, xp=jnp))(jnp.asarray(lens))
+    for h, d in zip(host, device):
+        np.testing.assert_array_equal(h, np.asarray(d))
+    uniform = mla_plan.plan_uniform(lens, block_kv=64, splits=3)
+    assert (uniform.request_num_work == 3).all() and uniform.work_request.shape == (18,)
+    covered_blocks(uniform, -(-lens // 64))
+    with pytest.raises(ValueError, match="num_parts"):
+        mla_plan.plan_balanced(lens, block_kv=64, num_parts=0)
+    with pytest.raises(ValueError, match="kv_lens"):
+        mla_plan.plan_uniform(lens[None], block_kv=64, splits=2)
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_decode_matches_reference_one_and_many_splits(q_len, kv_dtype):
+    q_latent, q_pe, kv, scales, table, positions = make_case(10 * q_len, q_len, kv_dtype)
+    want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=C, scale=SCALE, kv_scales=scales)
+    lens = kv_lens(positions, table)
+    plans = {
+        "one split each": mla_plan.plan_uniform(lens, block_kv=64, splits=1),
+        "balanced": mla_plan.plan_balanced(lens, block_kv=64, num_parts=10),
+    }
+    assert plans["balanced"].request_num_work[-1] > 4  # the 4097-token request is split many ways
+    assert plans["balanced"].request_num_work[0] == 1  # the 1-token one is written directly
+    for name, plan in plans.items():
+        got = md.mla_decode(q_latent, q_pe, kv, table, positions, mla_plan.plan_to_device(plan), kv_lora_rank=C,
+                            scale=SCALE, kv_scales=scales, block_rows=16, interpret=True)
+        assert got.shape == (len(HISTORIES), q_len, HEADS, C) and got.dtype == jnp.float32
+        for b in range(len(HISTORIES)):  # per request: a short history must not hide in a long one's norm
+            assert rel(got[b], want[b]) < TOL, (name, b)
+
+
+def test_decode_uniform_splits_and_device_plan_without_recompiling():
+    """Uniform mode with more splits than a short history has blocks (empty items), then the device-side
+    plan: new lengths with the same batch reuse the compiled kernel (fixed-size metadata)."""
+    q_len = 4
+    q_latent, q_pe, kv, scales, table, positions = make_case(3, q_len, jnp.bfloat16)
+    want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=C, scale=SCALE)
+    plan = mla_plan.plan_uniform(kv_lens(positions, table), block_kv=64, splits=4)
+    got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=C, scale=SCALE, block_rows=16,
+                        interpret=True)
+    assert rel(got, want) < TOL
+
+    run = lambda pos: md.mla_decode(q_latent, q_pe, kv, table, pos, kv_lora_rank=C, scale=SCALE, num_parts=6,
+                                    block_rows=16, interpret=True)
+    assert rel(run(positions), want) < TOL
+    compiled = md._mla_decode._cache_size()
+    shorter = positions - jnp.asarray([[0], [40], [500], [3000]], jnp.int32)  # other lengths, other splits
+    want_shorter = md.mla_decode_reference(q_latent, q_pe, kv, table, shorter, kv_lora_rank=C, scale=SCALE)
+    assert rel(run(shorter), want_shorter) < TOL
+    assert md._mla_decode._cache_size() == compiled
+
+
+def test_fp8_quantisation_error_is_bounded():
+    """The fp8 cache itself (not the kernel): per-token e4m3 keeps ~2^-4 relative error per value."""
+    x = jax.random.normal(jax.random.key(0), (64, C + R)) * jnp.exp(jax.random.normal(jax.random.key(1), (64, 1)))
+    q, s = md.quantize_latents_fp8(x)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (64,)
+    assert rel(q.astype(jnp.float32) * s[:, None], x) < 0.04
+
+
+def test_decode_rejects_bad_inputs():
+    q_latent, q_pe, kv, _, table, positions = make_case(0, 1, jnp.bfloat16)
+    call = lambda **kw: md.mla_decode(**{**dict(q_latent=q_latent, q_pe=q_pe, kv_pages=kv, page_table=table,
+                                                query_positions=positions, kv_lora_rank=C, scale=SCALE,
+                                                interpret=True), **kw})
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        call(kv_lora_rank=C + 1)
+    with pytest.raises(ValueError, match="kv_pages"):
+        call(kv_pages=kv[..., :-1])
+    with pytest.raises(ValueError, match="query_positions"):
+        call(query_positions=positions[:, :0])
+    with pytest.raises(ValueError, match="block_rows"):
+        call(block_rows=24)
+    with pytest.raises(ValueError, match="kv_scales"):
+        call(kv_scales=jnp.ones((3,)))
+    with pytest.raises(ValueError, match="q_len"):
+        call(q_latent=jnp.tile(q_latent, (1, 9, 1, 1)), q_pe=jnp.tile(q_pe, (1, 9, 1, 1)),
+             query_positions=jnp.tile(positions, (1, 9)))
+    with pytest.raises(ValueError, match="power of two"):
+        call(q_latent=q_latent[..., :24], kv_pages=kv[..., 8:], kv_lora_rank=24)
