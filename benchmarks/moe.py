@@ -1,0 +1,451 @@
+"""MoE grouped GEMM and fused norms on one GPU: ours vs peers vs the limits measured in the same run.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python benchmarks/moe.py --out $OUT/moe.json   # H200
+    python benchmarks/moe.py --smoke --out /tmp/moe.json     # CPU: tiny shapes, interpret mode, no timing claims
+
+Limits (measured first, same process): bf16 matmul peak (jnp.dot 8192^3), XLA copy bandwidth (bf16 x*2 over
+2 GiB, bytes read + written) and, when torch imports, torch's copy bandwidth (the higher ceiling).
+
+MoE (the whole routed-expert op: sort, gate/up + GLU, down * routing weight, combine), per token count T:
+  k3-ep16: one EP16 shard of K3 (56 of 896 experts, latent 3584 -> 3072 -> 3584, SiTU). Each of T tokens
+           picks 16 of 896 experts uniformly; the shard keeps the picks among its 56 (about T rows, ~T/56
+           per expert, natural imbalance) -- what one GPU computes after the dispatch all-to-all.
+  k3-small: all 192 experts on one GPU (1024 -> 512 -> 1024), top 8 of 192, 8T rows.
+  impls: pallas (ours, bf16 and MXFP4 weights), ragged_dot_mgpu (shipped Mosaic-GPU grouped GEMM, gate|up
+  fused into one [E, K, 2I] GEMM, GLU in XLA), xla_ragged_dot (k3jax's reference op; small T only: it is
+  the 11 TFLOP/s path), dense_loop (per-expert einsum at equal capacity = the largest group).
+  Reported: ms, TFLOP/s (6 M K I useful FLOPs), weight GB/s (bytes of the experts that got rows), the
+  floor max(FLOPs / peak, weight bytes / copy bandwidth) and ours / peer speedups.
+Fused norms at 8192 tokens: AttnRes mix (5 and 9 sources) + RMSNorm at 7168 vs the unfused XLA code, and
+gated RMSNorm at [8192 x 96 heads, 128] (bf16 out and fp8 out) vs XLA; GB/s vs the copy bandwidth.
+Correctness on the GPU: ours vs dense_loop (fp32-accumulated bf16 einsum) relative error, per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.attnres import attn_res_mix_norm_unfused
+from k3jax.layers import gated_rms_norm as gated_rms_norm_xla
+from k3jax.quant import mxfp4_dequantize
+from pallas_kernels import fused_norm, moe_gemm
+from pallas_kernels.moe_gemm import MoeGemmConfig
+
+SHAPES = {
+    # name: (experts on this GPU, experts in the model, top_k, K (expert width), I (expert intermediate), EP shard)
+    "k3-ep16": dict(local=56, total=896, top_k=16, k_dim=3584, i_dim=3072),
+    "k3-small": dict(local=192, total=192, top_k=8, k_dim=1024, i_dim=512),
+}
+SMOKE_SHAPES = {"tiny": dict(local=6, total=12, top_k=3, k_dim=64, i_dim=32)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU interpret-mode run on tiny shapes")
+    p.add_argument("--tokens", type=str, default="16,1024,16384,65536")
+    p.add_argument("--small-tokens", type=str, default="16,4096")
+    p.add_argument("--xla-ragged-max-rows", type=int, default=4096)
+    p.add_argument("--norm-tokens", type=int, default=8192)
+    p.add_argument("--skip", type=str, default="", help="comma list of sections to skip: moe,sweep,norms")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------------
+# timing
+
+
+def timed(fn, *args, target_s: float = 0.03, trials: int = 5) -> float:
+    """Median seconds per call: calls are issued back to back (async dispatch) and synchronised once per
+    trial, so host overhead overlaps device work; the first call compiles."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = int(min(200, max(2, target_s / one)))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def matmul_peak(n: int) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    return 2 * n**3 / timed(f, a, b) / 1e12
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    return 2 * nbytes / timed(jax.jit(lambda x: x * 2), x) / 1e9
+
+
+def torch_copy_bandwidth(nbytes: int) -> float | None:
+    try:
+        import torch
+    except Exception:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / 10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+# ----------------------------------------------------------------------------------------------------
+# MoE inputs and peers
+
+
+def routing(shape: dict, tokens: int, seed: int):
+    """(ids [N, k], weights [N, k]) for this GPU: uniform top-k of `total` per token, keeping the local experts.
+
+    EP shard: a token's number of local picks is hypergeometric (top_k draws from `total`, `local` of them
+    here), the picks themselves uniform among the local experts; each local pick is one row (top_k = 1)."""
+    rng = np.random.default_rng(seed)
+    local, total, top_k = shape["local"], shape["total"], shape["top_k"]
+    order = np.argsort(rng.random((tokens, local)), axis=1)
+    if local == total:
+        ids = order[:, :top_k].astype(np.int32)
+    else:
+        hits = rng.hypergeometric(local, total - local, top_k, size=tokens)
+        ids = order[np.arange(local)[None, :] < hits[:, None]].astype(np.int32)[:, None]
+        if ids.size == 0:
+            ids = np.zeros((1, 1), np.int32)
+    weights = rng.uniform(0.02, 0.2, ids.shape).astype(np.float32)
+    return ids, weights
+
+
+def make_experts(shape: dict, seed: int):
+    e, k, i = shape["local"], shape["k_dim"], shape["i_dim"]
+    keys = jax.random.split(jax.random.key(seed), 6)
+    bf16 = {
+        "gate": (jax.random.normal(keys[0], (e, k, i), jnp.float32) * k**-0.5).astype(jnp.bfloat16),
+        "up": (jax.random.normal(keys[1], (e, k, i), jnp.float32) * k**-0.5).astype(jnp.bfloat16),
+        "down": (jax.random.normal(keys[2], (e, i, k), jnp.float32) * i**-0.5).astype(jnp.bfloat16),
+    }
+
+    def packed(key, out_dim, in_dim, fan_in):
+        kp, ks = jax.random.split(key)
+        # random E2M1 codes; scales near 2^-2 / sqrt(fan_in) so values are ~ unit-variance / sqrt(fan_in)
+        base = 127 - 2 - int(np.log2(np.sqrt(fan_in)))
+        return {
+            "packed": jax.random.randint(kp, (e, out_dim, in_dim // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+            "scale": jax.random.randint(ks, (e, out_dim, in_dim // 32), base - 1, base + 2, jnp.int32).astype(jnp.uint8),
+        }
+
+    mx = {"gate": packed(keys[3], i, k, k), "up": packed(keys[4], i, k, k), "down": packed(keys[5], k, i, i)}
+    return bf16, mx
+
+
+def dequantized(mx: dict) -> dict:
+    return {n: jnp.swapaxes(mxfp4_dequantize(w["packed"], w["scale"], jnp.bfloat16), -1, -2) for n, w in mx.items()}
+
+
+def _glu(gate, up):
+    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return (4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * 25.0 * jnp.tanh(u / 25.0)).astype(jnp.bfloat16)
+
+
+def _sorted(x, ids):
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return x[order // k], order, flat[order]
+
+
+def _combine(y, order, weights, n, k):
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return y[jnp.argsort(order)].reshape(n, k, -1).sum(1).astype(jnp.bfloat16)
+
+
+def mgpu_moe(x, ids, weights, gate_up, down, *, num_experts):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    n, k = ids.shape
+    xs, order, _ = _sorted(x, ids)
+    sizes = jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
+    rd = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
+                           max_concurrent_steps=4, grid_block_n=1)
+    gu = rd(xs, gate_up)
+    i = gu.shape[1] // 2
+    y = rd(_glu(gu[:, :i], gu[:, i:]), down)
+    return _combine(y, order, weights, n, k)
+
+
+def xla_ragged_moe(x, ids, weights, experts, *, num_experts):
+    n, k = ids.shape
+    xs, order, _ = _sorted(x, ids)
+    sizes = jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
+    rd = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    h = _glu(rd(xs, experts["gate"]), rd(xs, experts["up"]))
+    return _combine(rd(h, experts["down"]), order, weights, n, k)
+
+
+def dense_loop_moe(x, ids, weights, experts, *, num_experts, capacity):
+    """Per-expert einsum at equal capacity (every expert padded to the largest group)."""
+    n, k = ids.shape
+    xs, order, expert = _sorted(x, ids)
+    sizes = jnp.bincount(expert, length=num_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    slot = jnp.arange(expert.shape[0]) - starts[expert]
+    xcap = jnp.zeros((num_experts, capacity, x.shape[1]), x.dtype).at[expert, slot].set(xs)
+    mm = lambda a, w: jnp.einsum("eck,eki->eci", a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    h = _glu(mm(xcap, experts["gate"]), mm(xcap, experts["up"]))
+    y = mm(h, experts["down"])[expert, slot]
+    return _combine(y, order, weights, n, k)
+
+
+def rel_err(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+# ----------------------------------------------------------------------------------------------------
+# sections
+
+
+def bench_moe(name, shape, token_counts, limits, args, interpret):
+    rows_out = []
+    e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
+    bf16, mx = make_experts(shape, seed=1)
+    mx_deq = dequantized(mx)
+    gate_up = jnp.concatenate([bf16["gate"], bf16["up"]], axis=-1)
+    ours = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, interpret=interpret))
+    for t in token_counts:
+        ids_np, w_np = routing(shape, t, seed=t)
+        m, top_k = ids_np.size, ids_np.shape[1]
+        n = ids_np.shape[0]
+        counts = np.bincount(ids_np.reshape(-1), minlength=e)
+        touched = int((counts > 0).sum())
+        x = jax.random.normal(jax.random.key(t), (n, k_dim), jnp.float32).astype(jnp.bfloat16)
+        ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
+        flops = moe_gemm.grouped_flops(m, k_dim, i_dim)
+        base = dict(shape=name, tokens=t, rows=m, rows_per_expert=m / e, experts_touched=touched, flops=flops)
+        dense = jax.jit(functools.partial(dense_loop_moe, num_experts=e, capacity=int(counts.max())))
+        cases = [
+            ("pallas", "bf16", lambda: ours(x, ids, w, bf16)),
+            ("pallas", "mxfp4", lambda: ours(x, ids, w, mx)),
+            ("dense_loop", "bf16", lambda: dense(x, ids, w, bf16)),
+        ]
+        if not interpret:
+            mg = jax.jit(functools.partial(mgpu_moe, num_experts=e))
+            cases.append(("ragged_dot_mgpu", "bf16", lambda: mg(x, ids, w, gate_up, bf16["down"])))
+        if m <= args.xla_ragged_max_rows:
+            xr = jax.jit(functools.partial(xla_ragged_moe, num_experts=e))
+            cases.append(("xla_ragged_dot", "bf16", lambda: xr(x, ids, w, bf16)))
+        results = {}
+        for impl, quant, thunk in cases:
+            row = dict(base, impl=impl, weights=quant)
+            try:
+                out = thunk()
+                results[(impl, quant)] = out
+                sec = timed(lambda: thunk()) if not interpret else float("nan")
+                wbytes = moe_gemm.expert_weight_bytes(touched, k_dim, i_dim, packed=quant == "mxfp4")
+                floor = max(flops / (limits["matmul_tflops"] * 1e12), wbytes / (limits["copy_gbps"] * 1e9))
+                row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, weight_gbps=wbytes / sec / 1e9,
+                           weight_bytes=wbytes, floor_ms=floor * 1e3, floor_ratio=sec / floor)
+            except Exception as err:  # a peer that does not run at this shape is recorded, not fatal
+                row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
+                traceback.print_exc(limit=2)
+            rows_out.append(row)
+        # correctness on the device: ours vs the einsum peer (same weights; MXFP4 vs its dequantised bf16)
+        checks = {}
+        if ("pallas", "bf16") in results and ("dense_loop", "bf16") in results:
+            checks["pallas_bf16_vs_dense"] = rel_err(results[("pallas", "bf16")], results[("dense_loop", "bf16")])
+        if ("pallas", "mxfp4") in results and t <= 4096:
+            want = jax.jit(functools.partial(dense_loop_moe, num_experts=e, capacity=int(counts.max())))(x, ids, w, mx_deq)
+            checks["pallas_mxfp4_vs_dense_dequant"] = rel_err(results[("pallas", "mxfp4")], want)
+        for row in rows_out[-len(cases):]:
+            row["checks"] = checks
+        print(f"{name} T={t} rows={m} touched={touched} checks={checks}", flush=True)
+    return rows_out
+
+
+def bench_sweep(shape, token_counts, limits, interpret):
+    """Tile configurations of ours at the decode and the largest size (the default is picked by rows/expert)."""
+    configs = [  # the defaults (first of each group) are measured in the main table; these are alternatives
+        MoeGemmConfig(16, 128, 128, 128, 4, 3), MoeGemmConfig(16, 64, 128, 256, 4, 3),
+        MoeGemmConfig(128, 128, 128, 64, 8, 3), MoeGemmConfig(64, 64, 128, 64, 4, 4),
+    ]
+    out = []
+    e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
+    bf16, mx = make_experts(shape, seed=2)
+    for t in token_counts:
+        ids_np, w_np = routing(shape, t, seed=t + 7)
+        m = ids_np.size
+        x = jax.random.normal(jax.random.key(t), (ids_np.shape[0], k_dim), jnp.float32).astype(jnp.bfloat16)
+        ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
+        touched = int((np.bincount(ids_np.reshape(-1), minlength=e) > 0).sum())
+        small = m / e <= 16
+        for cfg in configs:
+            if (cfg.block_m <= 32) != small:
+                continue
+            for quant, experts in (("bf16", bf16), ("mxfp4", mx)) if small else (("bf16", bf16),):
+                row = dict(tokens=t, rows=m, weights=quant, config=cfg.__dict__)
+                try:
+                    f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, config=cfg, interpret=interpret))
+                    sec = timed(f, x, ids, w, experts) if not interpret else float("nan")
+                    wbytes = moe_gemm.expert_weight_bytes(touched, k_dim, i_dim, packed=quant == "mxfp4")
+                    row.update(ms=sec * 1e3, tflops=moe_gemm.grouped_flops(m, k_dim, i_dim) / sec / 1e12,
+                               weight_gbps=wbytes / sec / 1e9)
+                except Exception as err:
+                    row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
+                out.append(row)
+                print("sweep", row, flush=True)
+    return out
+
+
+def bench_norms(tokens, limits, interpret, d=7168, heads=96, head_dim=128):
+    out = []
+    key = jax.random.key(5)
+    for num_sources in (5, 9):
+        ks = jax.random.split(key, num_sources + 3)
+        sources = [(jax.random.normal(ks[i], (tokens, d), jnp.float32) * (1 + i)).astype(jnp.bfloat16) for i in range(num_sources)]
+        proj, norm, ow = (jax.random.normal(ks[-j], (d,), jnp.float32).astype(jnp.bfloat16) * 0.1 + (j > 1) for j in (1, 2, 3))
+        nbytes = (num_sources + 1) * tokens * d * 2  # sources read once, normed output written once
+        fused = jax.jit(lambda s, a, b, c: fused_norm.attn_res_mix_norm(s, a, b, c, 1e-5, interpret=interpret)[1])
+        unfused = jax.jit(lambda s, a, b, c: attn_res_mix_norm_unfused(s, a, b, c, 1e-5)[1])
+        row = dict(op="attn_res_mix_norm", tokens=tokens, d=d, sources=num_sources, bytes=nbytes)
+        got, want = fused(sources, proj, norm, ow), unfused(sources, proj, norm, ow)
+        row["rel_err_vs_xla"] = rel_err(got, want)
+        if not interpret:
+            tf, tu = timed(fused, sources, proj, norm, ow), timed(unfused, sources, proj, norm, ow)
+            row.update(fused_ms=tf * 1e3, xla_ms=tu * 1e3, speedup=tu / tf, fused_gbps=nbytes / tf / 1e9,
+                       xla_gbps=nbytes / tu / 1e9, floor_ms=nbytes / (limits["copy_gbps"] * 1e9) * 1e3)
+        out.append(row)
+        print(row, flush=True)
+        del sources
+    kx, kg, kw = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (tokens, heads, head_dim), jnp.float32).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (tokens, heads, head_dim), jnp.float32).astype(jnp.bfloat16)
+    wt = (1 + 0.1 * jax.random.normal(kw, (head_dim,), jnp.float32)).astype(jnp.bfloat16)
+    for fp8 in (False, True):
+        nbytes = x.size * 2 * 2 + x.size * (1 if fp8 else 2) + (tokens * heads * 4 if fp8 else 0)
+        fused = jax.jit(lambda a, b, c: fused_norm.gated_rms_norm(a, b, c, 1e-5, fp8=fp8, interpret=interpret))
+        xla = jax.jit(lambda a, b, c: fused_norm.gated_rms_norm_reference(a, b, c, 1e-5, fp8=fp8)) if fp8 else \
+            jax.jit(lambda a, b, c: gated_rms_norm_xla(a, b, c, 1e-5))
+        row = dict(op="gated_rms_norm" + ("_fp8" if fp8 else ""), rows=tokens * heads, d=head_dim, bytes=nbytes)
+        got, want = fused(x, g, wt), xla(x, g, wt)
+        if fp8:
+            got = got[0].astype(jnp.float32) * got[1][..., None]
+            want = want[0].astype(jnp.float32) * want[1][..., None]
+        row["rel_err_vs_xla"] = rel_err(got, want)
+        if not interpret:
+            tf, tu = timed(fused, x, g, wt), timed(xla, x, g, wt)
+            row.update(fused_ms=tf * 1e3, xla_ms=tu * 1e3, speedup=tu / tf, fused_gbps=nbytes / tf / 1e9,
+                       xla_gbps=nbytes / tu / 1e9, floor_ms=nbytes / (limits["copy_gbps"] * 1e9) * 1e3)
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def table(result) -> str:
+    lines = []
+    lim = result["limits"]
+    lines.append(f"limits: bf16 matmul {lim['matmul_tflops']:.0f} TFLOP/s, XLA copy {lim['xla_copy_gbps']:.0f} GB/s, "
+                 f"torch copy {lim.get('torch_copy_gbps') or float('nan'):.0f} GB/s (copy ceiling used: {lim['copy_gbps']:.0f})")
+    by = {}
+    for r in result.get("moe", []):
+        by.setdefault((r["shape"], r["tokens"]), {})[(r["impl"], r["weights"])] = r
+    lines.append("| shape | T | rows/expert | impl | weights | ms | TFLOP/s | weight GB/s | x floor | ms / ours-bf16 ms |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for (shape, t), rs in by.items():
+        ours = rs.get(("pallas", "bf16"), {}).get("ms")
+        for (impl, quant), r in rs.items():
+            if "error" in r:
+                lines.append(f"| {shape} | {t} | {r['rows_per_expert']:.1f} | {impl} | {quant} | error: {r['error'][:60]} |||||")
+                continue
+            ratio = r["ms"] / ours if ours else float("nan")
+            lines.append(f"| {shape} | {t} | {r['rows_per_expert']:.1f} | {impl} | {quant} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                         f"{r['weight_gbps']:.0f} | {r['floor_ratio']:.2f} | {ratio:.2f} |")
+    lines.append("(x floor: ms / max(FLOPs / matmul peak, weight bytes / copy bandwidth); last column > 1: ours-bf16 is faster)")
+    for r in result.get("norms", []):
+        if "fused_ms" in r:
+            lines.append(f"{r['op']} {r.get('sources', '')}: fused {r['fused_ms']:.3f} ms ({r['fused_gbps']:.0f} GB/s) vs XLA "
+                         f"{r['xla_ms']:.3f} ms ({r['xla_gbps']:.0f} GB/s): {r['speedup']:.2f}x; floor {r['floor_ms']:.3f} ms; "
+                         f"rel err {r['rel_err_vs_xla']:.1e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    interpret = args.smoke or jax.default_backend() != "gpu"
+    skip = set(filter(None, args.skip.split(",")))
+    result = dict(
+        benchmark="moe", date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__, python=platform.python_version(), argv=sys.argv[1:] if argv is None else argv,
+        interpret=interpret,
+    )
+    if interpret:
+        limits = dict(matmul_tflops=1.0, xla_copy_gbps=1.0, torch_copy_gbps=None, copy_gbps=1.0)
+    else:
+        xla_copy = copy_bandwidth(2 << 30)
+        torch_copy = torch_copy_bandwidth(2 << 30)
+        limits = dict(matmul_tflops=matmul_peak(8192), xla_copy_gbps=xla_copy, torch_copy_gbps=torch_copy,
+                      copy_gbps=max(xla_copy, torch_copy or 0))
+    result["limits"] = limits
+    print("limits", limits, flush=True)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    tokens = {"k3-ep16": [int(t) for t in args.tokens.split(",")], "k3-small": [int(t) for t in args.small_tokens.split(",")],
+              "tiny": [5, 40]}
+
+    def save():  # after every section, so a run cut short still leaves its numbers
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    save()
+    if "norms" not in skip:
+        result["norms"] = bench_norms(64 if args.smoke else args.norm_tokens, limits, interpret,
+                                      *((72, 3, 16) if args.smoke else ()))
+        save()
+    if "moe" not in skip:
+        result["moe"] = []
+        for name, shape in shapes.items():
+            result["moe"] += bench_moe(name, shape, tokens[name], limits, args, interpret)
+            save()
+    if "sweep" not in skip:
+        name = "tiny" if args.smoke else "k3-ep16"
+        sweep_tokens = [tokens[name][0], tokens[name][-2]] if not args.smoke else [5]
+        result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret)
+        save()
+    print(table(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
