@@ -14,6 +14,8 @@ Padding tokens must carry g = 0 and beta = 0: then they leave the state untouche
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -152,6 +154,10 @@ def kda_mixer(
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     qkv = jnp.concatenate([dense(x, params["q_proj"]), dense(x, params["k_proj"]), dense(x, params["v_proj"])], -1)
     conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]
+    fused_op = {"chunked": "kda_chunked_fused", "recurrent": "kda_decode_fused"}.get(mode)
+    if fused_op is not None and backend_name in backend.implemented(fused_op):
+        return _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, conv_w, conv_state, rec_state, cfg,
+                            lengths=lengths, mode=mode, all_states=all_states, backend_name=backend_name)
     if all_states:
         y, conv_states = _conv_all_states(qkv, conv_state, conv_w)
     else:
@@ -189,3 +195,70 @@ def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
     t = qkv.shape[1]
     idx = jnp.arange(t)[:, None] + 1 + jnp.arange(w1)[None, :]  # state after token i: full[i+1 : i+W]
     return y, full[:, idx, :].astype(conv_state.dtype)
+
+
+def _output_gate(params: dict, x: jax.Array) -> jax.Array:
+    if "g_proj" in params:
+        return dense(x, params["g_proj"])
+    return dense(dense(x, params["g_a"]), params["g_b"])
+
+
+def _fused_mixer(op, params, x, qkv, conv_w, conv_state, rec_state, cfg: ModelConfig, *, lengths, mode, all_states,
+                 backend_name):
+    """kda_mixer through a fused kernel op (same results as the reference path, to kernel tolerance).
+
+    chunked: the short conv stays in XLA; the kernel fuses the L2 norms, gate, beta and the chunked scan.
+    recurrent: the kernel fuses conv, norms, gate, beta, the delta rule and the gated RMSNorm.
+    """
+    b, t, _ = x.shape
+    h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+    lens = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    z = dense(dense(x, params["f_a"]), params["f_b"]).reshape(b, t, h, dk)
+    beta_logits = dense(x, params["b_proj"]).astype(jnp.float32)  # [B, T, H]
+    gate = _output_gate(params, x).reshape(b, t, h, dk)
+    gate_kw = dict(gate=cfg.kda_gate, lower_bound=cfg.kda_gate_lower_bound)
+    if mode == "recurrent":
+        y, new_conv, new_rec = op(qkv, conv_state, conv_w, z, beta_logits, gate, rec_state, jnp.arange(b, dtype=jnp.int32),
+                                  lens, a_log=params["A_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm"],
+                                  eps=cfg.rms_norm_eps, all_states=all_states, **gate_kw)
+    else:
+        conv_out, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)
+        q, k, v = (conv_out[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))
+        o, new_rec = op(q, k, v, z, beta_logits, rec_state, lens, a_log=params["A_log"], dt_bias=params["dt_bias"],
+                        **gate_kw)
+        y = backend.get("gated_rms_norm", backend_name)(o.astype(x.dtype), gate, params["o_norm"], cfg.rms_norm_eps)
+    out = dense(y.reshape(b, t, h * dk), params["o_proj"])
+    return out, new_conv, new_rec
+
+
+def _register_pallas() -> None:
+    """Registers the Pallas kernels (pallas_kernels/) for the GPU ("pallas") and CPU CI ("interpret")."""
+    from pallas_kernels.kda_chunk import kda_chunk
+    from pallas_kernels.kda_decode import kda_decode
+
+    for name, interpret in (("pallas", False), ("interpret", True)):
+
+        def chunked(q, k, v, g, beta, state, *, interpret=interpret):
+            b, t, h, dk = q.shape
+            cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+            flat = lambda a: a.reshape(b * t, *a.shape[2:])
+            o, final, _ = kda_chunk(flat(q), flat(k), flat(v), flat(g), flat(beta), state, cu, interpret=interpret)
+            return o.reshape(b, t, h, -1), final
+
+        def chunked_fused(q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound,
+                          interpret=interpret):
+            b, t, h, dk = q.shape
+            cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+            flat = lambda a: a.reshape(b * t, *a.shape[2:])
+            o, final, _ = kda_chunk(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), state, cu, a_log=a_log,
+                                    dt_bias=dt_bias, gate=gate, lower_bound=lower_bound, beta_sigmoid=True,
+                                    qk_l2norm=True, seq_lens=lengths, interpret=interpret)
+            valid = jnp.arange(t)[None, :] < lengths[:, None]  # the kernel leaves padding rows unwritten
+            return jnp.where(valid[..., None, None], o.reshape(b, t, h, -1), 0), final
+
+        backend.register("kda_chunked", name)(chunked)
+        backend.register("kda_chunked_fused", name)(chunked_fused)
+        backend.register("kda_decode_fused", name)(functools.partial(kda_decode, interpret=interpret))
+
+
+_register_pallas()

@@ -264,15 +264,16 @@ def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initi
     return o[:t], final, (ckpt if page else None)
 
 
-def chunk_table(cu_seqlens, start_positions, num_chunks, page_size):
+def chunk_table(cu_seqlens, start_positions, num_chunks, page_size, seq_lens=None):
     """Chunks of every sequence, aligned to absolute multiples of CHUNK.
 
-    Args: cu_seqlens [N+1] int32; start_positions [N] int32 absolute position of each sequence's first token;
+    Args: cu_seqlens [N+1] int32 (and seq_lens [N], see `kda_chunk`); start_positions [N] int32 absolute
+      position of each sequence's first token;
       num_chunks: static bound on the table size; page_size: checkpoint page (or 0 for none).
     Returns: first [N+1] (chunk range of sequence n = first[n]..first[n+1]), token_start [NC], length [NC]
       (0 past the last chunk), checkpoint_index [NC] (-1 where the chunk does not end on a page boundary).
     """
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1] if seq_lens is None else seq_lens
     end = start_positions + lens
     count = jnp.where(lens > 0, -(-end // CHUNK) - start_positions // CHUNK, 0)
     first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count).astype(jnp.int32)])
@@ -285,7 +286,7 @@ def chunk_table(cu_seqlens, start_positions, num_chunks, page_size):
     length = jnp.where(used, hi - lo, 0).astype(jnp.int32)
     token_start = jnp.where(used, cu_seqlens[seq] + lo - start_positions[seq], 0).astype(jnp.int32)
     if page_size:
-        offsets = checkpoint_offsets(cu_seqlens, start_positions, page_size)
+        offsets = checkpoint_offsets(cu_seqlens, start_positions, page_size, seq_lens)
         ck = offsets[seq] + hi // page_size - start_positions[seq] // page_size - 1
         ckpt = jnp.where(used & (hi % page_size == 0), ck, -1).astype(jnp.int32)
     else:
@@ -293,10 +294,10 @@ def chunk_table(cu_seqlens, start_positions, num_chunks, page_size):
     return first, token_start, length, ckpt
 
 
-def checkpoint_offsets(cu_seqlens, start_positions, page_size):
+def checkpoint_offsets(cu_seqlens, start_positions, page_size, seq_lens=None):
     """[N+1] int32: sequence n's checkpoints are rows offsets[n]..offsets[n+1] of the checkpoint output, in
     order: the states after absolute positions p*page_size with start < p*page_size <= start + length."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1] if seq_lens is None else seq_lens
     count = (start_positions + lens) // page_size - start_positions // page_size
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count).astype(jnp.int32)])
 
@@ -343,7 +344,7 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
     "block_v", "num_warps"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
-              checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4):
+              seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -354,6 +355,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       beta: [T, H] logits (beta_sigmoid) or beta itself.
       initial_state: [N, H, V, K] V-first state of each sequence (fp32).
       cu_seqlens: [N+1] int32 sequence n is tokens cu_seqlens[n]..cu_seqlens[n+1] (lengths may be 0).
+      seq_lens: [N] int32, optional: sequence n is only its first seq_lens[n] tokens (a padded batch:
+        cu_seqlens = arange(N+1) * T); the output rows of the padding are left unwritten.
       a_log: [>= H] and dt_bias: [H*K], the gate parameters (ignored for gate="none").
       lower_bound: the K3 gate's bound (g in (lower_bound, 0)).
       scale: q scale after the fused L2 norm (default K^-1/2).
@@ -372,7 +375,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     cu, start, a, b = _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions)
     num_chunks = t // CHUNK + 2 * n
     page = checkpoint_page_size or 0
-    first, tok_start, length, ckpt_idx = chunk_table(cu, start, num_chunks, page)
+    lens = None if seq_lens is None else seq_lens.astype(jnp.int32)
+    first, tok_start, length, ckpt_idx = chunk_table(cu, start, num_chunks, page, lens)
     stored = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
     bounded = gate == "lower_bound" and -SUB * lower_bound <= _MAX_DIAG_EXPONENT
     scale = dk**-0.5 if scale is None else scale
@@ -388,7 +392,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
 
 def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
                         lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
-                        checkpoint_page_size=None):
+                        seq_lens=None, checkpoint_page_size=None):
     """Plain-jnp twin of `kda_chunk` (same arguments and results): the gate, beta and norm in fp32, then
     the token-by-token recurrence over each sequence (k3jax.kda.kda_recurrent_reference), unpacked."""
     from k3jax.kda import kda_recurrent_reference
@@ -406,7 +410,7 @@ def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=No
         scale = dk**-0.5 if scale is None else scale
         q = q * lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + _L2_EPS) * scale
         k = k * lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + _L2_EPS)
-    lens = cu[1:] - cu[:-1]
+    lens = cu[1:] - cu[:-1] if seq_lens is None else seq_lens.astype(jnp.int32)
     pos = jnp.arange(t)
     idx = jnp.clip(cu[:-1, None] + pos[None, :], 0, t - 1)  # [N, T] unpacked (rows padded to T)
     valid = pos[None, :] < lens[:, None]
@@ -415,11 +419,11 @@ def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=No
     last = jnp.clip(lens - 1, 0, t - 1)
     final = jnp.where((lens > 0)[:, None, None, None], states[jnp.arange(n), last], f32(initial_state))
     seq = jnp.clip(jnp.searchsorted(cu[1:], pos, side="right"), 0, n - 1)
-    o_packed = o[seq, pos - cu[seq]].astype(v.dtype)
+    o_packed = jnp.where((pos - cu[seq] < lens[seq])[:, None, None], o[seq, pos - cu[seq]], 0.0).astype(v.dtype)
     ckpt = None
     if checkpoint_page_size:
         p = checkpoint_page_size
-        offsets = checkpoint_offsets(cu, start, p)
+        offsets = checkpoint_offsets(cu, start, p, lens)
         rows = jnp.arange(t // p + n)
         owner = jnp.clip(jnp.searchsorted(offsets[1:], rows, side="right"), 0, n - 1)
         boundary = (start[owner] // p + 1 + rows - offsets[owner]) * p  # absolute position of the row's page end

@@ -1,0 +1,87 @@
+"""The model's prefill / decode / verify with backend="interpret" (the KDA Pallas kernels through the
+registry, in interpret mode) against backend="reference".
+
+Run: python -m pytest -q tests/kernels/test_kda_model.py
+A 2-layer config (one KDA, one MLA layer) keeps interpret-mode compilation inside the CI budget; depth
+adds nothing to what the wiring can get wrong. K3's lower-bound gate only: the softplus form and the
+low-rank output gate are the same call with other static arguments (covered by the kernel tests), and a
+second config would double this file's share of the CI budget.
+Only the KDA ops keep their interpret kernels here (the other ops' kernels fall back to the reference),
+so this checks the KDA wiring alone and does not pay for compiling the other kernels in interpret mode.
+Tolerance: fp32 logits; the chunked WY form vs the token recurrence and fused vs unfused summation
+orders give ~1e-6 relative, so 1e-5 (the model tests' bar) catches any wrong state, slot or mask.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax
+from k3jax import backend
+from k3jax.testing import k3_tiny, shuffled_page_tables, step_meta
+
+PAGE = 4
+CONFIGS = [k3_tiny().replace(num_layers=2, mla_layers=(1,), attn_res_block_size=2, name="k3-tiny-kda1")]
+
+
+KDA_OPS = ("kda_chunked", "kda_chunked_fused", "kda_decode_fused", "kda_recurrent")
+
+
+@pytest.fixture(autouse=True)
+def kda_kernels_only(monkeypatch):
+    registry = {key: fn for key, fn in backend._REGISTRY.items() if key[1] == "reference" or key[0] in KDA_OPS}
+    monkeypatch.setattr(backend, "_REGISTRY", registry)
+    jax.clear_caches()  # traces made with the full registry must not be reused
+    yield
+    jax.clear_caches()
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_prefill_decode_verify_interpret_equals_reference(cfg):
+    params = k3jax.init_params(cfg, jax.random.key(5))
+    rng = np.random.default_rng(0)
+    b, prompt, k = 2, np.array([70, 9]), 3  # row 0 crosses a 64-token chunk; row 1 is padded
+    t = int(prompt.max())
+    tokens = rng.integers(0, cfg.vocab_size, (b, t + k))
+    table = shuffled_page_tables(rng, b, -(-(t + k) // PAGE), b * (-(-(t + k) // PAGE)) + 3)
+    slots = [2, 0]
+    padded = np.where(np.arange(t)[None] < prompt[:, None], tokens[:, :t], cfg.pad_token_id)
+    meta = step_meta(slots, table, [0, 0], prompt)
+    states = {}
+    for name in ("reference", "interpret"):
+        state = k3jax.init_state(cfg, num_slots=3, num_pages=table.size + 3, page_size=PAGE)
+        logits, state = k3jax.prefill(params, cfg, state, jnp.asarray(padded), meta, all_logits=True, backend_name=name)
+        states[name] = (logits, state)
+    (ref_logits, ref_state), (int_logits, int_state) = states["reference"], states["interpret"]
+    for r in range(b):
+        assert rel(int_logits[r, : prompt[r]], ref_logits[r, : prompt[r]]) < 1e-5, r
+    assert rel(int_state.kda, ref_state.kda) < 1e-5
+    np.testing.assert_array_equal(int_state.conv, ref_state.conv)  # the conv stays in XLA on this path
+
+    pos = prompt.copy()
+    nxt = tokens[np.arange(b), pos]
+    dec = {}
+    for name, state in (("reference", ref_state), ("interpret", int_state)):
+        state = jax.tree.map(jnp.copy, state)
+        dec[name] = k3jax.decode(params, cfg, state, jnp.asarray(nxt), step_meta(slots, table, pos, [1, 0]),
+                                 backend_name=name)
+    assert rel(dec["interpret"][0][0], dec["reference"][0][0]) < 1e-5  # row 1 idles (length 0)
+    assert rel(dec["interpret"][1].kda, dec["reference"][1].kda) < 1e-5
+    assert rel(dec["interpret"][1].conv, dec["reference"][1].conv) < 1e-5
+    np.testing.assert_array_equal(dec["interpret"][1].kda[:, 0], int_state.kda[:, 0])  # idle slot untouched
+
+    drafts = np.stack([tokens[r, pos[r] : pos[r] + k] for r in range(b)])
+    ver = {}
+    for name, state in (("reference", ref_state), ("interpret", int_state)):
+        ver[name] = k3jax.verify(params, cfg, jax.tree.map(jnp.copy, state), jnp.asarray(drafts),
+                                 step_meta(slots, table, pos, [k, k]), backend_name=name)
+    assert rel(ver["interpret"][0], ver["reference"][0]) < 1e-5
+    assert rel(ver["interpret"][2].kda, ver["reference"][2].kda) < 1e-5
+    assert rel(ver["interpret"][2].conv, ver["reference"][2].conv) < 1e-5
+    np.testing.assert_array_equal(ver["interpret"][1].kda, int_state.kda)  # verify leaves the pool alone
