@@ -1,6 +1,11 @@
-"""The `k3jax` command line: `k3jax generate` now; `serve`, `bench` and `plan` slot in as subcommands.
+"""The `k3jax` command line: `k3jax generate` and `k3jax serve`; `bench` and `plan` slot in as subcommands.
 
     k3jax generate --model k3-tiny --prompt-tokens 1,2,3 --max-tokens 16
+    k3jax serve --model k3-tiny [--http-port 8000] [--grpc-port 50051] [--role both] [--api-key KEY]
+
+`serve` runs the OpenAI-compatible HTTP server and/or the SGLang-scheduler gRPC worker (for the SMG
+gateway) on 127.0.0.1 by default, until Ctrl-C, which drains running requests and exits. Its flags are
+the fields of `serving.config.EngineConfig` and `serving.api.server.ServerConfig` (defaults included).
 
 prints the generated token ids (one comma-separated line) on stdout and a timing line on stderr.
 Usage errors (unknown model, bad token ids, empty prompt, max-tokens < 1, ...) exit with code 2 and a
@@ -258,6 +263,87 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# serve
+
+# EngineConfig fields that are not plain CLI values (set them from Python: k3jax.serve / Engine(...))
+_SERVE_SKIP = {"spec_fixed_accepted"}
+_NONE_WORDS = ("none", "off", "")
+
+
+def _optional(kind):
+    def parse(text: str):
+        return None if text.strip().lower() in _NONE_WORDS else kind(text)
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()) -> list[str]:
+    """One flag per field of a frozen config dataclass, default and type taken from the field."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    names = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        hint = hints[f.name]
+        args = set(typing.get_args(hint))
+        optional = type(None) in args
+        kind = (args - {type(None)}).pop() if optional else hint
+        if kind not in (int, float, str, bool):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        shown = "none" if f.default is None else f.default
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f"(default {shown})")
+        else:
+            parser.add_argument(flag, dest=f.name, type=_optional(kind) if optional else kind, default=f.default,
+                                metavar=kind.__name__.upper(), help=f"(default {shown})")
+        names.append(f.name)
+    return names
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from serving.api.server import ServerConfig, ServerState, serve
+    from serving.config import EngineConfig
+
+    try:
+        ecfg = EngineConfig(**{name: getattr(ns, name) for name in ns._engine_fields})
+        scfg = ServerConfig(**{name: getattr(ns, name) for name in ns._server_fields})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    enable_compile_cache()
+    try:
+        state = ServerState.create(ecfg, scfg)
+    except (ValueError, OSError) as e:  # unknown model, bad tokenizer path, tokenizer/model mismatch
+        raise UsageError(str(e)) from None
+    try:
+        asyncio.run(serve(state))
+    except OSError as e:  # port in use
+        state.engine.stop(drain=False, timeout=5)
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from serving.api.server import ServerConfig
+    from serving.config import EngineConfig
+
+    p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and/or SGLang-scheduler gRPC",
+                       description="Serve a model: OpenAI-compatible HTTP (--http-port), the SGLang scheduler gRPC "
+                                   "service for the SMG gateway (--grpc-port), Prometheus /metrics. Ctrl-C drains "
+                                   "running requests and exits. Ports take 'none' to turn a server off.")
+    engine_fields = _dataclass_flags(p.add_argument_group("engine (EngineConfig)"), EngineConfig, _SERVE_SKIP)
+    server_fields = _dataclass_flags(p.add_argument_group("server (ServerConfig)"), ServerConfig)
+    p.set_defaults(_run=run_serve, _engine_fields=engine_fields, _server_fields=server_fields)
+
+
+# ---------------------------------------------------------------------------------------------------
 # entry point
 
 
@@ -284,7 +370,8 @@ def _to_dataclass(cls, ns: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Kimi K3 in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_generate(sub)  # later: serve, bench, plan -- one _add_<name>(sub) each
+    _add_generate(sub)
+    _add_serve(sub)  # later: bench, plan -- one _add_<name>(sub) each
     return parser
 
 

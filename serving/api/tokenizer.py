@@ -1,0 +1,294 @@
+"""Tokenizers for the API layer: an HF tokenizer directory (tokenizer.json, via `tokenizers`), a tiktoken
+BPE file by path, or the bundled byte-level tokenizer of k3-tiny. Plus chat templates (jinja2) and
+incremental detokenisation with stop strings for streaming.
+
+    tok = load_tokenizer(None)                 # configs/tokenizers/k3-byte: 256 bytes + 7 specials = 263
+    tok = load_tokenizer("/path/to/hf_dir")    # tokenizer.json (+ tokenizer_config.json: specials, template)
+    tok = load_tokenizer("/path/to/x.tiktoken")  # "<base64 token> <rank>" lines (+ sibling tokenizer_config.json)
+    ids = tok.encode("hi"); text = tok.decode(ids)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    stream = TextStream(tok, stop=("\\n\\n",)); stream.push([104, 105]) -> "hi"; stream.finish() -> ""
+
+The byte tokenizer is generated offline by `build_byte_tokenizer` (the checked-in files are exactly its
+output; a test regenerates and compares): ids 0..255 are the raw bytes (byte-level BPE without merges),
+256.. the special tokens. Its eos `<|im_end|>` (257) is k3-tiny's eos_token_id, so a chat turn ends
+where the model stops.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+
+BYTE_TOKENIZER_NAME = "k3-byte"
+# id 256 + i; eos (257) and pad (258) match configs/models/k3-tiny.yaml
+BYTE_SPECIAL_TOKENS = ("<s>", "<|im_end|>", "<pad>", "<|im_start|>", "<|reserved_0|>", "<|reserved_1|>",
+                       "<|reserved_2|>")
+BYTE_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+# The pre-tokenisation split of cl100k-style BPE files (used when a tiktoken file comes without one).
+TIKTOKEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+
+
+def default_tokenizer_dir() -> Path:
+    from k3jax.config import configs_dir
+
+    return configs_dir() / "tokenizers" / BYTE_TOKENIZER_NAME
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, chat template. Thread-safe for encode/decode."""
+
+    def __init__(self, path: str, *, encode, decode, vocab_size: int, special_ids: dict[str, int],
+                 config: dict | None = None):
+        self.path = path
+        self._encode = encode
+        self._decode = decode
+        self.vocab_size = vocab_size
+        self.special_ids = dict(special_ids)
+        self._special_set = frozenset(special_ids.values())
+        config = config or {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_ids = tuple(i for i in [self.special_ids.get(self.eos_token)] if i is not None)
+        self.bos_token_id = self.special_ids.get(self.bos_token)
+        self.pad_token_id = self.special_ids.get(_token_text(config.get("pad_token")))
+        self.chat_template: str | None = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # HF's named-templates form
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self._template = None
+        if self.chat_template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        ids = self._encode(text)
+        if add_special_tokens and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the tokenizer's vocabulary [0, {self.vocab_size})")
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_set]
+        return self._decode(ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                            **extra) -> str:
+        """The prompt text for `messages` (each {"role", "content": str}); ValueError without a template
+        or when the template rejects the conversation."""
+        if self._template is None:
+            raise ValueError(f"the tokenizer at {self.path} has no chat template: use /v1/completions")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from None
+
+
+def _raise_template_error(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):  # {"content": "<s>", ...} in some tokenizer_config.json files
+        return token.get("content")
+    return token
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """An HF tokenizer directory, a tiktoken BPE file, or (None) the bundled byte tokenizer."""
+    p = Path(path) if path is not None else default_tokenizer_dir()
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            tik = sorted(p.glob("*.tiktoken"))
+            if tik:
+                return _load_tiktoken(tik[0])
+            raise ValueError(f"tokenizer directory {p} has no tokenizer.json (nor a *.tiktoken file)")
+        return _load_hf(p)
+    if p.is_file():
+        if p.name == "tokenizer.json":
+            return _load_hf(p.parent)
+        return _load_tiktoken(p)
+    raise ValueError(f"tokenizer {p}: no such file or directory")
+
+
+def _read_config(directory: Path) -> dict:
+    f = directory / "tokenizer_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+
+
+def _load_hf(directory: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        hf = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as e:  # the tokenizers library raises its own Exception type
+        raise ValueError(f"{directory / 'tokenizer.json'}: cannot load ({e})") from None
+    specials = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    return Tokenizer(
+        str(directory),
+        encode=lambda text: hf.encode(text, add_special_tokens=False).ids,
+        decode=lambda ids: hf.decode(ids, skip_special_tokens=False),
+        vocab_size=hf.get_vocab_size(with_added_tokens=True),
+        special_ids=specials,
+        config=_read_config(directory),
+    )
+
+
+def _load_tiktoken(file: Path) -> Tokenizer:
+    import tiktoken
+
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        except ValueError:
+            raise ValueError(f"{file}:{n}: expected '<base64 token> <rank>'") from None
+    config = _read_config(file.parent)
+    specials: dict[str, int] = {}
+    for i, tok in (config.get("added_tokens_decoder") or {}).items():
+        if tok.get("special", True):
+            specials[tok["content"]] = int(i)
+    enc = tiktoken.Encoding(name=file.stem, pat_str=config.get("pat_str", TIKTOKEN_PATTERN), mergeable_ranks=ranks,
+                            special_tokens=specials)
+    return Tokenizer(
+        str(file),
+        encode=lambda text: enc.encode(text, disallowed_special=()),
+        decode=lambda ids: enc.decode(ids, errors="replace"),
+        vocab_size=max([*ranks.values(), *specials.values()]) + 1,
+        special_ids=specials,
+        config=config,
+    )
+
+
+def build_byte_tokenizer(out_dir: str | Path) -> Path:
+    """Writes the bundled byte-level tokenizer (tokenizer.json + tokenizer_config.json) to `out_dir`."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins of ByteLevel
+    vocab = {_byte_char(b): b for b in range(256)}
+    assert set(vocab) == set(byte_chars)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIAL_TOKENS])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"), pretty=True)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BYTE_SPECIAL_TOKENS[0],
+        "eos_token": BYTE_SPECIAL_TOKENS[1],
+        "pad_token": BYTE_SPECIAL_TOKENS[2],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 65536,
+        "chat_template": BYTE_CHAT_TEMPLATE,
+        "added_tokens_decoder": {str(256 + i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                                "normalized": False, "single_word": False}
+                                 for i, t in enumerate(BYTE_SPECIAL_TOKENS)},
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _byte_char(b: int) -> str:
+    """GPT-2's byte -> printable character map (what ByteLevel pre-tokenisation produces)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sum(1 for x in range(b) if x not in printable))
+
+
+class TextStream:
+    """Incremental detokenisation of one request's output with stop strings, for streaming.
+
+    `push(new_ids)` returns the text that is safe to send now: complete characters only (a multi-byte
+    character split across tokens waits for its last byte) and never a possible beginning of a stop
+    string (up to len(longest stop) - 1 characters are held back). `finish()` returns the rest, cut
+    before the first stop string, as OpenAI servers do. Special tokens are skipped.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.skip_special_tokens = skip_special_tokens
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded already (context for the next)
+        self._read_offset = 0
+        self._text = ""  # all decoded text
+        self._sent = 0  # chars of _text already returned
+        self._cut: int | None = None  # where a stop string starts, once one appeared
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far."""
+        return self._text[: self._sent]
+
+    def _decode_new(self, final: bool) -> None:
+        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset])
+        full = decode(self._ids[self._prefix_offset:])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            self._text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._cut is None and self.stop:
+            start = max(self._sent - self._holdback, 0)
+            hits = [i for s in self.stop if (i := self._text.find(s, start)) >= 0]
+            if hits:
+                self._cut = min(hits)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self._ids.extend(int(t) for t in new_ids)
+        self._decode_new(final=False)
+        end = self._cut if self._cut is not None else len(self._text) - self._holdback
+        return self._take(end)
+
+    def finish(self) -> str:
+        self._decode_new(final=True)
+        return self._take(self._cut if self._cut is not None else len(self._text))
+
+    def _take(self, end: int) -> str:
+        if end <= self._sent:
+            return ""
+        out = self._text[self._sent:end]
+        self._sent = end
+        return out
+
+
+__all__ = ["BYTE_SPECIAL_TOKENS", "TextStream", "Tokenizer", "build_byte_tokenizer", "default_tokenizer_dir",
+           "load_tokenizer"]

@@ -1,0 +1,127 @@
+"""Servers for the API tests: real `k3jax serve` processes on 127.0.0.1 with free ports.
+
+One worker (HTTP + gRPC) serves the whole session; the SMG test adds a second gRPC worker. The workers
+share a session-temporary XLA compilation cache, so the second one loads what the first compiled. The
+engine configuration keeps shape buckets few (one running request, 16-token prefill chunks, prompts
+longer than a page): compilation dominates the run time on a 2-core CPU machine.
+Every process is stopped (SIGINT: drain, then exit; SIGKILL after a grace period) at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "test-key-123"
+ENGINE_FLAGS = ["--model", "k3-tiny", "--max-running", "1", "--max-prefill-tokens", "16", "--page-size", "16",
+                "--max-model-len", "256", "--num-pages", "96", "--num-slots", "24", "--bucket-growth", "64",
+                "--no-warmup"]
+START_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A child process whose output is collected on a thread; `wait_for(text)` blocks until it appears."""
+
+    def __init__(self, argv: list[str], env: dict, name: str):
+        self.name = name
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=ROOT, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines[-60:])
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(text in line for line in self.lines):
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before {text!r}:\n{self.log}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: no {text!r} within {timeout} s:\n{self.log}")
+                self._cond.wait(min(left, 1.0))
+
+    def stop(self, grace: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+def child_env(compile_cache: Path) -> dict:
+    env = dict(os.environ)
+    env["K3JAX_COMPILE_CACHE"] = str(compile_cache)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = ""  # one host device is enough for a worker
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_worker(compile_cache: Path, *, http_port: int | None, grpc_port: int | None, extra=(), name="worker"):
+    argv = [sys.executable, "-m", "k3jax", "serve", *ENGINE_FLAGS,
+            "--http-port", str(http_port) if http_port else "none",
+            "--grpc-port", str(grpc_port) if grpc_port else "none", *extra]
+    proc = Process(argv, child_env(compile_cache), name)
+    try:
+        proc.wait_for("k3jax serve: ready", START_TIMEOUT_S)
+    except BaseException:
+        proc.stop(5)
+        raise
+    return proc
+
+
+class Worker:
+    def __init__(self, proc: Process, http_port: int | None, grpc_port: int | None, api_key: str | None = None):
+        self.proc, self.http_port, self.grpc_port, self.api_key = proc, http_port, grpc_port, api_key
+        self.url = f"http://127.0.0.1:{http_port}" if http_port else None
+        self.grpc_target = f"127.0.0.1:{grpc_port}" if grpc_port else None
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+@pytest.fixture(scope="session")
+def worker(compile_cache):
+    """The session's main worker: HTTP (with an API key, 20 kB bodies, 4 requests in flight) + gRPC."""
+    http_port, grpc_port = free_port(), free_port()
+    proc = start_worker(compile_cache, http_port=http_port, grpc_port=grpc_port, name="worker A",
+                        extra=["--api-key", API_KEY, "--max-body-bytes", "20000", "--max-pending", "4"])
+    yield Worker(proc, http_port, grpc_port, API_KEY)
+    code = proc.stop()
+    assert code == 0, f"worker A did not exit cleanly ({code}):\n{proc.log}"
+    assert any("k3jax serve: stopped" in line for line in proc.lines), proc.log
