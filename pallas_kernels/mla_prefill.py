@@ -35,6 +35,7 @@ from pallas_kernels.mla_decode import (
     attend_kv_blocks,
     default_block_kv,
     default_block_rows,
+    default_num_stages,
     mla_decode_reference,
     normalise,
 )
@@ -81,8 +82,8 @@ def mla_prefill(
     kv_scales: jax.Array | None = None,
     block_kv: int | None = None,
     block_rows: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int = 8,
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal absorbed MLA of new tokens over the paged cache (which already holds them).
@@ -95,7 +96,7 @@ def mla_prefill(
         context_len tokens; padding rows may carry any position); a query sees keys <= its position.
       kv_scales: [P, page_size] fp32 per-token scales, or None (= 1).
       block_kv / block_rows / num_warps / num_stages: tiling and Triton launch parameters (None: block_kv =
-        max(64, page_size), block_rows = T*H rounded up to a power of two, at most 64).
+        max(64, page_size), block_rows = T*H rounded up to a power of two, at most 64; stages as mla_decode).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (before W_UV).
@@ -103,6 +104,7 @@ def mla_prefill(
     page_size = kv_pages.shape[1]
     block_kv = default_block_kv(page_size) if block_kv is None else block_kv
     block_rows = default_block_rows(q_latent.shape[1] * q_latent.shape[2], 64) if block_rows is None else block_rows
+    num_stages = default_num_stages(kv_pages.dtype) if num_stages is None else num_stages
     _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows)
     return _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scales, kv_lora_rank=kv_lora_rank,
                         scale=float(scale), block_kv=block_kv, block_rows=block_rows, num_warps=num_warps,

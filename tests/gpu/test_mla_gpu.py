@@ -1,0 +1,81 @@
+"""MLA decode / prefill kernels compiled for the GPU (Triton lowering) at K3's MLA widths vs the references.
+
+Run on a GPU host: K3JAX_TEST_GPU=1 python -m pytest -q -m gpu tests/gpu/test_mla_gpu.py
+
+K3 sizes: 96 heads, latent 512 + rope 64, 16-token pages in a shuffled pool; the issue's ragged histories
+1, 63, 513, 4097. Tolerance as in tests/kernels/test_mla_decode.py (bf16 probabilities before P @ C:
+<= 2 * 2^-9 relative per request), 5e-3 per request.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.testing import shuffled_page_tables
+from pallas_kernels import mla_decode as md
+from pallas_kernels import mla_plan
+from pallas_kernels import mla_prefill as mp
+
+pytestmark = pytest.mark.gpu
+
+HEADS, C, R, PAGE = 96, 512, 64, 16
+HISTORIES = np.array([1, 63, 513, 4097])
+SCALE = 192**-0.5
+TOL = 5e-3
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_pool(rng, batch, max_pages, kv_dtype):
+    num_pages = batch * max_pages + 7
+    table = jnp.asarray(shuffled_page_tables(rng, batch, max_pages, num_pages))
+    latents = rng.standard_normal((num_pages, PAGE, C + R)).astype(np.float32)
+    latents[..., C:] *= 3.0
+    if kv_dtype == jnp.float8_e4m3fn:
+        kv, scales = md.quantize_latents_fp8(jnp.asarray(latents))
+        return kv, scales, table
+    return jnp.asarray(latents, kv_dtype), None, table
+
+
+def queries(rng, batch, q_len):
+    return (jnp.asarray(rng.standard_normal((batch, q_len, HEADS, C)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((batch, q_len, HEADS, R)), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("q_len,kv_dtype,plan_kind", [
+    (1, jnp.bfloat16, "balanced"), (1, jnp.bfloat16, "one split"), (4, jnp.float8_e4m3fn, "balanced"),
+    (4, jnp.bfloat16, "uniform 3"),
+])
+def test_decode_on_gpu_matches_reference(q_len, kv_dtype, plan_kind):
+    rng = np.random.default_rng(q_len)
+    b = len(HISTORIES)
+    max_pages = -(-(HISTORIES.max() + q_len) // PAGE)
+    kv, scales, table = make_pool(rng, b, max_pages, kv_dtype)
+    q_latent, q_pe = queries(rng, b, q_len)
+    positions = jnp.asarray(HISTORIES[:, None] + np.arange(q_len)[None], jnp.int32)
+    lens = np.asarray(md.attended_lengths(positions, max_pages * PAGE))
+    plan = {"balanced": None, "one split": mla_plan.plan_uniform(lens, block_kv=64, splits=1),
+            "uniform 3": mla_plan.plan_uniform(lens, block_kv=64, splits=3)}[plan_kind]
+    got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=C, scale=SCALE, kv_scales=scales)
+    want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=C, scale=SCALE, kv_scales=scales)
+    for r in range(b):
+        assert rel(got[r], want[r]) < TOL, r
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_prefill_on_gpu_matches_reference(kv_dtype):
+    rng = np.random.default_rng(9)
+    prefixes, t = np.array([0, 4097]), 200
+    b = len(prefixes)
+    max_pages = -(-(prefixes.max() + t) // PAGE)
+    kv, scales, table = make_pool(rng, b, max_pages, kv_dtype)
+    q_latent, q_pe = queries(rng, b, t)
+    positions = jnp.asarray(prefixes[:, None] + np.arange(t)[None], jnp.int32)
+    got = mp.mla_prefill(q_latent, q_pe, kv, table, positions, kv_lora_rank=C, scale=SCALE, kv_scales=scales)
+    want = mp.mla_prefill_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=C, scale=SCALE,
+                                    kv_scales=scales)
+    for r in range(b):
+        assert rel(got[r], want[r]) < TOL, r
