@@ -343,6 +343,14 @@ def bench_norms(tokens, limits, interpret, d=7168, heads=96, head_dim=128):
             tf, tu = timed(fused, sources, proj, norm, ow), timed(unfused, sources, proj, norm, ow)
             row.update(fused_ms=tf * 1e3, xla_ms=tu * 1e3, speedup=tu / tf, fused_gbps=nbytes / tf / 1e9,
                        xla_gbps=nbytes / tu / 1e9, floor_ms=nbytes / (limits["copy_gbps"] * 1e9) * 1e3)
+        if not interpret:  # launch-width sweep (the default comes from fused_norm._num_warps)
+            row["num_warps_ms"] = {}
+            for warps in (4, 8, 16):
+                f = jax.jit(lambda s, a, b, c, w=warps: fused_norm.attn_res_mix_norm(s, a, b, c, 1e-5, num_warps=w)[1])
+                try:
+                    row["num_warps_ms"][warps] = timed(f, sources, proj, norm, ow) * 1e3
+                except Exception as err:
+                    row["num_warps_ms"][warps] = f"{type(err).__name__}: {str(err)[:200]}"
         out.append(row)
         print(row, flush=True)
         del sources

@@ -121,15 +121,16 @@ def _check_sources(sources, proj, norm, out_weight):
             raise ValueError(f"{name} must be [{shape[-1]}], got {list(w.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "with_mix", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "with_mix", "interpret", "num_warps"))
 def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array, out_weight: jax.Array,
                       eps: float, out_eps: float | None = None, *, with_mix: bool = False,
-                      interpret: bool = False) -> tuple[jax.Array | None, jax.Array]:
+                      interpret: bool = False, num_warps: int | None = None) -> tuple[jax.Array | None, jax.Array]:
     """(mix or None, rms_norm(mix, out_weight, out_eps)) for sources, each [..., D], in one pass.
 
     proj, norm: the mix point's pseudo-query and its RMSNorm gain [D]; out_weight [D]: the pre-norm that
     follows. out_eps defaults to eps. The normed output has the dtype of out_weight * sources (as
-    k3jax.layers.rms_norm); mix, with with_mix=True, has the sources' dtype.
+    k3jax.layers.rms_norm); mix, with with_mix=True, has the sources' dtype. num_warps overrides the
+    Triton launch width (GPU only).
     """
     _check_sources(sources, proj, norm, out_weight)
     out_eps = eps if out_eps is None else out_eps
@@ -146,8 +147,8 @@ def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array
     kernel = functools.partial(_attn_res_mix_norm_kernel, num_sources=len(flat), rows=rows, chunk=chunk,
                                eps=float(eps), out_eps=float(out_eps), with_mix=with_mix)
     outs = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(n // rows,), compiler_params=_compiler_params(rows, d, interpret),
-        interpret=interpret, name="attn_res_mix_norm",
+        kernel, out_shape=out_shape, grid=(n // rows,), interpret=interpret, name="attn_res_mix_norm",
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps or _num_warps(rows, d), num_stages=1),
     )(*flat, query, out_weight)
     normed = outs[-1].reshape(*lead, d)
     return (outs[0].reshape(*lead, d) if with_mix else None), normed

@@ -16,8 +16,10 @@ Pipeline (`moe_grouped_mlp`):
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4-packed as in
 k3jax.quant ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, HF orientation). Packed
-tiles are dequantised inside the kernel (nibbles -> E2M1 values -> times 2^(scale-127) -> activation
-dtype) right before the MMA: weight-only, the activations stay bf16.
+tiles are dequantised inside the kernel, weight-only (activations stay bf16): per 32-input group, each
+nibble plane is decoded with integer ops straight to exact bf16 E2M1 values and multiplied by the group's
+16 even / 16 odd activation columns (the wrapper de-interleaves activation columns per group, so no
+in-register interleave is needed), and the group's E8M0 scale multiplies the fp32 partial product.
 
 Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement on
 the H200 (../shared/design/gpu.md): a Pallas-Triton tiled matmul reached 540 TFLOP/s (87% of XLA's
@@ -65,14 +67,15 @@ class MoeGemmConfig:
 
 def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
     """Tiles by the mean rows per expert: decode-sized groups take 16-row tiles (the step is a weight
-    read, so the MMA shape hardly matters and fewer padded rows are computed), large groups take 128-row
-    tiles with 8 warps (the shape that reached 540 TFLOP/s as a plain Pallas-Triton matmul)."""
+    read, so the MMA shape hardly matters and fewer padded rows are computed), large groups take 128x128
+    tiles with 8 warps (best of the H200 sweep in benchmarks/moe.py at 292 rows/expert: 302 TFLOP/s, against
+    274 for 128x64 GLU tiles and 280 for 64-row tiles)."""
     per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 16:
         return MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
         return MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64, num_warps=4, num_stages=3)
-    return MoeGemmConfig(block_m=128, glu_block_n=64, down_block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -133,31 +136,56 @@ def _e8m0_to_f32(scale: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(scale << 23, jnp.float32)
 
 
-def _dequant_tile(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """packed [n, k/2] uint8, scale [n, k/32] uint8 -> weight tile [n, k] in dtype (in-kernel MXFP4)."""
-    n, half = packed.shape
-    k = 2 * half
-    p = packed.astype(jnp.int32)
-    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(n, k)  # element 2j is the low nibble
-    factors = _e8m0_to_f32(scale.astype(jnp.int32))  # [n, k/32]
-    factors = jnp.broadcast_to(factors[:, :, None], (n, k // MXFP4_GROUP, MXFP4_GROUP)).reshape(n, k)
-    return (_e2m1_to_f32(codes) * factors).astype(dtype)
+def _e2m1_to_bf16(codes: jax.Array) -> jax.Array:
+    """E2M1 codes (int32, 0..15) -> exact bfloat16 values, built as bf16 bits (cheap integer ops, no table).
+
+    Magnitude m = codes & 7 holds exponent e = m >> 1 and mantissa bit m & 1. For e >= 1 the value
+    2^(e-1) * (1 + (m & 1)/2) has bf16 exponent field e + 126 and mantissa bit 6 = m & 1, i.e. bits
+    (m << 6) + (126 << 7); the subnormal codes m = 0, 1 (0 and 0.5) are m * (126 << 7). Bit 3 is the sign."""
+    mag = codes & 7
+    bits = jnp.where(mag < 2, mag * (126 << 7), (mag << 6) + (126 << 7)) | ((codes & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def deinterleave_groups(a: jax.Array) -> jax.Array:
+    """Columns of a [M, K] reordered inside each 32-column MXFP4 group: the 16 even columns, then the 16 odd
+    ones -- the order of the group's low nibbles, then its high nibbles, so the kernel multiplies each
+    nibble plane by a contiguous slice of activations instead of interleaving the decoded weights."""
+    m, k = a.shape
+    return a.reshape(m, k // MXFP4_GROUP, MXFP4_GROUP // 2, 2).swapaxes(-1, -2).reshape(m, k)
 
 
 class _WeightRefs:
-    """Loads [block_k, block_n] (input x output) tiles of one expert's weight from either layout."""
+    """One expert weight operand: float [E, K, N] refs, or MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs."""
 
     def __init__(self, refs, packed: bool):
         self.refs, self.packed = refs, packed
 
-    def tile(self, expert, k0, n0, block_k: int, block_n: int, dtype):
+    def accumulate(self, acc, a_ref, row0, expert, k0, n0, block_m: int, block_k: int, block_n: int):
+        """acc [block_m, block_n] fp32 + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n]."""
+        rows = pl.ds(row0, block_m)
         if not self.packed:
-            (w_ref,) = self.refs  # [E, K, N]
-            return w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)].astype(dtype)
-        packed_ref, scale_ref = self.refs  # [E, N, K/2] uint8, [E, N, K/32] uint8
-        packed = packed_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // 2, block_k // 2)]
-        scale = scale_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // MXFP4_GROUP, block_k // MXFP4_GROUP)]
-        return _dequant_tile(packed, scale, dtype).T  # [n, k] -> [k, n]: Triton takes it as a transposed operand
+            (w_ref,) = self.refs
+            a = a_ref[rows, pl.ds(k0, block_k)]  # [block_m, block_k]
+            w = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)].astype(a.dtype)  # [block_k, block_n]
+            return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
+        # MXFP4: per 32-input group, decode both nibble planes to exact bf16 values, multiply each by its
+        # (de-interleaved, see deinterleave_groups) 16 activation columns, and apply the group's E8M0 scale to
+        # the fp32 partial product: the scale is per (output, group), so it factors out of the group's sum.
+        packed_ref, scale_ref = self.refs
+        half = MXFP4_GROUP // 2
+        for g in range(block_k // MXFP4_GROUP):
+            col = k0 + g * MXFP4_GROUP
+            packed = packed_ref[expert, pl.ds(n0, block_n), pl.ds(col // 2, half)].astype(jnp.int32)  # [block_n, 16]
+            scale = scale_ref[expert, pl.ds(n0, block_n), col // MXFP4_GROUP].astype(jnp.int32)  # [block_n]
+            a_lo = a_ref[rows, pl.ds(col, half)]  # [block_m, 16] even inputs of the group
+            a_hi = a_ref[rows, pl.ds(col + half, half)]  # odd inputs
+            w_lo = _e2m1_to_bf16(packed & 0x0F).astype(a_lo.dtype)  # [block_n, 16]
+            w_hi = _e2m1_to_bf16(packed >> 4).astype(a_lo.dtype)
+            part = jnp.dot(a_lo, w_lo.T, preferred_element_type=jnp.float32)
+            part += jnp.dot(a_hi, w_hi.T, preferred_element_type=jnp.float32)
+            acc += part * _e8m0_to_f32(scale)[None, :]
+        return acc
 
 
 def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_beta: float | None) -> jax.Array:
@@ -177,7 +205,7 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed: bool, block_m: int,
                         block_n: int, block_k: int, activation: str, beta: float, linear_beta: float | None):
     # schedule_ref [4, W] int32 (tile row start, expert, first row, end row)
-    # x_ref        [M_pad, K_pad] expert-sorted rows
+    # x_ref        [M_pad, K_pad] expert-sorted rows (columns de-interleaved per 32-group if gate/up are MXFP4)
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8),
     #       up refs (same), h_ref [M_pad, I_pad] output
     n_gate = 2 if gate_packed else 1
@@ -192,14 +220,12 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed
     def _():
         row0, expert = schedule_ref[0, item], schedule_ref[1, item]
         n0 = col * block_n
-        dtype = x_ref.dtype
 
         def step(kb, carry):
             acc_gate, acc_up = carry
             k0 = kb * block_k
-            x = x_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]  # [block_m, block_k]
-            acc_gate += jnp.dot(x, gate.tile(expert, k0, n0, block_k, block_n, dtype), preferred_element_type=jnp.float32)
-            acc_up += jnp.dot(x, up.tile(expert, k0, n0, block_k, block_n, dtype), preferred_element_type=jnp.float32)
+            acc_gate = gate.accumulate(acc_gate, x_ref, row0, expert, k0, n0, block_m, block_k, block_n)
+            acc_up = up.accumulate(acc_up, x_ref, row0, expert, k0, n0, block_m, block_k, block_n)
             return acc_gate, acc_up
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -213,7 +239,7 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed
 def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, packed: bool, block_m: int, block_n: int,
                          block_k: int):
     # schedule_ref  [4, W] int32
-    # h_ref         [M_pad, I_pad] GLU output rows
+    # h_ref         [M_pad, I_pad] GLU output rows (columns de-interleaved per 32-group if down is MXFP4)
     # row_scale_ref [M_pad] fp32 routing weight of each row
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8),
     #       y_ref [M_pad, D_pad] fp32 output
@@ -226,12 +252,9 @@ def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, packed: bool
     def _():
         row0, expert = schedule_ref[0, item], schedule_ref[1, item]
         n0 = col * block_n
-        dtype = h_ref.dtype
 
         def step(kb, acc):
-            k0 = kb * block_k
-            h = h_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]  # [block_m, block_k]
-            return acc + jnp.dot(h, down.tile(expert, k0, n0, block_k, block_n, dtype), preferred_element_type=jnp.float32)
+            return down.accumulate(acc, h_ref, row0, expert, kb * block_k, n0, block_m, block_k, block_n)
 
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         scale = row_scale_ref[pl.ds(row0, block_m)]  # [block_m]
@@ -349,6 +372,8 @@ def _check_inputs(x, ids, weights, experts, activation):
         raise ValueError(f"routing weights {list(weights.shape)} must match ids {list(ids.shape)}")
     if set(experts) != {"gate", "up", "down"}:
         raise ValueError(f"experts must hold gate, up and down, got {sorted(experts)}")
+    if isinstance(experts["gate"], dict) != isinstance(experts["up"], dict):
+        raise ValueError("gate and up must both be MXFP4-packed or both float (they share the activation tile)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     eg, kg, ig = _weight_dims(experts["gate"])
@@ -395,10 +420,14 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     schedule = tile_schedule(group_sizes, m, config.block_m)
     xs = _pad2(x[token], m_pad, k_pad)
+    if isinstance(experts["gate"], dict):
+        xs = deinterleave_groups(xs)
     row_scale = jnp.pad(weights.reshape(-1).astype(jnp.float32)[order], (0, m_pad - m))
 
     h = grouped_glu(xs, schedule, experts["gate"], experts["up"], config=config, out_dim=i_pad, activation=activation,
                     situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
+    if isinstance(experts["down"], dict):
+        h = deinterleave_groups(h)
     y = grouped_down(h, schedule, row_scale, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
     inverse = jnp.argsort(order)  # row of each (token, slot)
     out = y[inverse][:, :k_dim].reshape(n, top_k, k_dim).sum(axis=1)

@@ -159,6 +159,9 @@ def test_bad_inputs_raise():
         moe_grouped_mlp(x, ids, w, {**experts, "down": experts["down"][:, :8]}, interpret=True)
     with pytest.raises(ValueError, match="activation"):
         moe_grouped_mlp(x, ids, w, experts, activation="gelu", interpret=True)
+    with pytest.raises(ValueError, match="both be MXFP4"):
+        p, sc = mxfp4_quantize(np.swapaxes(np.asarray(experts["gate"]), -1, -2))
+        moe_grouped_mlp(x, ids, w, {**experts, "gate": {"packed": jnp.asarray(p), "scale": jnp.asarray(sc)}}, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         MoeGemmConfig(block_m=24)
 
