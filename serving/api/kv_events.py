@@ -80,7 +80,9 @@ class KvEventPublisher:
     def on_step(self, engine, outputs) -> None:
         """AsyncEngine step hook: publish what changed in the device prefix cache."""
         now = time.monotonic()
-        if now - self._last_diff < self.min_interval_s and outputs:
+        # throttled only while requests run: the step that finishes the last one must be reported now,
+        # as the engine thread then sleeps until the next command
+        if outputs and engine.requests and now - self._last_diff < self.min_interval_s:
             return
         self._last_diff = now
         entries = _cached_pages(engine)

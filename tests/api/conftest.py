@@ -111,6 +111,14 @@ class Worker:
 
 
 @pytest.fixture(scope="session")
+def launch():
+    """The helpers above, for test modules (importing a conftest by name is ambiguous)."""
+    import types
+
+    return types.SimpleNamespace(ROOT=ROOT, Process=Process, free_port=free_port, start_worker=start_worker)
+
+
+@pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("xla_cache")
 
