@@ -21,11 +21,14 @@ class EngineConfig:
     max_prefill_tokens: int = 512  # token budget of the prefill part of one step
     max_model_len: int = 4096
     cache_memory_fraction: float = 0.5  # of free device memory, when sizing pools automatically
-    preemption: str = "recompute"  # drop the request's private state and recompute (from a prefix hit)
+    preemption: str = "recompute"  # "recompute": drop private state, recompute from a prefix hit; "swap": park it on the host
     prefix_cache: bool = True
     host_cache_gb: float = 0.0  # host L2 tier for evicted pages + checkpoints; 0 = off
     session_ttl_s: float = 600.0  # a waiting agent session counts as stale after this
     bucket_growth: int = 2  # shape buckets (rows, tokens, pages) grow by this factor; larger = fewer compiles
+    speculative_k: int = 0  # draft tokens per decode step (EAGLE-3 drafter); 0 = off
+    drafter: str | None = None  # drafter checkpoint (k3jax.drafter.save_drafter); or Engine(drafter=(dcfg, params))
+    spec_fixed_accepted: int | None = None  # BENCHMARK ONLY: accept exactly this many drafts (outputs are not the model's)
 
     def __post_init__(self) -> None:
         problems = []
@@ -37,8 +40,12 @@ class EngineConfig:
                 problems.append(f"{name} must be >= 2 or None")
         if self.bucket_growth < 2:
             problems.append("bucket_growth must be >= 2")
-        if self.preemption != "recompute":  # swap-to-host preemption is not built yet
-            problems.append(f"preemption must be 'recompute', got {self.preemption!r}")
+        if self.preemption not in ("recompute", "swap"):
+            problems.append(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        if not 0 <= self.speculative_k <= 8:
+            problems.append("speculative_k must be in [0, 8]")
+        if self.spec_fixed_accepted is not None and not 0 <= self.spec_fixed_accepted <= self.speculative_k:
+            problems.append("spec_fixed_accepted must be in [0, speculative_k] (and is a benchmark-only mode)")
         if not 0 < self.cache_memory_fraction <= 0.95:
             problems.append("cache_memory_fraction must be in (0, 0.95]")
         if self.host_cache_gb < 0:
@@ -53,4 +60,5 @@ class EngineConfig:
 
     @property
     def max_pages_per_request(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+        """Pages a request can touch: its tokens plus the k positions a verify step writes past them."""
+        return -(-(self.max_model_len + self.speculative_k) // self.page_size)

@@ -34,7 +34,7 @@ from serving.request import (
     check_stop,
     validate_prompt,
 )
-from serving.runner import ModelRunner, Row, pool_sizes
+from serving.runner import ModelRunner, Row, fit, pool_sizes
 from serving.scheduler import Scheduler, StepPlan
 
 
@@ -49,8 +49,11 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, ecfg: EngineConfig | None = None, *, cfg=None, params=None, detokenize=None):
-        """`detokenize(ids) -> str` enables stop strings (the API layer passes its tokenizer's)."""
+    def __init__(self, ecfg: EngineConfig | None = None, *, cfg=None, params=None, detokenize=None,
+                 drafter: tuple | None = None):
+        """`detokenize(ids) -> str` enables stop strings (the API layer passes its tokenizer's).
+        `drafter=(DrafterConfig, params)` (or ecfg.drafter, a checkpoint path) with ecfg.speculative_k > 0
+        turns on speculative decoding."""
         self.ecfg = ecfg = ecfg or EngineConfig()
         self.detokenize = detokenize
         self.matchers: dict[str, StopStringMatcher] = {}
@@ -62,15 +65,18 @@ class Engine:
                 params = k3jax.init_params(self.cfg, jax.random.key(ecfg.seed))
         if ecfg.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {ecfg.max_model_len} exceeds the model's {self.cfg.max_position_embeddings}")
-        num_pages, num_slots = pool_sizes(self.cfg, ecfg, jax.devices()[0])
-        self.runner = ModelRunner(self.cfg, ecfg, params, num_pages, num_slots)
+        drafter = _resolve_drafter(self.cfg, ecfg, drafter)
+        draft_dim = drafter[0].layer_config(self.cfg).latent_cache_dim if drafter else 0
+        num_pages, num_slots = pool_sizes(self.cfg, ecfg, jax.devices()[0], draft_dim)
+        self.runner = ModelRunner(self.cfg, ecfg, params, num_pages, num_slots, drafter=drafter)
         store = HostStore(ecfg.host_cache_gb) if ecfg.host_cache_gb > 0 else None
         self.kv = KVManager(self.runner, ecfg.page_size, ecfg.prefix_cache, store=store, session_ttl_s=ecfg.session_ttl_s)
-        self.scheduler = Scheduler(ecfg, self.kv)
+        self.scheduler = Scheduler(ecfg, self.kv, lookahead=self.runner.k)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
-                         "finished": 0, "aborted": 0}
+                         "finished": 0, "aborted": 0, "spec_verifies": 0, "spec_draft_tokens": 0,
+                         "spec_accepted_tokens": 0}
 
     # --- receive -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
@@ -100,71 +106,133 @@ class Engine:
             return False
         if req.status == RequestStatus.RUNNING:
             self.kv.release(req, cache=False)
+        elif req.swapped is not None:
+            self.kv.discard_swapped(req)
         self.scheduler.remove(req)
         self.matchers.pop(request_id, None)
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
         self.counters["aborted"] += 1
         return True
 
-    # --- one step ----------------------------------------------------------------------------
+    # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """schedule -> forward (prefill part, decode part) -> process. Device work is dispatched before
+        anything waits on it; host-tier prefetches for waiting requests are queued behind the forward."""
         plan = self.scheduler.schedule()
         self.counters["preemptions"] += len(plan.preempted)
         if plan.empty:
             return []
         self.counters["steps"] += 1
-        sampled: dict[str, int] = {}
+        prefill_logits = self._forward_prefill(plan) if plan.prefill else None
+        decode_logits = self._forward_decode(plan) if plan.decode and not self.runner.k else None
+        self._prefetch()
+        sampled: dict[str, list[int]] = {}
         if plan.prefill:
-            sampled.update(self._forward_prefill(plan))
+            sampled.update(self._finish_prefill(plan, prefill_logits))
         if plan.decode:
-            sampled.update(self._forward_decode(plan))
-        return self._process(plan, sampled)
+            sampled.update(self._speculate(plan) if self.runner.k else self._sample(decode_logits, plan.decode))
+        return self._process(sampled)
 
-    def _forward_prefill(self, plan: StepPlan) -> dict[str, int]:
-        rows, done = [], []
+    def _forward_prefill(self, plan: StepPlan) -> jax.Array:
+        rows = []
         for req, n in plan.prefill:
             start = req.num_computed_tokens
-            rows.append(Row(req.slot, req.pages, start, list(req.all_ids[start : start + n])))
+            rows.append(Row(req.slot, req.pages, start, req.ids_slice(start, start + n)))
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                done.append(len(rows) - 1)
         logits = self.runner.prefill(rows)
         for req, _ in plan.prefill:
             self.kv.maybe_checkpoint(req)
-        reqs = [plan.prefill[i][0] for i in done]
-        return self._sample(logits, done, reqs)
+        return logits
 
-    def _forward_decode(self, plan: StepPlan) -> dict[str, int]:
-        rows = [Row(r.slot, r.pages, r.num_computed_tokens, [r.all_ids[-1]]) for r in plan.decode]
+    def _finish_prefill(self, plan: StepPlan, logits: jax.Array) -> dict[str, list[int]]:
+        """Samples rows whose prompt is done; when speculating, the drafter catches up on the chunk."""
+        done = [i for i, (req, _) in enumerate(plan.prefill) if req.num_computed_tokens == req.num_tokens]
+        sampled = self._sample(logits[jnp.asarray(done)], [plan.prefill[i][0] for i in done]) if done else {}
+        if self.runner.k:
+            nxt, park = [], []
+            for req, n in plan.prefill:
+                start = req.num_computed_tokens - n
+                finished_prompt = req.request_id in sampled
+                # the token after each position; a finished prompt's last one is the sampled token, so that
+                # position waits in `pending` for the request's first draft
+                nxt.append(req.ids_slice(start + 1, start + n + (0 if finished_prompt else 1)))
+                park.append(finished_prompt)
+                if finished_prompt:
+                    req.spec_pending = list(sampled[req.request_id])
+            self.runner.draft_extend(nxt, park)
+        return sampled
+
+    def _forward_decode(self, plan: StepPlan) -> jax.Array:
+        rows = [Row(r.slot, r.pages, r.num_computed_tokens, [r.last_token]) for r in plan.decode]
         logits = self.runner.decode(rows)
         for req in plan.decode:
             req.num_computed_tokens += 1
             self.kv.maybe_checkpoint(req)
-        return self._sample(logits, list(range(len(rows))), plan.decode)
+        return logits
 
-    def _sample(self, logits: jax.Array, row_ids: list[int], reqs: list[Request]) -> dict[str, int]:
-        if not reqs:
-            return {}
-        picked = logits[jnp.asarray(row_ids)]
+    def _speculate(self, plan: StepPlan) -> dict[str, list[int]]:
+        """One draft + verify step for every decode row (serving.spec_decode)."""
+        reqs, k, ps = plan.decode, self.runner.k, self.ecfg.page_size
+        rows = [Row(r.slot, r.pages, r.num_computed_tokens, [r.last_token]) for r in reqs]
+        b = fit(len(rows), self.runner.row_buckets)
+        flat = [(r, r.num_output + i) for r in reqs for i in range(k + 1)]
+        tensors = SamplingTensors.from_params(
+            [r.sampling for r, _ in flat], positions=[pos for _, pos in flat], seeds=[r.seed for r, _ in flat],
+            pad_to=b * (k + 1), suppress_eos=[pos < r.sampling.min_tokens for r, pos in flat],
+            eos_id=self.cfg.eos_token_id,
+        )
+        accepted, emitted, verified = self.runner.speculate(rows, [r.spec_pending for r in reqs], tensors,
+                                                            self.ecfg.spec_fixed_accepted)
+        out = {}
+        for i, req in enumerate(reqs):
+            a, start = int(accepted[i]), req.num_computed_tokens
+            tokens = [int(t) for t in emitted[i, : a + 1]]
+            req.num_computed_tokens = end = start + a + 1
+            req.spec_pending = tokens
+            boundary = end // ps * ps
+            if boundary == end:
+                self.kv.maybe_checkpoint(req)
+            elif boundary > start:  # crossed inside the run: the verify step kept the state there
+                self.kv.maybe_checkpoint(req, boundary, copy_into=lambda slot, i=i, j=boundary - start - 1:
+                                         self.runner.snapshot_verified(verified, i, j, slot))
+            out[req.request_id] = tokens
+        self.counters["spec_verifies"] += len(reqs)
+        self.counters["spec_draft_tokens"] += k * len(reqs)
+        self.counters["spec_accepted_tokens"] += int(np.sum(accepted))
+        return out
+
+    def _prefetch(self, max_requests: int = 4) -> None:
+        if self.kv.store is None:
+            return
+        for req in itertools.islice(self.scheduler.waiting, max_requests):
+            self.kv.prefetch(req)
+
+    def _sample(self, logits: jax.Array, reqs: list[Request]) -> dict[str, list[int]]:
+        """One token per request from logits whose first len(reqs) rows are theirs."""
         tensors = SamplingTensors.from_params(
             [r.sampling for r in reqs], positions=[r.num_output for r in reqs],
-            seeds=[r.seed for r in reqs], pad_to=picked.shape[0],
+            seeds=[r.seed for r in reqs], pad_to=logits.shape[0],
             suppress_eos=[r.num_output < r.sampling.min_tokens for r in reqs], eos_id=self.cfg.eos_token_id,
         )
-        tokens = np.asarray(sample(picked, tensors))
-        return {r.request_id: int(t) for r, t in zip(reqs, tokens)}
+        tokens = np.asarray(sample(logits, tensors))
+        return {r.request_id: [int(t)] for r, t in zip(reqs, tokens)}
 
     # --- process -----------------------------------------------------------------------------
-    def _process(self, plan: StepPlan, sampled: dict[str, int]) -> list[StepOutput]:
+    def _process(self, sampled: dict[str, list[int]]) -> list[StepOutput]:
+        """Appends each request's new tokens, stopping at the first that finishes it."""
         outputs = []
-        for rid, token in sampled.items():
+        for rid, tokens in sampled.items():
             req = self.requests[rid]
-            req.output_ids.append(token)
-            self.counters["generation_tokens"] += 1
-            reason = check_stop(req, self.cfg.eos_token_id, self.matchers.get(rid))
-            if reason is not None:
-                self._finish(req, reason)
-            outputs.append(StepOutput(rid, [token], req.is_finished, req.finish_reason))
+            kept = []
+            for token in tokens:
+                req.output_ids.append(token)
+                kept.append(token)
+                reason = check_stop(req, self.cfg.eos_token_id, self.matchers.get(rid))
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
+            self.counters["generation_tokens"] += len(kept)
+            outputs.append(StepOutput(rid, kept, req.is_finished, req.finish_reason))
         return outputs
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -216,6 +284,13 @@ class Engine:
             "prefix_query_tokens": self.kv.query_tokens,
             "prefix_hit_tokens": self.kv.hit_tokens,
             "prefix_hit_tokens_host": self.kv.store_hit_tokens,
+            "prefix_hit_tokens_by_tier": {"device": self.kv.hit_tokens - self.kv.store_hit_tokens,
+                                          "host": self.kv.store_hit_tokens},
+            "swapped_requests": sum(1 for r in self.scheduler.waiting if r.swapped is not None),
+            "swapped_bytes": self.kv.swapped_bytes,
+            "spec_mean_acceptance_length": (
+                (self.counters["spec_accepted_tokens"] + self.counters["spec_verifies"]) / self.counters["spec_verifies"]
+                if self.counters["spec_verifies"] else None),
             "host_cache": self.kv.store.stats() if self.kv.store is not None else {},
             "prefix_cache": prefix,
             **self.counters,
@@ -234,6 +309,23 @@ class Engine:
                     assert p not in owned, f"page {p} owned by {owned[p]} and {req.request_id}"
                     owned[p] = req.request_id
             assert self.kv.slots.refcount(req.slot) >= 1
+
+
+def _resolve_drafter(cfg, ecfg: EngineConfig, drafter: tuple | None) -> tuple | None:
+    """(DrafterConfig, params) to speculate with, or None; ValueError if the settings disagree."""
+    if ecfg.speculative_k == 0:
+        return None
+    if drafter is None and ecfg.drafter:
+        from k3jax.drafter import load_drafter
+
+        target_cfg, dcfg, dparams = load_drafter(ecfg.drafter)
+        if (target_cfg.vocab_size, target_cfg.hidden_size, target_cfg.num_layers) != (cfg.vocab_size, cfg.hidden_size, cfg.num_layers):
+            raise ValueError(f"drafter {ecfg.drafter} was trained for a different target model")
+        drafter = (dcfg, dparams)
+    if drafter is None:
+        raise ValueError("speculative_k > 0 needs a drafter: EngineConfig.drafter (a checkpoint) or Engine(drafter=...)")
+    drafter[0].resolve(cfg)  # ValueError if it does not fit the target
+    return drafter
 
 
 def _load_weights(path: str):

@@ -15,6 +15,8 @@ never written again, because a request only writes at positions >= num_cached_to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from serving.cache.hashing import prefix_hashes
@@ -23,6 +25,19 @@ from serving.cache.prefix_cache import CacheEntry, PrefixCache, PrefixHit
 from serving.cache.store import CacheStore, PageBlob
 from serving.request import Request
 from serving.runner import ModelRunner
+
+
+@dataclass
+class SwappedState:
+    """A swap-preempted request's device state, on the host (serving.runner.ModelRunner.read_request)."""
+
+    num_pages: int
+    arrays: dict[str, np.ndarray]
+    spec_pending: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
 
 
 class KVManager:
@@ -40,6 +55,7 @@ class KVManager:
         self.slots = SlotPool(runner.num_slots)
         self.prefix = PrefixCache(page_size, self.pages, self.slots, on_evict=self._offload if self.store is not None else None,
                                   waiting_ttl_s=session_ttl_s)
+        self.swapped_bytes = 0  # host memory held by swap-preempted requests
         self.hit_tokens = 0  # all tiers
         self.store_hit_tokens = 0  # the part of hit_tokens that came back from the store
         self.query_tokens = 0
@@ -91,6 +107,18 @@ class KVManager:
         if ckpt is not None:
             self.slots.decref([ckpt])
 
+    def prefetch(self, req: Request) -> None:
+        """While req waits: copy the part of its prefix that only the store has back to the device
+        cache now, so the transfer overlaps the running step instead of delaying req's admission.
+        (JAX dispatch is asynchronous: the host-to-device copies are queued, nothing blocks here.)"""
+        if self.store is None or req.host_prefetch is not None or req.swapped is not None:
+            return
+        tokens = req.all_ids
+        hit = self.prefix.match(tokens)
+        self._restore_from_store(tokens, hit, req.session)
+        after = self.prefix.match(tokens).num_tokens
+        req.host_prefetch = (hit.num_tokens, after)  # admission attributes the difference to the store
+
     # --- admission --------------------------------------------------------------------------
     def can_admit(self) -> bool:
         return self.slots.num_free > 0 or self._evict(0, 1)
@@ -108,10 +136,12 @@ class KVManager:
                 self.prefix.set_session_state(req.session, "active")
             hit = self.prefix.match(tokens)
             if self.store is not None:
+                # the device hit before any restore: now, or when req was prefetched while waiting
+                device_tokens = hit.num_tokens if req.host_prefetch is None else min(req.host_prefetch[0], hit.num_tokens)
                 self._restore_from_store(tokens, hit, req.session)
-                device_tokens = hit.num_tokens
                 hit = self.prefix.match(tokens)
                 self.store_hit_tokens += max(0, hit.num_tokens - device_tokens)
+                req.host_prefetch = None
             if hit.num_tokens:
                 self.prefix.lock(hit)
                 req.hit = hit
@@ -142,13 +172,15 @@ class KVManager:
         return self.pages.num_free >= pages and self.slots.num_free >= slots
 
     # --- checkpoints ------------------------------------------------------------------------
-    def maybe_checkpoint(self, req: Request) -> None:
-        """After a step: if req's computed length sits on a page boundary, snapshot its KDA state.
+    def maybe_checkpoint(self, req: Request, length: int | None = None, copy_into=None) -> None:
+        """After a step: if req's computed length (or `length`) sits on a page boundary, snapshot the KDA
+        state there: by default copied from req's slot; `copy_into(slot)` writes it otherwise (a boundary
+        crossed inside an accepted speculative run, taken from the verify step's per-position states).
 
         A request keeps at most two checkpoints: the one at its prompt boundary, and a rolling one at
         the latest boundary reached while decoding (its slot is overwritten as decoding moves on).
         """
-        n = req.num_computed_tokens
+        n = req.num_computed_tokens if length is None else length
         if not self.use_prefix_cache or n == 0 or n % self.page_size:
             return
         if req.checkpoints and req.checkpoints[-1][0] == n:
@@ -160,7 +192,10 @@ class KVManager:
             [slot] = self.slots.allocate(1)
         else:
             return  # memory is short: skip this checkpoint, the request still runs
-        self.runner.copy_slots([req.slot], [slot])
+        if copy_into is None:
+            self.runner.copy_slots([req.slot], [slot])
+        else:
+            copy_into(slot)
         req.checkpoints.append((n, slot))
 
     # --- release ----------------------------------------------------------------------------
@@ -168,6 +203,8 @@ class KVManager:
         """Frees req's slot and pages; with `cache`, first publishes its checkpointed prefixes."""
         if cache and self.use_prefix_cache:
             for length, slot in sorted(req.checkpoints):
+                if length > req.num_tokens:  # past a stop inside an accepted speculative run
+                    continue
                 n_pages = length // self.page_size
                 self.prefix.insert(req.all_ids[:length], req.pages[:n_pages], slot, session=req.session)
             if req.session is not None and req.is_finished:
@@ -180,6 +217,36 @@ class KVManager:
             own = req.pages
         self.pages.decref(own)
         req.pages, req.slot, req.checkpoints, req.hit = [], None, [], None
+        req.spec_pending = []
+
+    # --- swap preemption --------------------------------------------------------------------
+    def swap_out(self, req: Request) -> None:
+        """Parks req's state (its pages' latents, KDA/conv row, drafter state) on the host and frees its
+        device memory; its checkpointed prefixes go to the prefix cache as on release."""
+        req.swapped = SwappedState(num_pages=len(req.pages), arrays=self.runner.read_request(req.slot, req.pages),
+                                   spec_pending=list(req.spec_pending))
+        self.swapped_bytes += req.swapped.nbytes
+        self.release(req, cache=True)
+
+    def swap_in(self, req: Request) -> bool:
+        """Brings a swapped request back (fresh slot and pages, state written back); False if memory is short."""
+        swapped = req.swapped
+        if not self._evict(swapped.num_pages, 1):
+            return False
+        [req.slot] = self.slots.allocate(1)
+        req.pages = self.pages.allocate(swapped.num_pages)
+        req.checkpoints, req.hit = [], None
+        self.runner.write_request(req.slot, req.pages, swapped.arrays)
+        req.spec_pending = swapped.spec_pending
+        self.swapped_bytes -= swapped.nbytes
+        req.swapped = None
+        return True
+
+    def discard_swapped(self, req: Request) -> None:
+        """Drops a swapped request's host copy (it was aborted while preempted)."""
+        if req.swapped is not None:
+            self.swapped_bytes -= req.swapped.nbytes
+            req.swapped = None
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()

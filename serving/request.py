@@ -170,6 +170,13 @@ class Request:
     checkpoints: list = field(default_factory=list)
     prompt_boundary: int = 0
     num_preemptions: int = 0
+    # Speculative decoding (serving.spec_decode): the tokens after the positions the drafter has not yet
+    # caught up on (their target features wait in the runner's pending buffer at this request's slot)
+    spec_pending: list[int] = field(default_factory=list)
+    # Swap preemption (serving.kv_manager.SwappedState): the request's state while it sits on the host
+    swapped: Any = None
+    # Host-tier prefetch while waiting: (device hit tokens before it, hit tokens after it), for attribution
+    host_prefetch: tuple[int, int] | None = None
 
     def __post_init__(self):
         self.prompt_ids = tuple(self.prompt_ids)
@@ -192,6 +199,17 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return [*self.prompt_ids, *self.output_ids]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def ids_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (long histories, every step)."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return list(self.prompt_ids[start:stop])
+        return list(self.prompt_ids[start:]) + self.output_ids[max(start - n, 0) : stop - n]
 
     @property
     def num_prompt(self) -> int:

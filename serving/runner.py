@@ -17,7 +17,10 @@ import numpy as np
 
 import k3jax
 from k3jax.config import ModelConfig
-from k3jax.model import DecodeState, StepMeta
+from k3jax.model import DecodeState, StepMeta, commit_verified
+from k3jax.sampling import SamplingTensors
+from k3jax.speculative import target_step
+from serving import spec_decode
 from serving.config import EngineConfig
 
 
@@ -58,16 +61,31 @@ def _write_pages(state: DecodeState, pages: jax.Array, latents: jax.Array) -> De
 
 
 @partial(jax.jit, donate_argnums=0)
+def _store_pending(pending: jax.Array, slots: jax.Array, feats: jax.Array, start: jax.Array) -> jax.Array:
+    """pending[slots[b], j] = feats[b, start[b] + j] for j < pending's width (reads past T are clamped)."""
+    width = pending.shape[1]
+    idx = jnp.minimum(start[:, None] + jnp.arange(width)[None, :], feats.shape[1] - 1)
+    return pending.at[slots].set(jnp.take_along_axis(feats, idx[:, :, None, None], axis=1).astype(pending.dtype))
+
+
+@partial(jax.jit, donate_argnums=0)
+def _set_axis1(pool: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+    return pool.at[:, index].set(values.astype(pool.dtype))
+
+
+@partial(jax.jit, donate_argnums=0)
 def _write_slot(state: DecodeState, slot: jax.Array, kda: jax.Array, conv: jax.Array) -> DecodeState:
     return state.replace(kda=state.kda.at[:, slot].set(kda), conv=state.conv.at[:, slot].set(conv.astype(state.conv.dtype)))
 
 
-def pool_sizes(cfg: ModelConfig, ecfg: EngineConfig, device: jax.Device) -> tuple[int, int]:
+def pool_sizes(cfg: ModelConfig, ecfg: EngineConfig, device: jax.Device, draft_latent_dim: int = 0) -> tuple[int, int]:
     """(num_pages, num_slots): explicit values from the config, else sized from free device memory."""
     num_slots = ecfg.num_slots or 2 * ecfg.max_running + 8
     if ecfg.num_pages is not None:
         return ecfg.num_pages, num_slots
     page_bytes = cfg.num_mla_layers * ecfg.page_size * cfg.latent_cache_dim * jnp.dtype(cfg.dtype).itemsize
+    if draft_latent_dim:  # the drafter's latents live beside the target's, one page id for both
+        page_bytes += ecfg.page_size * draft_latent_dim * jnp.dtype(cfg.dtype).itemsize
     slot_bytes = cfg.num_kda_layers * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
@@ -81,9 +99,15 @@ def pool_sizes(cfg: ModelConfig, ecfg: EngineConfig, device: jax.Device) -> tupl
 
 
 class ModelRunner:
-    """Runs prefill / decode batches of `Row`s against the pooled state. Not thread-safe."""
+    """Runs prefill / decode / speculative batches of `Row`s against the pooled state. Not thread-safe.
 
-    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params: dict, num_pages: int, num_slots: int):
+    With a drafter (`drafter=(DrafterConfig, params)` and ecfg.speculative_k = k > 0) the runner also owns
+    the draft-layer latent pool (same page ids as the target's) and `pending`: per slot, the target
+    features of the positions the drafter has not caught up on yet (at most k + 1).
+    """
+
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params: dict, num_pages: int, num_slots: int,
+                 drafter: tuple | None = None):
         self.cfg, self.ecfg, self.params = cfg, ecfg, params
         self.num_pages, self.num_slots = num_pages, num_slots
         self.scratch_slot = num_slots  # one extra row, owned by nobody, absorbs padding rows
@@ -93,6 +117,12 @@ class ModelRunner:
         self.token_buckets = buckets(ecfg.max_prefill_tokens, start=min(16, ecfg.max_prefill_tokens), growth=g)
         self.page_buckets = buckets(ecfg.max_pages_per_request, growth=g)
         self.slot_copy_buckets = buckets(max(ecfg.max_running, 8), growth=g)
+        self.k = ecfg.speculative_k if drafter is not None else 0
+        if self.k:
+            self.dcfg, self.dparams = drafter[0].resolve(cfg), drafter[1]
+            self.capture = self.dcfg.capture_layers
+            self.draft_pool = spec_decode.init_draft_pool(cfg, self.dcfg, num_pages, ecfg.page_size)
+            self.pending = jnp.zeros((num_slots + 1, self.k + 1, len(self.capture), cfg.hidden_size), jnp.dtype(cfg.dtype))
 
     # --- steps -------------------------------------------------------------------------------
     def _meta(self, rows: list[Row], b: int, max_pages: int, lengths: list[int]) -> StepMeta:
@@ -105,16 +135,26 @@ class ModelRunner:
             table[i, : len(r.pages)] = r.pages
         return StepMeta(jnp.asarray(slots), jnp.asarray(table), jnp.asarray(ctx), jnp.asarray(lens))
 
-    def prefill(self, rows: list[Row]) -> jax.Array:
-        """Appends each row's tokens; returns float32 logits [B_bucket, V] at each row's last token."""
-        b = fit(len(rows), self.row_buckets)
-        t = fit(max(len(r.tokens) for r in rows), self.token_buckets)
-        p = fit(max(len(r.pages) for r in rows), self.page_buckets)
+    def _tokens(self, rows: list[Row], b: int, t: int) -> jax.Array:
         tokens = np.full((b, t), self.cfg.pad_token_id, np.int32)
         for i, r in enumerate(rows):
             tokens[i, : len(r.tokens)] = r.tokens
+        return jnp.asarray(tokens)
+
+    def prefill(self, rows: list[Row]) -> jax.Array:
+        """Appends each row's tokens; returns float32 logits [B_bucket, V] at each row's last token.
+
+        When speculating, the target's features at every new position are kept for `draft_extend`."""
+        b = fit(len(rows), self.row_buckets)
+        t = fit(max(len(r.tokens) for r in rows), self.token_buckets)
+        p = fit(max(len(r.pages) for r in rows), self.page_buckets)
         meta = self._meta(rows, b, p, [len(r.tokens) for r in rows])
-        logits, self.state = k3jax.prefill(self.params, self.cfg, self.state, jnp.asarray(tokens), meta,
+        if self.k:
+            logits, self.state, _, self._prefill_feats = target_step(
+                self.params, self.cfg, self.state, self._tokens(rows, b, t), meta, self.capture, False, self.ecfg.backend)
+            self._prefill_meta, self._prefill_slots = meta, [r.slot for r in rows]
+            return logits
+        logits, self.state = k3jax.prefill(self.params, self.cfg, self.state, self._tokens(rows, b, t), meta,
                                            backend_name=self.ecfg.backend)
         return logits
 
@@ -129,7 +169,71 @@ class ModelRunner:
                                           backend_name=self.ecfg.backend)
         return logits
 
-    # --- state movement (checkpoints, host tier) -----------------------------------------------
+    # --- speculative decoding ----------------------------------------------------------------
+    def draft_extend(self, next_tokens: list[list[int]], pending_last: list[bool]) -> None:
+        """After `prefill`: the drafter catches up on the prefilled positions. next_tokens[i] is, per
+        position of row i, the token after it (row i catches up on len(next_tokens[i]) positions). Rows
+        with pending_last[i] (their prompt is done) also park the features of their last prefilled
+        position in `pending`, to be caught up on with the sampled token at their first draft."""
+        meta, feats = self._prefill_meta, self._prefill_feats
+        b, t = feats.shape[:2]
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.zeros(b, np.int32)
+        start = np.zeros(b, np.int32)
+        for i, nxt in enumerate(next_tokens):
+            tokens[i, : len(nxt)] = nxt
+            lengths[i] = len(nxt)
+            start[i] = len(nxt)  # the position after the caught-up ones
+        _, self.draft_pool = spec_decode.draft_step(
+            self.dparams, self.cfg, self.dcfg, self.params["embed"], self.draft_pool, feats, jnp.asarray(tokens),
+            meta.page_table, meta.context_lens, jnp.asarray(lengths), 0)
+        slots = np.full(b, self.scratch_slot, np.int32)
+        for i, (slot, park) in enumerate(zip(self._prefill_slots, pending_last)):
+            if park:
+                slots[i] = slot
+        self.pending = _store_pending(self.pending, jnp.asarray(slots), feats, jnp.asarray(start))
+        self._prefill_feats = self._prefill_meta = self._prefill_slots = None
+
+    def speculate(self, rows: list[Row], pending: list[list[int]], tensors: SamplingTensors,
+                  fixed_accepted: int | None = None):
+        """One speculative decode step. rows[i].tokens == [newest token], context_len = computed length p;
+        pending[i]: the tokens after the drafter's not-yet-seen positions p - len .. p - 1.
+
+        Drafts k tokens, verifies them in one target step, accepts, commits the KDA states and refills
+        `pending`. tensors: sampling rows for B_bucket * (k + 1) verify positions.
+        Returns (accepted np [n], emitted np [n, k+1], verified states for `snapshot_verified`).
+        """
+        k, n = self.k, len(rows)
+        b = fit(n, self.row_buckets)
+        p = fit(max(len(r.pages) for r in rows), self.page_buckets)
+        draft_rows = [Row(r.slot, r.pages, r.context_len - len(pend), []) for r, pend in zip(rows, pending)]
+        meta = self._meta(draft_rows, b, p, [len(pend) for pend in pending])
+        tokens = np.zeros((b, k + 1), np.int32)
+        for i, pend in enumerate(pending):
+            tokens[i, : len(pend)] = pend
+        feats = self.pending[meta.slots]
+        drafts, self.draft_pool = spec_decode.draft_step(
+            self.dparams, self.cfg, self.dcfg, self.params["embed"], self.draft_pool, feats, jnp.asarray(tokens),
+            meta.page_table, meta.context_lens, meta.lengths, k)
+        last = np.zeros((b, 1), np.int32)
+        last[:n, 0] = [r.tokens[0] for r in rows]
+        vtokens = jnp.concatenate([jnp.asarray(last), drafts], axis=1)
+        vmeta = self._meta(rows, b, p, [k + 1] * n)
+        logits, self.state, verified, vfeats = target_step(
+            self.params, self.cfg, self.state, vtokens, vmeta, self.capture, True, self.ecfg.backend)
+        accepted, emitted = spec_decode.accept(logits, drafts, tensors, fixed_accepted=fixed_accepted)
+        self.state = commit_verified(self.state, verified, vmeta.slots, accepted + 1)
+        self.pending = _store_pending(self.pending, vmeta.slots, vfeats, jnp.zeros(b, jnp.int32))
+        return np.asarray(accepted)[:n], np.asarray(emitted)[:n], (verified, vmeta.slots)
+
+    def snapshot_verified(self, verified, row: int, position: int, dst_slot: int) -> None:
+        """KDA/conv state of row `row` after verify position `position` -> slot dst_slot (a checkpoint
+        at a page boundary crossed inside an accepted run)."""
+        states, _ = verified
+        self.state = commit_verified(self.state, states, jnp.asarray([dst_slot], jnp.int32),
+                                     jnp.asarray([position + 1], jnp.int32), rows=jnp.asarray([row], jnp.int32))
+
+    # --- state movement (checkpoints, host tier, swap) -------------------------------------------
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """state[dst[i]] = state[src[i]] for KDA and conv rows (checkpoint take / restore)."""
         if not src:
@@ -151,6 +255,27 @@ class ModelRunner:
     def write_slot(self, slot: int, kda: np.ndarray, conv: np.ndarray) -> None:
         self.state = _write_slot(self.state, jnp.asarray(slot, jnp.int32), jnp.asarray(kda), jnp.asarray(conv))
 
+    def read_request(self, slot: int, pages: list[int]) -> dict[str, np.ndarray]:
+        """Everything the device holds for one request (swap-out): its pages' latents, its KDA/conv row
+        and, when speculating, its draft-layer latents and pending features."""
+        kda, conv = self.read_slot(slot)
+        out = {"kv": self.read_pages(pages), "kda": kda, "conv": conv}
+        if self.k:
+            out["draft"] = np.asarray(self.draft_pool[:, np.asarray(pages, np.int32)])
+            out["pending"] = np.asarray(self.pending[slot])
+        return out
+
+    def write_request(self, slot: int, pages: list[int], arrays: dict[str, np.ndarray]) -> None:
+        """The inverse of read_request, into a (new) slot and pages."""
+        if pages:
+            self.write_pages(pages, arrays["kv"])
+        self.write_slot(slot, arrays["kda"], arrays["conv"])
+        if self.k:
+            if pages:
+                self.draft_pool = _set_axis1(self.draft_pool, jnp.asarray(pages, jnp.int32), jnp.asarray(arrays["draft"]))
+            self.pending = self.pending.at[slot].set(jnp.asarray(arrays["pending"]))
+
+    # --- warm-up -------------------------------------------------------------------------------
     def warmup(self, prefill: bool = True) -> int:
         """Compiles every shape bucket that steady-state steps use; returns how many programs ran.
 
@@ -162,12 +287,36 @@ class ModelRunner:
             for p in self.page_buckets:
                 rows = [Row(self.scratch_slot, [0] * p, 0, []) for _ in range(b)]
                 meta = self._meta(rows, b, p, [0] * b)
-                _, self.state = k3jax.decode(self.params, self.cfg, self.state, jnp.zeros(b, jnp.int32), meta,
-                                             backend_name=self.ecfg.backend)
+                if self.k:
+                    self._warm_speculate(b, meta)
+                else:
+                    _, self.state = k3jax.decode(self.params, self.cfg, self.state, jnp.zeros(b, jnp.int32), meta,
+                                                 backend_name=self.ecfg.backend)
                 count += 1
                 for t in self.token_buckets if prefill else ():
                     tokens = jnp.full((b, t), self.cfg.pad_token_id, jnp.int32)
-                    _, self.state = k3jax.prefill(self.params, self.cfg, self.state, tokens, meta,
-                                                  backend_name=self.ecfg.backend)
+                    if self.k:
+                        _, self.state, _, self._prefill_feats = target_step(
+                            self.params, self.cfg, self.state, tokens, meta, self.capture, False, self.ecfg.backend)
+                        self._prefill_meta, self._prefill_slots = meta, []
+                        self.draft_extend([], [])
+                    else:
+                        _, self.state = k3jax.prefill(self.params, self.cfg, self.state, tokens, meta,
+                                                      backend_name=self.ecfg.backend)
                     count += 1
         return count
+
+    def _warm_speculate(self, b: int, meta: StepMeta) -> None:
+        """The speculative programs of one (rows, pages) bucket, on idle rows (length 0: no writes)."""
+        k = self.k
+        _, self.draft_pool = spec_decode.draft_step(
+            self.dparams, self.cfg, self.dcfg, self.params["embed"], self.draft_pool, self.pending[meta.slots],
+            jnp.zeros((b, k + 1), jnp.int32), meta.page_table, meta.context_lens, meta.lengths, k)
+        logits, self.state, verified, vfeats = target_step(
+            self.params, self.cfg, self.state, jnp.zeros((b, k + 1), jnp.int32), meta, self.capture, True,
+            self.ecfg.backend)
+        tensors = SamplingTensors.greedy(b * (k + 1))
+        accepted, _ = spec_decode.accept(logits, jnp.zeros((b, k), jnp.int32), tensors,
+                                         fixed_accepted=self.ecfg.spec_fixed_accepted)
+        self.state = commit_verified(self.state, verified, meta.slots, accepted + 1)
+        self.pending = _store_pending(self.pending, meta.slots, vfeats, jnp.zeros(b, jnp.int32))

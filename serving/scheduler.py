@@ -1,15 +1,18 @@
 """Scheduling policy (colocated mode), stated in one place:
 
-1. Decode first: every running request whose prompt is fully computed decodes one token, up to
-   `max_running` rows. Each needs room for one more token; if pages run out even after evicting
-   cache-only pages, the most recently admitted running request is preempted (recompute: its full
-   pages are published to the prefix cache and it returns to the front of the queue, so it usually
-   resumes from a prefix hit).
+1. Decode first: every running request whose prompt is fully computed decodes, up to `max_running`
+   rows. Each needs room for one more token (1 + k when speculating: verify writes k draft positions).
+   If pages run out even after evicting cache-only pages, the most recently admitted running request
+   is preempted and returns to the front of the queue, by `preemption` policy:
+   "recompute" drops its private state (its full pages are published to the prefix cache first, so it
+   usually resumes from a prefix hit); "swap" parks its whole state on the host and writes it back on
+   re-admission (no recompute, host memory instead).
 2. Then prefill under a token budget (`max_prefill_tokens` per step): first the unfinished chunks of
    requests already admitted (oldest first), then new requests in arrival order while the budget, a
    slot and a running place remain. A chunk that does not finish its prompt ends on a page boundary,
    so the KDA state there can be checkpointed for the prefix cache.
 Decode and prefill of one step run back to back on the same state; neither starves the other.
+A swapped request at the head of the queue is re-admitted before new ones, without prefill budget.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, kv: KVManager):
-        self.ecfg, self.kv = ecfg, kv
+    def __init__(self, ecfg: EngineConfig, kv: KVManager, lookahead: int = 0):
+        """lookahead: positions past its newest token that a decode step writes (k when speculating)."""
+        self.ecfg, self.kv, self.lookahead = ecfg, kv, lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
 
@@ -54,7 +58,10 @@ class Scheduler:
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
-        self.kv.release(victim, cache=True)
+        if self.ecfg.preemption == "swap":
+            self.kv.swap_out(victim)
+        else:
+            self.kv.release(victim, cache=True)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -69,7 +76,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running or req.num_tokens - req.num_computed_tokens != 1:
                 continue
-            while not self.kv.ensure_pages(req, req.num_tokens):
+            while not self.kv.ensure_pages(req, req.num_tokens + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is req:
@@ -89,6 +96,13 @@ class Scheduler:
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_running:
             req = self.waiting[0]
+            if req.swapped is not None:
+                if not self.kv.swap_in(req):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                continue
             if not self.kv.can_admit():
                 break
             self.waiting.popleft()
