@@ -24,12 +24,15 @@ a bounded gate (g >= lb, -16 lb <= 80), where exp(P - G_j) <= e^80 < fp32 max; f
 (softplus, or a precomputed g) the diagonal blocks take the pairwise exp(G_i - G_j) of masked differences.
 g must be <= 0 (a log decay), as both gate forms guarantee.
 
-Backend: Pallas Triton lowering. It expresses everything here (dynamic chunk tables as ordinary int32
-inputs, masked loads/stores at dynamic token offsets, cumsum, while loops), runs in CPU CI with
-interpret=True, and its tensor-core dots take bf16 operands with fp32 accumulation; Mosaic GPU would need
-per-sequence dynamic trip counts through nd_loop and has no interpret path for this mix of masked
-dynamic-offset accesses. Measured against fla-core 0.6.0 `chunk_kda` in benchmarks/kda.py (numbers in
-the module's results file docs/results/kda_h200_2026-11-29.json).
+Backend: Pallas Triton lowering, chosen because it expresses everything here (dynamic chunk tables as
+ordinary int32 inputs, masked loads/stores at dynamic token offsets, cumsum, while loops with per-sequence
+trip counts) and runs in CPU CI with interpret=True; Mosaic GPU was not tried. Measured on the H200
+(benchmarks/kda.py, docs/results/kda_h200_2026-11-29.json): correct (bf16 output within 5e-3 of fla-core
+0.6.0 `chunk_kda`) but 13x slower than it at B1 T32768 H32 (49 ms vs 3.8 ms; B8 T4096 the same), and
+Triton takes minutes to compile `_intra_kernel`. The likely cause is `_intra_kernel` keeping all four
+16-row sub-blocks' q/k/v/G/decay tensors (~30 [16, K] fp32 values) live at once: far past the register
+file, so it spills; and its 16x16 IEEE-fp32 dots run on CUDA cores. The next step is fla's split: a
+grid over (chunk, head, sub-block) for L / Aqk, then the solve, then W / U as bf16 tensor-core dots.
 
 Precision: with bf16 inputs (the model's activations) the intermediates W, U, e^G Q, e^(G_C-G) K, Aqk are
 stored in bf16 and the big matmuls take bf16 operands with fp32 accumulation (as fla does); L and the

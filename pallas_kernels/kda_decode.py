@@ -21,7 +21,9 @@ in registers across the T positions; the state is read once and written once (de
 (verify), which is the whole memory floor. Slot indices are ordinary int32 inputs (Triton has no scalar
 prefetch) used in the kernel's own pointer arithmetic; the pools are aliased to the outputs. The products
 S k and S q are vector-matrix, so they are broadcast-multiply-reduce on CUDA cores, not tensor-core dots.
-Timed against fla-core 0.6.0 `fused_recurrent_kda` in benchmarks/kda.py.
+benchmarks/kda.py times it against fla-core 0.6.0 `fused_recurrent_kda`; the first H200 run ended before
+its decode cases (docs/results/kda_h200_2026-11-29.json), so no decode speed is measured yet, and Mosaic
+GPU was not tried.
 """
 
 from __future__ import annotations
