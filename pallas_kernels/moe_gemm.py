@@ -16,17 +16,24 @@ Pipeline (`moe_grouped_mlp`):
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4-packed as in
 k3jax.quant ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, HF orientation). Packed
-tiles are dequantised inside the kernel, weight-only (activations stay bf16): per 32-input group, each
-nibble plane is decoded with integer ops straight to exact bf16 E2M1 values and multiplied by the group's
-16 even / 16 odd activation columns (the wrapper de-interleaves activation columns per group, so no
-in-register interleave is needed), and the group's E8M0 scale multiplies the fp32 partial product.
+tiles are dequantised inside the kernel right before the MMA (nibbles -> E2M1 values by bit construction
+-> times 2^(scale-127) -> activation dtype): weight-only, the activations stay bf16. Measured on the H200
+(benchmarks/moe.py), this decode is ALU-bound: it moves 4x fewer weight bytes than bf16 but is 1.6x
+slower than the bf16 kernel at decode sizes of K3's EP16 shard (0.62 vs 0.39 ms, 0.4 rows per expert)
+and 1.5x faster only at k3-small's narrower experts; a per-group variant (nibble planes decoded straight
+to bf16, de-interleaved activations, scale on the fp32 partial) was slower still (0.71 ms; 2.5x slower
+at large groups, from its 16-deep MMAs), so it was dropped. For large groups, dequantising once to bf16
+outside the kernel and running the bf16 path is faster than either.
 
 Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement on
 the H200 (../shared/design/gpu.md): a Pallas-Triton tiled matmul reached 540 TFLOP/s (87% of XLA's
 622-636), so the tile loop itself is not the limit, while the shipped Mosaic-GPU `ragged_dot_mgpu` reached
 171 TFLOP/s on the grouped shape; Triton-lowered Pallas also runs on CPU in interpret mode, which is how
 CI checks it, and needs no scalar prefetch here (the schedule is read with scalar loads inside the body).
-The benchmark (benchmarks/moe.py) holds it to ragged_dot_mgpu and the XLA dense matmul in the same run.
+Measured (benchmarks/moe.py, H200, K3 EP16 shard: 56 experts, 3584 -> 3072): bf16 decode (16 tokens)
+0.39 ms = 3.4 TB/s of expert weights (80% of the 4.27 TB/s copy ceiling); 1024 tokens 1.09 ms (1.08x
+faster than ragged_dot_mgpu); 65536 tokens (1162 rows/expert) 414 TFLOP/s = 60% of the 695 TFLOP/s
+jnp.dot peak of the same run, 1.15x ragged_dot_mgpu.
 """
 
 from __future__ import annotations
@@ -136,23 +143,15 @@ def _e8m0_to_f32(scale: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(scale << 23, jnp.float32)
 
 
-def _e2m1_to_bf16(codes: jax.Array) -> jax.Array:
-    """E2M1 codes (int32, 0..15) -> exact bfloat16 values, built as bf16 bits (cheap integer ops, no table).
-
-    Magnitude m = codes & 7 holds exponent e = m >> 1 and mantissa bit m & 1. For e >= 1 the value
-    2^(e-1) * (1 + (m & 1)/2) has bf16 exponent field e + 126 and mantissa bit 6 = m & 1, i.e. bits
-    (m << 6) + (126 << 7); the subnormal codes m = 0, 1 (0 and 0.5) are m * (126 << 7). Bit 3 is the sign."""
-    mag = codes & 7
-    bits = jnp.where(mag < 2, mag * (126 << 7), (mag << 6) + (126 << 7)) | ((codes & 8) << 12)
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
-
-
-def deinterleave_groups(a: jax.Array) -> jax.Array:
-    """Columns of a [M, K] reordered inside each 32-column MXFP4 group: the 16 even columns, then the 16 odd
-    ones -- the order of the group's low nibbles, then its high nibbles, so the kernel multiplies each
-    nibble plane by a contiguous slice of activations instead of interleaving the decoded weights."""
-    m, k = a.shape
-    return a.reshape(m, k // MXFP4_GROUP, MXFP4_GROUP // 2, 2).swapaxes(-1, -2).reshape(m, k)
+def _dequant_tile(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """packed [n, k/2] uint8, scale [n, k/32] uint8 -> weight tile [n, k] in dtype (in-kernel MXFP4)."""
+    n, half = packed.shape
+    k = 2 * half
+    p = packed.astype(jnp.int32)
+    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(n, k)  # element 2j is the low nibble
+    factors = _e8m0_to_f32(scale.astype(jnp.int32))  # [n, k/32]
+    factors = jnp.broadcast_to(factors[:, :, None], (n, k // MXFP4_GROUP, MXFP4_GROUP)).reshape(n, k)
+    return (_e2m1_to_f32(codes) * factors).astype(dtype)
 
 
 class _WeightRefs:
@@ -169,23 +168,14 @@ class _WeightRefs:
             a = a_ref[rows, pl.ds(k0, block_k)]  # [block_m, block_k]
             w = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)].astype(a.dtype)  # [block_k, block_n]
             return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
-        # MXFP4: per 32-input group, decode both nibble planes to exact bf16 values, multiply each by its
-        # (de-interleaved, see deinterleave_groups) 16 activation columns, and apply the group's E8M0 scale to
-        # the fp32 partial product: the scale is per (output, group), so it factors out of the group's sum.
+        # MXFP4: the whole [block_n, block_k] tile is decoded in registers (nibbles interleaved back into
+        # input order, times the broadcast group scales) and fed to the MMA as a transposed operand
         packed_ref, scale_ref = self.refs
-        half = MXFP4_GROUP // 2
-        for g in range(block_k // MXFP4_GROUP):
-            col = k0 + g * MXFP4_GROUP
-            packed = packed_ref[expert, pl.ds(n0, block_n), pl.ds(col // 2, half)].astype(jnp.int32)  # [block_n, 16]
-            scale = scale_ref[expert, pl.ds(n0, block_n), col // MXFP4_GROUP].astype(jnp.int32)  # [block_n]
-            a_lo = a_ref[rows, pl.ds(col, half)]  # [block_m, 16] even inputs of the group
-            a_hi = a_ref[rows, pl.ds(col + half, half)]  # odd inputs
-            w_lo = _e2m1_to_bf16(packed & 0x0F).astype(a_lo.dtype)  # [block_n, 16]
-            w_hi = _e2m1_to_bf16(packed >> 4).astype(a_lo.dtype)
-            part = jnp.dot(a_lo, w_lo.T, preferred_element_type=jnp.float32)
-            part += jnp.dot(a_hi, w_hi.T, preferred_element_type=jnp.float32)
-            acc += part * _e8m0_to_f32(scale)[None, :]
-        return acc
+        a = a_ref[rows, pl.ds(k0, block_k)]  # [block_m, block_k]
+        packed = packed_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // 2, block_k // 2)]  # [block_n, block_k/2]
+        scale = scale_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // MXFP4_GROUP, block_k // MXFP4_GROUP)]
+        w = _dequant_tile(packed, scale, a.dtype)  # [block_n, block_k]
+        return acc + jnp.dot(a, w.T, preferred_element_type=jnp.float32)
 
 
 def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_beta: float | None) -> jax.Array:
@@ -205,7 +195,7 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed: bool, block_m: int,
                         block_n: int, block_k: int, activation: str, beta: float, linear_beta: float | None):
     # schedule_ref [4, W] int32 (tile row start, expert, first row, end row)
-    # x_ref        [M_pad, K_pad] expert-sorted rows (columns de-interleaved per 32-group if gate/up are MXFP4)
+    # x_ref        [M_pad, K_pad] expert-sorted rows
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8),
     #       up refs (same), h_ref [M_pad, I_pad] output
     n_gate = 2 if gate_packed else 1
@@ -239,7 +229,7 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed
 def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, packed: bool, block_m: int, block_n: int,
                          block_k: int):
     # schedule_ref  [4, W] int32
-    # h_ref         [M_pad, I_pad] GLU output rows (columns de-interleaved per 32-group if down is MXFP4)
+    # h_ref         [M_pad, I_pad] GLU output rows
     # row_scale_ref [M_pad] fp32 routing weight of each row
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8),
     #       y_ref [M_pad, D_pad] fp32 output
@@ -420,14 +410,10 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     schedule = tile_schedule(group_sizes, m, config.block_m)
     xs = _pad2(x[token], m_pad, k_pad)
-    if isinstance(experts["gate"], dict):
-        xs = deinterleave_groups(xs)
     row_scale = jnp.pad(weights.reshape(-1).astype(jnp.float32)[order], (0, m_pad - m))
 
     h = grouped_glu(xs, schedule, experts["gate"], experts["up"], config=config, out_dim=i_pad, activation=activation,
                     situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
-    if isinstance(experts["down"], dict):
-        h = deinterleave_groups(h)
     y = grouped_down(h, schedule, row_scale, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
     inverse = jnp.argsort(order)  # row of each (token, slot)
     out = y[inverse][:, :k_dim].reshape(n, top_k, k_dim).sum(axis=1)
