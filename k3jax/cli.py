@@ -267,7 +267,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 # EngineConfig fields that are not plain CLI values (set them from Python: k3jax.serve / Engine(...))
 _SERVE_SKIP = {"spec_fixed_accepted"}
-_NONE_WORDS = ("none", "off", "")
+_NONE_WORDS = ("none", "off")
 
 
 def _optional(kind):

@@ -156,3 +156,35 @@ def test_usage_errors_exit_2(capsys, argv, message):
     assert out == ""
     assert message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--role", "router"], "role must be one of ('both', 'prefill', 'decode')"),
+        (["serve", "--http-port", "none"], "give an HTTP port, a gRPC port or both"),
+        (["serve", "--http-port", "70000"], "http_port must be in [0, 65535]"),
+        (["serve", "--max-running", "0"], "max_running must be >= 1"),
+        (["serve", "--api-key", ""], "api_key must be non-empty"),
+        (["serve", "--tokenizer", "/no/such/tokenizer"], "no such file or directory"),
+        (["serve", "--page-size", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_serve_usage_errors_exit_2(capsys, argv, message):
+    """`k3jax serve` checks its EngineConfig / ServerConfig flags before building anything."""
+    code, out, err = run(argv, capsys)
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_serve_flags_default_to_the_config_dataclasses():
+    from k3jax.cli import build_parser
+    from serving.api.server import ServerConfig
+    from serving.config import EngineConfig
+
+    ns = build_parser().parse_args(["serve"])
+    assert ns.host == ServerConfig.host == "127.0.0.1" and ns.http_port == ServerConfig.http_port
+    assert ns.grpc_port is None and ns.role == "both" and ns.api_key is None
+    assert ns.max_running == EngineConfig.max_running and ns.prefix_cache is EngineConfig.prefix_cache
+    ns = build_parser().parse_args(["serve", "--grpc-port", "50051", "--http-port", "none", "--no-prefix-cache"])
+    assert (ns.grpc_port, ns.http_port, ns.prefix_cache) == (50051, None, False)
