@@ -40,7 +40,7 @@ class ServerConfig:
     tokenizer: str | None = None  # HF tokenizer dir or tiktoken file; None: the bundled byte tokenizer
     max_body_bytes: int = 8 << 20
     max_pending: int = 512  # requests in flight before 503 / RESOURCE_EXHAUSTED
-    warmup: bool = True  # compile every shape bucket before serving (slow on CPU)
+    warmup: bool = False  # compile every shape bucket before serving (GPU: steady latency; CPU: very slow)
     drain_timeout_s: float = 30.0
     reset_timeout_s: float = 10.0  # /reset_prefix_cache waits this long for the engine to go idle
     log_level: str = "info"

@@ -145,8 +145,12 @@ def test_client_disconnect_aborts_request_and_frees_pages(worker):
         time.sleep(0.1)
     assert metric(worker, "vllm:request_success_total", 'finished_reason="abort"') == aborts_before + 1
     assert idle()
-    # an aborted request is not cached: its pages are free again
-    assert metric(worker, "vllm:kv_cache_usage_perc") == usage_before
+    # no request holds pages any more: once the prefix cache is dropped too, every page is free
+    assert httpx.post(f"{worker.url}/reset_prefix_cache", headers=AUTH, timeout=30).json()["success"]
+    deadline = time.monotonic() + 10  # /metrics reads the engine's stats snapshot, refreshed right after
+    while metric(worker, "vllm:kv_cache_usage_perc") != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(worker, "vllm:kv_cache_usage_perc") == 0.0 < usage_before
     generated = metric(worker, "vllm:request_generation_tokens_sum")
     assert generated > 0
 
