@@ -80,17 +80,21 @@ def paged_attention_reference(
     *,
     kv_lora_rank: int,
     scale: float,
+    layer: int | None = None,
 ) -> jax.Array:
     """Absorbed MLA over a paged latent cache (the cache already holds the new tokens).
 
     Args:
       q_latent: [B, T, H, C] absorbed queries (W_UK^T q_nope); q_pe: [B, T, H, R].
-      kv_pages: [P, page_size, C + R] the layer's page pool; page_table: [B, max_pages] page ids.
+      kv_pages: [P, page_size, C + R] the layer's page pool, or the stacked pool [L_mla, P, page_size, C + R]
+        with `layer`; page_table: [B, max_pages] page ids.
       query_positions: [B, T] absolute position of each query; it sees keys at positions <= its own.
       scale: softmax scale, (N + R)^-1/2.
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
     """
+    if layer is not None:
+        kv_pages = kv_pages[layer]
     b, max_pages = page_table.shape
     page_size = kv_pages.shape[1]
     hist = kv_pages[page_table].reshape(b, max_pages * page_size, -1)  # [B, S, C+R]
@@ -111,15 +115,15 @@ def _kernel_paged_attention(interpret: bool):
     positions; mla_prefill.py for longer chunks). Sizes the kernels' Triton tiling cannot take (C or R not a
     power of two >= 16, page_size not a power of two <= 64: e.g. the tiny test configs) use the reference."""
 
-    def attend(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank, scale):
+    def attend(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank, scale, layer=None):
         from pallas_kernels import mla_decode, mla_prefill  # imported on use: k3jax does not need Pallas
 
-        if not mla_decode.supported(kv_lora_rank, q_pe.shape[-1], kv_pages.shape[1], kv_pages.dtype):
+        if not mla_decode.supported(kv_lora_rank, q_pe.shape[-1], kv_pages.shape[-2], kv_pages.dtype):
             return paged_attention_reference(q_latent, q_pe, kv_pages, page_table, query_positions,
-                                             kv_lora_rank=kv_lora_rank, scale=scale)
+                                             kv_lora_rank=kv_lora_rank, scale=scale, layer=layer)
         kernel = mla_decode.mla_decode if q_latent.shape[1] <= mla_decode.MAX_Q_LEN else mla_prefill.mla_prefill
         return kernel(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank=kv_lora_rank, scale=scale,
-                      interpret=interpret)
+                      layer=layer, interpret=interpret)
 
     return attend
 
@@ -166,8 +170,8 @@ def paged_attention(
     q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=jnp.float32)
     positions = context_lens[:, None] + jnp.arange(x.shape[1])[None, :]
     o_latent = backend.get("mla_paged_attention", backend_name)(
-        q_latent.astype(x.dtype), q_pe, kv_pages[layer], page_table, positions,
-        kv_lora_rank=cfg.kv_lora_rank, scale=cfg.mla_q_head_dim**-0.5,
+        q_latent.astype(x.dtype), q_pe, kv_pages, page_table, positions,
+        kv_lora_rank=cfg.kv_lora_rank, scale=cfg.mla_q_head_dim**-0.5, layer=layer,
     )
     attn = jnp.einsum("bthc,chv->bthv", o_latent, w_uv.astype(jnp.float32))
     return output(params, attn, x, cfg), kv_pages

@@ -16,18 +16,23 @@ A request with one work item gets its normalised output written directly; a spli
 per-item partials (normalised output + base-2 log-sum-exp) that a second small kernel merges.
 
 fp8-e4m3 caches carry one fp32 scale per cached token (kv_scales [P, page_size], value = fp8 * scale).
+The kernels read the model's stacked pool [L_mla, P, page_size, C+R] directly at a layer index (a slice
+kv_pages[layer] handed to a custom call could be materialised as a copy of the whole layer pool per step).
 The scale factors out of both products: s_j = scale_j * (q . kv8_j) and sum_j p_j scale_j c8_j, so the
 kernel converts fp8 to the query dtype for the MMA and applies scales to the [rows, block_kv] tile.
 
-Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement:
-shared/design/gpu.md measures Pallas-Triton at 540 TFLOP/s on a tiled matmul (87% of XLA's), the level
-this kernel needs (96-head MLA decode is near the H200's ridge point: 2*96*(576+512) FLOP per 1152 KV
-bytes = 181 FLOP/B); it indexes pages with in-kernel gathers and runs data-dependent loop bounds (what a
-split plan needs without scalar prefetch); and it runs under `interpret=True` on CPU CI.
-benchmarks/mla.py measures this kernel against the H200's copy bandwidth and the shipped Pallas
-`decode_attention` in one run (docs/results/mla_h200_2026-11-29.json). Mosaic GPU (wgmma + TMA with a
-warp-specialised pipeline, as FlashMLA does) is the route to the last factor; not built here.
-"""
+Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why: it indexes pages with
+in-kernel gathers and runs data-dependent loop bounds (what a split plan needs, without scalar prefetch),
+runs under `interpret=True` in CPU CI, and shared/design/gpu.md measured it at 540 TFLOP/s on a tiled
+matmul. Measured here (benchmarks/mla.py, H200, 2026-11-29, docs/results/mla_h200_2026-11-29.json): B64 x
+32k, q_len 1, bf16: 3.25-3.5 ms = 0.69-0.74 TB/s of KV bytes = 16-17.5% of the 4.19-4.26 TB/s copy
+bandwidth, 2.0x the XLA reference path. That is 125 TFLOP/s of useful MMA work (167 with the 96 -> 128
+row padding); 96-head MLA decode needs 181 FLOP per KV byte, so the memory limit asks for ~750 TFLOP/s and
+the kernel is most likely bound by how the Triton lowering handles 64 x 512 fp32 accumulators (not
+profiled: no device time left). The tiling sweep: 8 warps 2.1x 4 warps; 16 warps, 32-key blocks and
+32/16-row blocks slower; 128 rows overflow shared memory. Reaching the memory limit needs what FlashMLA
+does (wgmma from shared memory, the accumulator split over two warpgroups, a TMA pipeline): the Mosaic GPU
+backend; not built here."""
 
 from __future__ import annotations
 
@@ -54,11 +59,11 @@ def _is_pow2(n: int) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Shared inner loop (also used by mla_prefill): online softmax over KV blocks [blk_start, blk_end).
 # --------------------------------------------------------------------------------------------------
-def attend_kv_blocks(q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, blk_start, blk_end, *,
+def attend_kv_blocks(q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, layer, blk_start, blk_end, *,
                      kv_lora_rank: int, block_kv: int, page_size: int, softmax_scale: float):
     """Runs inside a kernel. q_c [rows, C], q_r [rows, R] (query dtype), row_pos [rows] int32; reads request
-    b's pages through page_table_ref [B, max_pages] from kv_ref [P, page_size, C+R] (kv_scale_ref
-    [P, page_size] or None). Returns (acc [rows, C] fp32 un-normalised, m [rows] base-2 running max,
+    b's pages through page_table_ref [B, max_pages] from layer `layer` of kv_ref [L, P, page_size, C+R]
+    (kv_scale_ref [L, P, page_size] or None). Returns (acc [rows, C] fp32 un-normalised, m [rows] base-2 running max,
     l [rows] sum of exp2) over keys at positions in blocks [blk_start, blk_end) that each row may see."""
     rows = q_c.shape[0]
     c_dim, r_dim = kv_lora_rank, kv_ref.shape[-1] - kv_lora_rank
@@ -69,12 +74,12 @@ def attend_kv_blocks(q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref,
     def body(blk, carry):
         acc, m_prev, l_prev = carry
         pages = page_table_ref[b, pl.ds(blk * pages_per_block, pages_per_block)]  # [pages_per_block]
-        kv_c = kv_ref[pages, :, pl.ds(0, c_dim)].reshape(block_kv, c_dim).astype(compute_dtype)
-        kv_r = kv_ref[pages, :, pl.ds(c_dim, r_dim)].reshape(block_kv, r_dim).astype(compute_dtype)
+        kv_c = kv_ref[layer, pages, :, pl.ds(0, c_dim)].reshape(block_kv, c_dim).astype(compute_dtype)
+        kv_r = kv_ref[layer, pages, :, pl.ds(c_dim, r_dim)].reshape(block_kv, r_dim).astype(compute_dtype)
         s = jnp.dot(q_c, kv_c.T, preferred_element_type=jnp.float32)
         s += jnp.dot(q_r, kv_r.T, preferred_element_type=jnp.float32)  # [rows, block_kv]
         if kv_scale_ref is not None:
-            token_scale = kv_scale_ref[pages].reshape(1, block_kv).astype(jnp.float32)
+            token_scale = kv_scale_ref[layer, pages].reshape(1, block_kv).astype(jnp.float32)
             s = s * token_scale
         s = s * (softmax_scale * LOG2E)  # base-2 logits
         visible = (blk * block_kv + key_offsets)[None, :] <= row_pos[:, None]
@@ -117,8 +122,9 @@ def _decode_kernel(
     q_ref,  # [B, M_pad, C+R] queries, rows (t, h) t-major
     row_pos_ref,  # [B, M_pad] int32 position of each row's token (-1 for padding rows)
     page_table_ref,  # [B, max_pages_padded] int32
-    kv_ref,  # [P, page_size, C+R] latent pages
-    *rest,  # kv_scale_ref [P, page_size] fp32 (fp8 caches), then outputs:
+    layer_ref,  # [1] int32 layer of the stacked pool
+    kv_ref,  # [L, P, page_size, C+R] latent pages
+    *rest,  # kv_scale_ref [L, P, page_size] fp32 (fp8 caches), then outputs:
     # out_ref [B, M_pad, C] fp32 final output (single-item requests);
     # part_o_ref [block_rows, C] fp32 (block of [W, M_pad, C]); part_lse_ref [block_rows] (block of [W, M_pad])
     has_scales: bool,
@@ -141,7 +147,8 @@ def _decode_kernel(
         q_r = q_ref[b, rows, pl.ds(c_dim, r_dim)]  # [block_rows, R]
         row_pos = row_pos_ref[b, rows]  # [block_rows]
         acc, m, l = attend_kv_blocks(
-            q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, work_start_ref[item], work_end_ref[item],
+            q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, layer_ref[0], work_start_ref[item],
+            work_end_ref[item],
             kv_lora_rank=kv_lora_rank, block_kv=block_kv, page_size=page_size, softmax_scale=softmax_scale,
         )
         out, lse = normalise(acc, m, l)
@@ -206,19 +213,22 @@ def supported(c_dim: int, r_dim: int, page_size: int, kv_dtype) -> bool:
 
 
 def _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv,
-                  block_rows):
+                  block_rows, layer=None):
     if q_latent.ndim != 4 or q_pe.ndim != 4 or q_latent.shape[:3] != q_pe.shape[:3]:
         raise ValueError(f"q_latent [B, T, H, C] and q_pe [B, T, H, R] disagree: {q_latent.shape} vs {q_pe.shape}")
     b, t, _, c_dim = q_latent.shape
     r_dim = q_pe.shape[-1]
-    if kv_pages.ndim != 3 or kv_pages.shape[-1] != c_dim + r_dim:
-        raise ValueError(f"kv_pages must be [P, page_size, {c_dim + r_dim}], got {kv_pages.shape}")
+    if kv_pages.ndim not in (3, 4) or kv_pages.shape[-1] != c_dim + r_dim:
+        raise ValueError(f"kv_pages must be [P, page_size, {c_dim + r_dim}] or [L, P, page_size, {c_dim + r_dim}], "
+                         f"got {kv_pages.shape}")
+    if (kv_pages.ndim == 4) != (layer is not None):
+        raise ValueError("a stacked pool [L, P, page_size, C+R] needs `layer`, a single layer's pool takes none")
     if c_dim != kv_lora_rank:
         raise ValueError(f"q_latent width {c_dim} != kv_lora_rank {kv_lora_rank}")
     for name, n in (("kv_lora_rank", c_dim), ("rope dim", r_dim)):
         if not _is_pow2(n) or n < 16:
             raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {n}")
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[-2]
     if not _is_pow2(page_size):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if not _is_pow2(block_kv) or block_kv < max(16, page_size):
@@ -231,8 +241,13 @@ def _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora
         raise ValueError(f"query_positions must be [B, T] = {(b, t)}, got {query_positions.shape}")
     if not any(kv_pages.dtype == d for d in KV_DTYPES):
         raise ValueError(f"kv_pages dtype {kv_pages.dtype} not one of {[jnp.dtype(d).name for d in KV_DTYPES]}")
-    if kv_scales is not None and kv_scales.shape != kv_pages.shape[:2]:
-        raise ValueError(f"kv_scales must be [P, page_size] = {kv_pages.shape[:2]}, got {kv_scales.shape}")
+    if kv_scales is not None and kv_scales.shape != kv_pages.shape[:-1]:
+        raise ValueError(f"kv_scales must be kv_pages.shape[:-1] = {kv_pages.shape[:-1]}, got {kv_scales.shape}")
+    if kv_pages.dtype.itemsize == 1 and 2**31 <= kv_pages.size and kv_pages.size * kv_pages.dtype.itemsize <= 2**32:
+        # jax 0.11.2's Triton lowering picks 32-bit element offsets whenever the array is <= 2^32 BYTES; a 1-byte
+        # pool of 2^31..2^32 elements then overflows them (seen on the H200: CUDA_ERROR_ILLEGAL_ADDRESS).
+        raise ValueError(f"an fp8 pool of {kv_pages.size} elements (2^31..2^32) overflows the Triton lowering's "
+                         "32-bit offsets; size the pool below 2^31 elements or above 4 GiB")
 
 
 def _row_layout(q_latent, q_pe, query_positions, block_rows):
@@ -251,6 +266,15 @@ def _pad_page_table(page_table, pages_per_block):
     """[B, max_pages] -> [B, multiple of pages_per_block]; padding entries are page 0 (read, masked out)."""
     extra = -page_table.shape[1] % pages_per_block
     return jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, extra)))
+
+
+def stacked_pool(kv_pages, kv_scales, layer):
+    """(pool [L, P, page_size, C+R], scales [L, P, page_size] fp32 or None, layer [1] int32): a single layer's
+    pool gains a leading axis of 1 (a bitcast, no copy)."""
+    if kv_pages.ndim == 3:
+        kv_pages, kv_scales, layer = kv_pages[None], None if kv_scales is None else kv_scales[None], 0
+    scales = None if kv_scales is None else kv_scales.astype(jnp.float32)
+    return kv_pages, scales, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
 
 def attended_lengths(query_positions, max_tokens: int):
@@ -284,6 +308,7 @@ def mla_decode(
     kv_lora_rank: int,
     scale: float,
     kv_scales: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
     num_parts: int = 132,
     block_kv: int | None = None,
     block_rows: int | None = None,
@@ -295,25 +320,28 @@ def mla_decode(
 
     Args:
       q_latent: [B, T, H, C] absorbed queries (W_UK^T q_nope), T = 1..8; q_pe: [B, T, H, R].
-      kv_pages: [P, page_size, C+R] one layer's pages, bf16/fp16/fp32 or float8_e4m3fn.
+      kv_pages: [P, page_size, C+R] one layer's pages, or the stacked pool [L, P, page_size, C+R] with `layer`;
+        bf16/fp16/fp32 or float8_e4m3fn.
       page_table: [B, max_pages] int32 page ids of each request's history in order (any pool order).
       query_positions: [B, T] int32 absolute position of each query; it sees keys at positions <= its own.
       plan: SplitPlan over block_kv-token blocks of attended_lengths(query_positions, max_pages*page_size)
         (mla_plan.plan_balanced / plan_uniform, built on the host); None builds a balanced plan with
         `num_parts` parts on device from the traced positions.
-      kv_scales: [P, page_size] fp32 per-token dequantisation scales (fp8 caches); None = 1.
+      kv_scales: kv_pages.shape[:-1] fp32 per-token dequantisation scales (fp8 caches); None = 1.
+      layer: the layer of a stacked pool (int or int32 scalar array).
       block_kv: KV tokens per inner step (power of two, multiple of page_size; None = max(64, page_size));
         block_rows: query rows (t, h) per program (None = T*H rounded up to a power of two, at most 32); num_warps / num_stages: Triton launch parameters.
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
     """
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[-2]
     block_kv = default_block_kv(page_size) if block_kv is None else block_kv
     b, t, h, c_dim = q_latent.shape
     block_rows = default_block_rows(t * h, 64) if block_rows is None else block_rows
     num_stages = default_num_stages(kv_pages.dtype) if num_stages is None else num_stages
-    _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows)
+    _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows,
+                  layer)
     if t > MAX_Q_LEN:
         raise ValueError(f"mla_decode takes q_len <= {MAX_Q_LEN} per request, got {t}; use mla_prefill")
     if plan is None:
@@ -321,17 +349,18 @@ def mla_decode(
         plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=num_parts, xp=jnp)
     if plan.request_num_work.shape != (b,):
         raise ValueError(f"plan is for batch {plan.request_num_work.shape}, queries for {b}")
-    return _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), kv_scales,
+    kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)
+    return _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), kv_scales, layer,
                        kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv, block_rows=block_rows,
                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "block_rows", "num_warps",
                                              "num_stages", "interpret"))
-def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_scales, *, kv_lora_rank, scale,
+def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_scales, layer, *, kv_lora_rank, scale,
                 block_kv, block_rows, num_warps, num_stages, interpret):
     b, t, h, c_dim = q_latent.shape
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[-2]
     work_request, work_start, work_end, request_first_work, request_num_work = plan
     num_items = work_request.shape[0]
     q, row_pos, m_pad = _row_layout(q_latent, q_pe, query_positions, block_rows)
@@ -339,9 +368,9 @@ def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_
     n_row_blocks = m_pad // block_rows
     has_scales = kv_scales is not None
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    inputs = [work_request, work_start, work_end, request_num_work, q, row_pos, page_table, kv_pages]
+    inputs = [work_request, work_start, work_end, request_num_work, q, row_pos, page_table, layer, kv_pages]
     if has_scales:
-        inputs.append(kv_scales.astype(jnp.float32))
+        inputs.append(kv_scales)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     out_shape = jax.ShapeDtypeStruct((b, m_pad, c_dim), jnp.float32)
     out, part_o, part_lse = pl.pallas_call(
@@ -387,9 +416,11 @@ def dequantize_pages(kv_pages: jax.Array, kv_scales: jax.Array | None) -> jax.Ar
 
 
 def mla_decode_reference(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank: int, scale: float,
-                         kv_scales=None) -> jax.Array:
+                         kv_scales=None, layer=None) -> jax.Array:
     """Plain-jnp fp32 absorbed MLA over pages (also the reference of mla_prefill). Shapes as mla_decode;
     returns o_latent [B, T, H, C] fp32."""
+    if layer is not None:
+        kv_pages, kv_scales = kv_pages[layer], None if kv_scales is None else kv_scales[layer]
     b, max_pages = page_table.shape
     page_size = kv_pages.shape[1]
     hist = dequantize_pages(kv_pages, kv_scales)[page_table].reshape(b, max_pages * page_size, -1)  # [B, S, C+R]

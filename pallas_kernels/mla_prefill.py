@@ -36,6 +36,7 @@ from pallas_kernels.mla_decode import (
     default_block_kv,
     default_block_rows,
     default_num_stages,
+    stacked_pool,
     mla_decode_reference,
     normalise,
 )
@@ -45,8 +46,9 @@ def _prefill_kernel(
     q_ref,  # [block_rows, C+R] (block of [B, M_pad, C+R]) queries, rows (t, h) t-major
     row_pos_ref,  # [block_rows] int32 (block of [B, M_pad]) positions, -1 for padding rows
     page_table_ref,  # [B, max_pages_padded] int32
-    kv_ref,  # [P, page_size, C+R] latent pages
-    *rest,  # kv_scale_ref [P, page_size] fp32 when has_scales, then out_ref [block_rows, C] fp32
+    layer_ref,  # [1] int32 layer of the stacked pool
+    kv_ref,  # [L, P, page_size, C+R] latent pages
+    *rest,  # kv_scale_ref [L, P, page_size] fp32 when has_scales, then out_ref [block_rows, C] fp32
     has_scales: bool,
     kv_lora_rank: int,
     block_kv: int,
@@ -64,7 +66,7 @@ def _prefill_kernel(
     last_key = jnp.minimum(jnp.max(row_pos) + 1, max_tokens)
     num_blocks = jnp.maximum(last_key + block_kv - 1, 0) // block_kv
     acc, m, l = attend_kv_blocks(
-        q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, 0, num_blocks,
+        q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, layer_ref[0], 0, num_blocks,
         kv_lora_rank=kv_lora_rank, block_kv=block_kv, page_size=page_size, softmax_scale=softmax_scale,
     )
     out_ref[...] = normalise(acc, m, l)[0]
@@ -80,6 +82,7 @@ def mla_prefill(
     kv_lora_rank: int,
     scale: float,
     kv_scales: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
     block_kv: int | None = None,
     block_rows: int | None = None,
     num_warps: int = 8,
@@ -90,48 +93,52 @@ def mla_prefill(
 
     Args:
       q_latent: [B, T, H, C] absorbed queries; q_pe: [B, T, H, R].
-      kv_pages: [P, page_size, C+R] one layer's pages (bf16/fp16/fp32 or float8_e4m3fn with kv_scales).
+      kv_pages: [P, page_size, C+R] one layer's pages, or the stacked pool [L, P, page_size, C+R] with `layer`
+        (bf16/fp16/fp32 or float8_e4m3fn with kv_scales).
       page_table: [B, max_pages] int32 page ids in history order (any pool order).
       query_positions: [B, T] int32 absolute positions (context_len + t for a chunk after a prefix of
         context_len tokens; padding rows may carry any position); a query sees keys <= its position.
-      kv_scales: [P, page_size] fp32 per-token scales, or None (= 1).
+      kv_scales: kv_pages.shape[:-1] fp32 per-token scales, or None (= 1); layer: as mla_decode.
       block_kv / block_rows / num_warps / num_stages: tiling and Triton launch parameters (None: block_kv =
         max(64, page_size), block_rows = T*H rounded up to a power of two, at most 64; stages as mla_decode).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (before W_UV).
     """
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[-2]
     block_kv = default_block_kv(page_size) if block_kv is None else block_kv
     block_rows = default_block_rows(q_latent.shape[1] * q_latent.shape[2], 64) if block_rows is None else block_rows
     num_stages = default_num_stages(kv_pages.dtype) if num_stages is None else num_stages
-    _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows)
-    return _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scales, kv_lora_rank=kv_lora_rank,
+    _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows,
+                  layer)
+    kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)
+    return _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scales, layer, kv_lora_rank=kv_lora_rank,
                         scale=float(scale), block_kv=block_kv, block_rows=block_rows, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "block_rows", "num_warps",
                                              "num_stages", "interpret"))
-def _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scales, *, kv_lora_rank, scale, block_kv,
+def _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scales, layer, *, kv_lora_rank, scale, block_kv,
                  block_rows, num_warps, num_stages, interpret):
     b, t, h, c_dim = q_latent.shape
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[-2]
     max_tokens = page_table.shape[1] * page_size
     q, row_pos, m_pad = _row_layout(q_latent, q_pe, query_positions, block_rows)
     page_table = _pad_page_table(page_table, block_kv // page_size)
     has_scales = kv_scales is not None
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    inputs = [q, row_pos, page_table, kv_pages]
+    inputs = [q, row_pos, page_table, layer, kv_pages]
     in_specs = [
         pl.BlockSpec((None, block_rows, q.shape[-1]), lambda r, i: (i, r, 0)),
         pl.BlockSpec((None, block_rows), lambda r, i: (i, r)),
         full(page_table),
+        full(layer),
         full(kv_pages),
     ]
     if has_scales:
-        inputs.append(kv_scales.astype(jnp.float32))
-        in_specs.append(full(inputs[-1]))
+        inputs.append(kv_scales)
+        in_specs.append(full(kv_scales))
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, has_scales=has_scales, kv_lora_rank=kv_lora_rank, block_kv=block_kv,
                           page_size=page_size, max_tokens=max_tokens, softmax_scale=scale),
@@ -147,7 +154,7 @@ def _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scale
 
 
 def mla_prefill_reference(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank: int, scale: float,
-                          kv_scales=None) -> jax.Array:
+                          kv_scales=None, layer=None) -> jax.Array:
     """Plain-jnp fp32 reference (the paged absorbed attention of mla_decode_reference, any T)."""
     return mla_decode_reference(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank=kv_lora_rank,
-                                scale=scale, kv_scales=kv_scales)
+                                scale=scale, kv_scales=kv_scales, layer=layer)

@@ -127,7 +127,7 @@ def test_decode_matches_reference_one_and_many_splits(q_len, kv_dtype):
 
 def test_decode_uniform_splits_and_device_plan_without_recompiling():
     """Uniform mode with more splits than a short history has blocks (empty items), then the device-side
-    plan: new lengths with the same batch reuse the compiled kernel (fixed-size metadata)."""
+    plan over a stacked pool: new lengths with the same batch reuse the compiled kernel (fixed-size metadata)."""
     q_len = 4
     q_latent, q_pe, kv, scales, table, positions = make_case(3, q_len, jnp.bfloat16)
     want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=C, scale=SCALE)
@@ -136,8 +136,10 @@ def test_decode_uniform_splits_and_device_plan_without_recompiling():
                         interpret=True)
     assert rel(got, want) < TOL
 
-    run = lambda pos: md.mla_decode(q_latent, q_pe, kv, table, pos, kv_lora_rank=C, scale=SCALE, num_parts=6,
-                                    block_rows=16, interpret=True)
+    # the model's stacked pool [L, P, page_size, C+R] read at a layer index (here layer 1 of 2)
+    stacked = jnp.stack([kv[::-1], kv])
+    run = lambda pos: md.mla_decode(q_latent, q_pe, stacked, table, pos, layer=1, kv_lora_rank=C, scale=SCALE,
+                                    num_parts=6, block_rows=16, interpret=True)
     assert rel(run(positions), want) < TOL
     compiled = md._mla_decode._cache_size()
     shorter = positions - jnp.asarray([[0], [40], [500], [3000]], jnp.int32)  # other lengths, other splits
@@ -172,5 +174,7 @@ def test_decode_rejects_bad_inputs():
     with pytest.raises(ValueError, match="q_len"):
         call(q_latent=jnp.tile(q_latent, (1, 9, 1, 1)), q_pe=jnp.tile(q_pe, (1, 9, 1, 1)),
              query_positions=jnp.tile(positions, (1, 9)))
+    with pytest.raises(ValueError, match="layer"):
+        call(kv_pages=kv[None])
     with pytest.raises(ValueError, match="power of two"):
         call(q_latent=q_latent[..., :24], kv_pages=kv[..., 8:], kv_lora_rank=24)
