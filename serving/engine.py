@@ -74,6 +74,7 @@ class Engine:
         self.scheduler = Scheduler(ecfg, self.kv, lookahead=self.runner.k)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.timing = {"schedule_s": 0.0, "forward_s": 0.0, "process_s": 0.0}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
                          "finished": 0, "aborted": 0, "spec_verifies": 0, "spec_draft_tokens": 0,
                          "spec_accepted_tokens": 0}
@@ -118,11 +119,13 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """schedule -> forward (prefill part, decode part) -> process. Device work is dispatched before
         anything waits on it; host-tier prefetches for waiting requests are queued behind the forward."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.counters["preemptions"] += len(plan.preempted)
         if plan.empty:
             return []
         self.counters["steps"] += 1
+        t1 = time.perf_counter()
         prefill_logits = self._forward_prefill(plan) if plan.prefill else None
         decode_logits = self._forward_decode(plan) if plan.decode and not self.runner.k else None
         self._prefetch()
@@ -131,7 +134,14 @@ class Engine:
             sampled.update(self._finish_prefill(plan, prefill_logits))
         if plan.decode:
             sampled.update(self._speculate(plan) if self.runner.k else self._sample(decode_logits, plan.decode))
-        return self._process(sampled)
+        t2 = time.perf_counter()
+        outputs = self._process(sampled)
+        t3 = time.perf_counter()
+        # host-only phases: the device is idle during scheduling (before anything is dispatched) and
+        # during processing (after the sampled tokens came back); the forward phase overlaps host and device
+        for name, dt in (("schedule_s", t1 - t0), ("forward_s", t2 - t1), ("process_s", t3 - t2)):
+            self.timing[name] += dt
+        return outputs
 
     def _forward_prefill(self, plan: StepPlan) -> jax.Array:
         rows = []
@@ -288,6 +298,7 @@ class Engine:
                                           "host": self.kv.store_hit_tokens},
             "swapped_requests": sum(1 for r in self.scheduler.waiting if r.swapped is not None),
             "swapped_bytes": self.kv.swapped_bytes,
+            "timing": dict(self.timing),
             "spec_mean_acceptance_length": (
                 (self.counters["spec_accepted_tokens"] + self.counters["spec_verifies"]) / self.counters["spec_verifies"]
                 if self.counters["spec_verifies"] else None),

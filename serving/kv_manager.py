@@ -5,7 +5,8 @@ Lifecycle of a request's memory (all host-side bookkeeping; device copies go thr
     admit      prefix-cache match -> lock the hit's pages + checkpoint; take a slot; restore the
                checkpoint into the slot; the request starts with num_cached_tokens = hit length
     grow       pages for the tokens about to be computed (evicting cache-only pages if needed)
-    checkpoint after a step whose computed length is a page multiple: copy slot -> checkpoint slot
+    checkpoint after a step whose computed length is a page multiple: copy slot -> checkpoint slot;
+               the prompt's own checkpoint is published to the prefix cache at once
     release    finished (or preempted by recompute): full pages up to the checkpoint go into the prefix
                cache with the checkpoint; everything else is unlocked / freed
 
@@ -197,6 +198,10 @@ class KVManager:
         else:
             copy_into(slot)
         req.checkpoints.append((n, slot))
+        if n == req.prompt_boundary:
+            # the prompt's checkpoint is never overwritten: publish it now, so requests that share this
+            # prompt (a burst of subagents, a retry) hit it while this one is still running
+            self.prefix.insert(req.ids_slice(0, n), req.pages[: n // self.page_size], slot, session=req.session)
 
     # --- release ----------------------------------------------------------------------------
     def release(self, req: Request, cache: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""Smoke run of benchmarks/model_forward.py on k3-tiny (CPU): it runs end to end and its JSON is sane.
+"""Smoke runs of benchmarks/model_forward.py and benchmarks/engine.py on k3-tiny (CPU): they run end to
+end and their JSON is sane.
 
 Run: python -m pytest -q tests/test_benchmark_smoke.py
 """
@@ -37,3 +38,20 @@ def test_model_forward_smoke(tmp_path, capsys):
     assert roof["copy_bandwidth_gbps"] > 0 and roof["ratio"] > 0
     for metric in ("prefill", "decode", "decode roofline", "peak memory"):
         assert metric in table
+
+
+def test_engine_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/engine.py end to end on k3-tiny: every batch size is measured at one token per row per
+    step, the host-only fraction is a fraction, the JSON matches what was returned."""
+    spec = importlib.util.spec_from_file_location("engine_bench", BENCH.parent / "engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "engine.json"
+    result = module.main(["--model", "k3-tiny", "--batches", "3,1", "--prefix", "40", "--suffix", "5",
+                          "--page-size", "8", "--steps", "2", "--spec-deadline-s", "0", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [r["batch"] for r in result["decode"]] == [3, 1]
+    for r in result["decode"]:
+        assert r["tokens_per_step"] == r["batch"] and r["tok_s"] > 0 and r["step_ms"] > 0
+        assert 0 <= r["host_only_fraction"] < 1
+    assert "engine decode" in capsys.readouterr().out
