@@ -520,14 +520,8 @@ def _run_call(fn, fut: concurrent.futures.Future, engine) -> None:
 
 
 def _clear_prefix_cache(engine) -> int:
-    """reset_prefix_cache: the device prefix cache (cache-only entries) and the host tier, if any.
-    Engine has no method for it yet, so this reaches into its KV manager (engine thread, idle)."""
-    kv = engine.kv
-    removed = kv.prefix.clear() if kv.use_prefix_cache else 0
-    store = getattr(kv, "store", None)
-    if store is not None and hasattr(store, "clear"):
-        store.clear()
-    return removed
+    """reset_prefix_cache on the engine thread, once it is idle."""
+    return engine.reset_prefix_cache()
 
 
 __all__ = ["AsyncEngine", "EngineError", "EngineOverloaded", "EngineStopped", "RequestHandle", "RequestRecord",

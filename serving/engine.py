@@ -282,6 +282,14 @@ class Engine:
                 self.abort(rid)
             self.requests.pop(rid, None)
 
+    def reset_prefix_cache(self) -> int:
+        """Drops every cache-only page and checkpoint on the device and empties the host tier (entries
+        that running requests hold stay until they finish). Returns the number of device pages uncached."""
+        removed = self.kv.prefix.clear() if self.ecfg.prefix_cache else 0
+        if self.kv.store is not None:
+            self.kv.store.clear()
+        return removed
+
     # --- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
         prefix = self.kv.prefix.stats() if self.ecfg.prefix_cache else {}

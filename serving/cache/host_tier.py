@@ -56,6 +56,13 @@ class HostStore(CacheStore):
         with self._lock:
             return key in self._blobs
 
+    def clear(self) -> int:
+        with self._lock:
+            n = len(self._blobs)
+            self._blobs.clear()
+            self._used = 0
+            return n
+
     def contains_prefix(self, hashes: Sequence[str]) -> int:
         with self._lock:
             n = 0

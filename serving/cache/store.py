@@ -72,6 +72,11 @@ class CacheStore(abc.ABC):
     def put(self, key: str, blob: PageBlob) -> bool:
         """Store `blob` under `key`; False if the store does not keep it."""
 
+    def clear(self) -> int:
+        """Drops every blob this worker may drop (reset_prefix_cache); returns how many. A shared store
+        that other workers rely on may keep its contents: the default drops nothing."""
+        return 0
+
     @property
     @abc.abstractmethod
     def capacity_bytes(self) -> int: ...

@@ -205,3 +205,15 @@ def test_speculative_steady_state_never_recompiles(model):
     engine.generate(spaced_prompts(8, [2, 9, 33, 60]), GREEDY)
     engine.generate(spaced_prompts(9, [4, 12]), SamplingParams(max_tokens=5, temperature=0.7, seed=1))
     assert [f._cache_size() for f in fns] == sizes
+
+
+def test_reset_prefix_cache_empties_both_tiers(model):
+    engine = make_engine(model, spec=False, host_cache_gb=0.01)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.generate(spaced_prompts(10, [30, 30]), sp)
+    engine.kv.prefix.evict(2, 0)  # some pages go to the host tier
+    assert len(engine.kv.prefix) > 0 and engine.kv.store.used_bytes > 0
+    assert engine.reset_prefix_cache() > 0
+    assert len(engine.kv.prefix) == 0 and engine.kv.store.used_bytes == 0
+    assert engine.kv.pages.num_used == 0 and engine.kv.slots.num_used == 0
+    engine.check_integrity()
