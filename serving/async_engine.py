@@ -249,7 +249,7 @@ class AsyncEngine:
     # --- submission --------------------------------------------------------------------------
     async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
                      request_id: str | None = None, session: str | None = None,
-                     context: dict | None = None) -> RequestHandle:
+                     context: dict | None = None, cache_boundaries: Sequence[int] = ()) -> RequestHandle:
         """Queues a request and waits until the engine accepted it. Raises ValueError for a bad
         request, EngineOverloaded when `max_pending` requests are in flight, EngineStopped while
         draining."""
@@ -272,6 +272,7 @@ class AsyncEngine:
             handle = RequestHandle(self, request_id, prompt, sampling, session, asyncio.get_running_loop())
             if context:
                 handle.context.update(context)
+            handle.cache_boundaries = tuple(cache_boundaries)
             self._handles[request_id] = handle
         self._post(("add", handle))
         try:
@@ -380,7 +381,7 @@ class AsyncEngine:
             self.last_receive_time = time.time()
             try:
                 engine.add_request(handle.prompt_ids, handle.sampling, request_id=handle.request_id,
-                                   session=handle.session)
+                                   session=handle.session, cache_boundaries=getattr(handle, "cache_boundaries", ()))
             except Exception as e:  # ValueError for a bad request; anything else is reported the same way
                 with self._lock:
                     self._handles.pop(handle.request_id, None)

@@ -81,8 +81,14 @@ class Engine:
 
     # --- receive -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
-                    request_id: str | None = None, session: str | None = None) -> str:
-        """Validates and queues a request; returns its id. Raises ValueError for a bad request."""
+                    request_id: str | None = None, session: str | None = None,
+                    cache_boundaries: Sequence[int] = ()) -> str:
+        """Validates and queues a request; returns its id. Raises ValueError for a bad request.
+
+        cache_boundaries: prompt positions where a prefix other requests will share ends (the end of a
+        system prompt, of a tool preamble): the KDA state there (floored to a page boundary) is
+        checkpointed and published, so requests sharing only that prefix hit it. The prompt's own last
+        page boundary is always checkpointed."""
         sampling = sampling or SamplingParams()
         sampling.validate(self.cfg.vocab_size)
         validate_prompt(prompt_ids, self.cfg.vocab_size, self.ecfg.max_model_len, sampling.max_tokens)
@@ -95,6 +101,11 @@ class Engine:
             self.matchers[request_id] = StopStringMatcher(sampling.stop, self.detokenize)
         req = Request(request_id=request_id, prompt_ids=tuple(int(t) for t in prompt_ids), sampling=sampling,
                       session=session)
+        if isinstance(cache_boundaries, (str, bytes)) or any(
+                not isinstance(b, (int, np.integer)) or not 0 < b <= len(req.prompt_ids) for b in cache_boundaries):
+            raise ValueError(f"cache_boundaries must be prompt positions in [1, {len(req.prompt_ids)}]")
+        ps = self.ecfg.page_size
+        req.cache_boundaries = sorted({int(b) // ps * ps for b in cache_boundaries} - {0})
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(req.prompt_ids)

@@ -178,15 +178,16 @@ class KVManager:
         state there: by default copied from req's slot; `copy_into(slot)` writes it otherwise (a boundary
         crossed inside an accepted speculative run, taken from the verify step's per-position states).
 
-        A request keeps at most two checkpoints: the one at its prompt boundary, and a rolling one at
-        the latest boundary reached while decoding (its slot is overwritten as decoding moves on).
+        A request keeps its fixed checkpoints (its prompt boundary and its declared cache_boundaries) and
+        one rolling one at the latest other boundary reached (its slot is overwritten as it moves on).
         """
         n = req.num_computed_tokens if length is None else length
         if not self.use_prefix_cache or n == 0 or n % self.page_size:
             return
         if req.checkpoints and req.checkpoints[-1][0] == n:
             return
-        rolling = req.checkpoints and req.checkpoints[-1][0] != req.prompt_boundary
+        fixed = lambda length: length == req.prompt_boundary or length in req.cache_boundaries  # noqa: E731
+        rolling = req.checkpoints and not fixed(req.checkpoints[-1][0])
         if rolling:
             slot = req.checkpoints.pop()[1]
         elif self.slots.num_free or self._evict(0, 1):
@@ -198,9 +199,9 @@ class KVManager:
         else:
             copy_into(slot)
         req.checkpoints.append((n, slot))
-        if n == req.prompt_boundary:
-            # the prompt's checkpoint is never overwritten: publish it now, so requests that share this
-            # prompt (a burst of subagents, a retry) hit it while this one is still running
+        if fixed(n):
+            # the prompt's checkpoint (and a declared shared-prefix end) is never overwritten: publish it
+            # now, so requests that share it (a burst of subagents, a retry) hit it while this one runs
             self.prefix.insert(req.ids_slice(0, n), req.pages[: n // self.page_size], slot, session=req.session)
 
     # --- release ----------------------------------------------------------------------------

@@ -169,6 +169,7 @@ class Request:
     # the latest page boundary reached while decoding (overwritten as decoding moves on)
     checkpoints: list = field(default_factory=list)
     prompt_boundary: int = 0
+    cache_boundaries: list[int] = field(default_factory=list)  # page-aligned shared-prefix ends (checkpointed)
     num_preemptions: int = 0
     # Speculative decoding (serving.spec_decode): the tokens after the positions the drafter has not yet
     # caught up on (their target features wait in the runner's pending buffer at this request's slot)

@@ -10,7 +10,8 @@
 2. Then prefill under a token budget (`max_prefill_tokens` per step): first the unfinished chunks of
    requests already admitted (oldest first), then new requests in arrival order while the budget, a
    slot and a running place remain. A chunk that does not finish its prompt ends on a page boundary,
-   so the KDA state there can be checkpointed for the prefix cache.
+   so the KDA state there can be checkpointed for the prefix cache; chunks also stop at the request's
+   declared shared-prefix ends and at its prompt's last page boundary, which are always checkpointed.
 Decode and prefill of one step run back to back on the same state; neither starves the other.
 A swapped request at the head of the queue is re-admitted before new ones, without prefill budget.
 """
@@ -130,8 +131,10 @@ class Scheduler:
         if n < remaining:  # a partial chunk ends on a page boundary (checkpointable)
             end = (start + n) // ps * ps
             n = end - start if end > start else n
-        if self.ecfg.prefix_cache and start < req.prompt_boundary < start + n:
-            n = req.prompt_boundary - start  # stop at the prompt boundary to checkpoint it
+        if self.ecfg.prefix_cache:  # stop at the next boundary to be checkpointed (shared-prefix ends, the prompt's)
+            stop = next((b for b in (*req.cache_boundaries, req.prompt_boundary) if start < b < start + n), None)
+            if stop is not None:
+                n = stop - start
         if not self.kv.ensure_pages(req, req.num_computed_tokens + n):
             return 0
         return n

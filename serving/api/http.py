@@ -156,10 +156,12 @@ def build_app(state) -> FastAPI:
         _check_model(state, body)
         check_unsupported(body)
         stream, include_usage, continuous = stream_options(body)
-        prompt_ids = state.tokenizer.encode(_render_chat(state, body))
+        text = _render_chat(state, body)
+        prompt_ids = state.tokenizer.encode(text)
         sampling = sampling_params(body, len(prompt_ids), state.engine.max_model_len, chat=True,
                                    default_max_tokens=None)
-        handle = await _submit(state, prompt_ids, sampling, request, "chatcmpl")
+        handle = await _submit(state, prompt_ids, sampling, request, "chatcmpl",
+                               cache_boundaries=_system_prefix_end(state, body, text))
         base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion", "created": int(handle.created),
                 "model": state.model_name}
         if stream:
@@ -225,11 +227,30 @@ def _render_chat(state, body: dict) -> str:
         raise APIError(str(e), param="messages") from None
 
 
-async def _submit(state, prompt_ids, sampling, request: Request, kind: str) -> RequestHandle:
+def _system_prefix_end(state, body: dict, text: str) -> tuple[int, ...]:
+    """Token count of the leading system/developer messages as rendered, when the full prompt starts with
+    that rendering: the engine checkpoints there so conversations sharing the system prompt (subagents,
+    new sessions of one agent) reuse it, not just continuations of the same conversation."""
+    messages = chat_messages(body)
+    n = 0
+    while n < len(messages) and messages[n].get("role") in ("system", "developer"):
+        n += 1
+    if n == 0 or n == len(messages):
+        return ()
+    try:
+        head = state.tokenizer.apply_chat_template(messages[:n], add_generation_prompt=False, tools=body.get("tools"),
+                                                   **(body.get("chat_template_kwargs") or {}))
+    except ValueError:
+        return ()
+    return (len(state.tokenizer.encode(head)),) if head and text.startswith(head) else ()
+
+
+async def _submit(state, prompt_ids, sampling, request: Request, kind: str,
+                  cache_boundaries: tuple[int, ...] = ()) -> RequestHandle:
     session = request.headers.get("x-session-id") or request.headers.get("x-correlation-id")
     try:
         handle = await state.engine.submit(prompt_ids, sampling, request_id=f"{uuid.uuid4().hex[:24]}",
-                                           session=session)
+                                           session=session, cache_boundaries=cache_boundaries)
     except ValueError as e:
         message = str(e)
         if "max_model_len" in message:

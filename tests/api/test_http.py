@@ -77,6 +77,18 @@ def test_usage_reports_cached_tokens_on_repeated_prompt(client):
     assert second[-1].usage.prompt_tokens_details.cached_tokens == 7 * 16
 
 
+def test_chats_sharing_a_system_prompt_reuse_it(client):
+    """Two different conversations with one system prompt: the second reports the system prompt's full
+    pages as cached (the server declares the system prompt's end as a cache boundary)."""
+    system = {"role": "system", "content": "You are a careful coding agent. Follow the repository's style guide."}
+    usage = []
+    for question in ("List the files.", "Run the tests now, please!"):
+        chat = client.chat.completions.create(model="k3-tiny", messages=[system, {"role": "user", "content": question}],
+                                              max_tokens=2, extra_body={"ignore_eos": True})
+        usage.append(chat.usage)
+    assert usage[1].prompt_tokens_details.cached_tokens >= 4 * 16  # the system turn renders to > 64 tokens
+
+
 def test_bad_input_gets_openai_400_and_server_keeps_serving(worker, client):
     url = f"{worker.url}/v1/chat/completions"
     ok = {"model": "k3-tiny", "messages": [{"role": "user", "content": "hi there, anyone home?"}], "max_tokens": 2}

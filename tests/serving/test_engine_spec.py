@@ -217,3 +217,24 @@ def test_reset_prefix_cache_empties_both_tiers(model):
     assert len(engine.kv.prefix) == 0 and engine.kv.store.used_bytes == 0
     assert engine.kv.pages.num_used == 0 and engine.kv.slots.num_used == 0
     engine.check_integrity()
+
+
+def test_declared_shared_prefix_is_reused_by_a_different_conversation(model):
+    """Two conversations share a 23-token system prompt, then differ. Without a declared boundary the
+    second gets no hit (the hybrid cache resumes only at KDA checkpoints); with it, it resumes at the last
+    page boundary inside the system prompt (20 tokens), and outputs equal a cache-free engine's."""
+    system = spaced_prompts(11, [23])[0]
+    a, b = system + [5, 6, 7, 8, 9, 10, 11], system + [40, 41, 42]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = plain_outputs(model, [a, b], sp, prefix_cache=False)
+    for boundaries, expect in (((), 0), ((len(system),), 20)):
+        engine = make_engine(model, spec=False)
+        rid_a = engine.add_request(a, sp, cache_boundaries=boundaries)
+        engine.run_until_done([rid_a])
+        rid_b = engine.add_request(b, sp)
+        engine.run_until_done([rid_b])
+        assert engine.requests[rid_b].num_cached_tokens == expect
+        assert [engine.requests[r].output_ids for r in (rid_a, rid_b)] == plain
+        engine.check_integrity()
+    with pytest.raises(ValueError, match="cache_boundaries"):
+        engine.add_request(a, sp, cache_boundaries=[len(a) + 1])
