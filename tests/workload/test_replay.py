@@ -1,0 +1,134 @@
+"""The AgentX replay client against a real `k3jax serve` worker (k3-tiny on CPU, short preset).
+
+The worker keeps shape buckets few (1 running request, 128-token prefill chunks, bucket growth 256):
+compilation dominates on a 2-core machine, so the fixture compiles the replay's programs before the
+replay starts and the scored window sees compiled shapes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from serving.workload.replay import Replay, ReplayConfig, replay
+from serving.workload.traces import generate, load_preset
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_FLAGS = ["--model", "k3-tiny", "--max-running", "1", "--max-prefill-tokens", "128", "--page-size", "16",
+                "--max-model-len", "4096", "--num-pages", "1200", "--num-slots", "64", "--bucket-growth", "256",
+                "--no-warmup", "--grpc-port", "none"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compile_shapes(url: str) -> None:
+    """Compiles the programs a replay uses before it starts (on a loaded 2-core machine that takes about a
+    minute, longer than any warm-up period worth scoring after): a 300-token prompt (128-token chunks), the
+    same prompt extended by 10 tokens (a prefix hit, a 16-token chunk, checkpoint copies), and decode."""
+    import httpx
+
+    prompt = [(7 * i + 3) % 251 for i in range(300)]
+    for ids in (prompt, prompt + [5] * 10):
+        r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 4, "ignore_eos": True},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    env = {**os.environ, "K3JAX_COMPILE_CACHE": str(tmp_path_factory.mktemp("xla_cache")), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "k3jax", "serve", *ENGINE_FLAGS, "--http-port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "k3jax serve: ready" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not ready.wait(0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("k3jax serve did not start:\n" + "\n".join(lines[-40:]))
+    url = f"http://127.0.0.1:{port}"
+    _compile_shapes(url)
+    yield url
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def test_replay_short_preset_reports_throughput_latency_and_cache_hits(server, tmp_path):
+    sessions = generate(load_preset("short", num_sessions=3))
+    cfg = ReplayConfig(url=server, concurrency=2, warmup_s=5.0, duration_s=20.0, grace_s=15.0, idle_gap_cap_s=0.5,
+                       seed=3, progress=False)
+    report = replay(sessions, cfg, tmp_path / "run")
+    req = report["requests"]
+    assert report["config"]["model"] == "k3-tiny"
+    assert req["errors"] == 0, req["error_examples"]
+    assert req["warmup"] >= 2  # every session tree starts with its warm-up turn
+    assert req["scored"] >= 3, req
+    assert req["scored"] + req["unfinished_after_drain"] == req["started_in_window"]
+    # the scored requests extend histories the session already sent: the server must report hits, and with
+    # token-id prompts whose blocks are whole 16-token pages it reuses what an infinite cache would
+    hits = report["cache_hit_rate"]
+    assert hits["theoretical"] > 0.8
+    assert 0.5 < hits["server_reported"] <= hits["theoretical"] + 1e-9
+    assert report["output_tokens_per_s"] > 0 and report["total_tokens_per_s"] > report["output_tokens_per_s"]
+    assert math.isfinite(report["p90_interactivity_tokens_per_s"]) and report["p90_interactivity_tokens_per_s"] > 0
+    assert report["p90_interactivity_tokens_per_s"] == pytest.approx(1 / report["itl_s"]["p90"])
+    assert 0 < report["ttft_s"]["p50"] <= report["ttft_s"]["p90"]
+    assert report["window"]["elapsed_s"] >= cfg.duration_s
+    metrics = report["server_metrics"]
+    assert metrics is not None and metrics["prefix_cache_hits"] > 0 and metrics["queue_time_count"] >= req["scored"]
+
+    files = report["files"]
+    on_disk = json.loads(Path(files["json"]).read_text())
+    assert on_disk["requests"] == req
+    with open(files["requests_csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == req["sent"]
+    scored = [r for r in rows if r["scored"] == "True"]
+    assert len(scored) == req["scored"]
+    assert all(r["warmup"] == "False" and float(r["start"]) >= cfg.warmup_s for r in scored)
+    # the server counted exactly the prompt the trace asked for (token-id prompts), and the output it was told
+    assert all(int(r["prompt_tokens"]) == int(r["trace_input_tokens"]) for r in scored)
+    assert all(int(r["completion_tokens"]) == int(r["trace_output_tokens"]) for r in scored)
+    assert sum(int(r["completion_tokens"]) for r in scored) == report["output_tokens"]
+    with open(files["summary_csv"]) as f:
+        [summary] = list(csv.DictReader(f))
+    assert float(summary["output_tokens_per_s"]) == pytest.approx(report["output_tokens_per_s"])
+
+
+def test_replay_config_and_inputs_are_checked():
+    with pytest.raises(ValueError, match="concurrency"):
+        ReplayConfig(url="http://x", concurrency=0)
+    with pytest.raises(ValueError, match="endpoint"):
+        ReplayConfig(url="http://x", endpoint="embeddings")
+    with pytest.raises(ValueError, match="no sessions"):
+        Replay([], ReplayConfig(url="http://x"))
