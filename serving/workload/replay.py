@@ -23,7 +23,8 @@ Method (AIPerf's inferencex-agentx-mvp scenario, /work/shared/design/agentx.md):
   prefix structure: one block id = one fixed run of ids); `chat` sends the system blocks as a system
   message, the first turn's input as a user message and each later turn's new blocks as one assistant
   message (so the previous prompt, generation prompt included, is a prefix of the next), with the text
-  made of one printable character per token (exact lengths with a byte tokenizer, plus the template).
+  made of one printable character per token (exact lengths with a byte tokenizer; `chat_overhead_tokens`
+  shortens each message by what the template adds, so prompts keep the trace's lengths).
 """
 
 from __future__ import annotations
@@ -65,12 +66,20 @@ class ReplayConfig:
     time_scale: float = 1.0  # multiplies think times (before the cap)
     seed: int = 0  # session order and start points
     random_start: bool = True
+    # the random start turn is drawn from this fraction range of each root chain (AIPerf's
+    # --trajectory-start-min/max-ratio)
+    start_min_ratio: float = 0.0
+    start_max_ratio: float = 1.0
     num_gpus: int = 1  # throughput is reported per GPU
     api_key: str | None = None
     salt: str | None = None  # prompt content namespace; None: a fresh one per run (no hits from older runs)
     token_id_range: int = 256  # completions prompts use ids in [0, token_id_range)
     request_timeout_s: float = 600.0
     progress: bool = True
+    # chat: tokens the chat template adds per turn (the new message's wrapping + the generation prompt); each
+    # message's text is shortened by it so prompts keep the trace's lengths (13 for the bundled byte
+    # tokenizer's template: '<|im_end|>\n<|im_start|>assistant\n')
+    chat_overhead_tokens: int = 0
 
     def __post_init__(self):
         problems = []
@@ -86,6 +95,10 @@ class ReplayConfig:
             problems.append("idle_gap_cap_s and time_scale must be >= 0")
         if self.num_gpus < 1:
             problems.append("num_gpus must be >= 1")
+        if not 0 <= self.start_min_ratio <= self.start_max_ratio <= 1:
+            problems.append("need 0 <= start_min_ratio <= start_max_ratio <= 1")
+        if self.chat_overhead_tokens < 0:
+            problems.append("chat_overhead_tokens must be >= 0")
         if self.token_id_range < 2:
             problems.append("token_id_range must be >= 2")
         if problems:
@@ -158,8 +171,9 @@ class _ChatHistory:
     """Messages of one chain: the system blocks, the first input, then one assistant message per later
     turn with its new blocks (a turn whose blocks do not extend the previous request starts over)."""
 
-    def __init__(self, system_tokens: int):
+    def __init__(self, system_tokens: int, overhead: int = 0):
         self.system_tokens = system_tokens
+        self.overhead = overhead
         self.messages: list[dict] = []
         self.covered = 0  # trace tokens the messages hold
 
@@ -167,30 +181,19 @@ class _ChatHistory:
         extends = (prev is not None and self.messages and len(r.hash_ids) >= len(prev.hash_ids) - 1
                    and r.hash_ids[: prev.input_tokens // bs] == prev.hash_ids[: prev.input_tokens // bs])
         if extends:
-            # the last (partial) block of the previous prompt may have changed: keep whole blocks only
-            keep = min(self.covered, prev.input_tokens // bs * bs)
-            if keep < self.covered:
-                self._truncate(keep)
-            self.messages.append({"role": "assistant", "content": _text(tokens[self.covered:])})
+            # earlier messages stay as sent (their rendering, generation prompt included, is the prefix the
+            # server cached); the trace's re-hashed partial last block only changes what the new text is
+            new = tokens[self.covered:]
+            self.messages.append({"role": "assistant", "content": _text(new[: max(1, len(new) - self.overhead)])})
         else:
             self.messages = []
             sys_len = min(self.system_tokens, len(tokens) - 1)
             if sys_len > 0:
                 self.messages.append({"role": "system", "content": _text(tokens[:sys_len])})
-            self.messages.append({"role": "user", "content": _text(tokens[max(sys_len, 0):])})
+            user = tokens[max(sys_len, 0):]
+            self.messages.append({"role": "user", "content": _text(user[: max(1, len(user) - self.overhead)])})
         self.covered = len(tokens)
         return [dict(m) for m in self.messages]
-
-    def _truncate(self, keep: int) -> None:
-        n, out = 0, []
-        for m in self.messages:
-            if n >= keep:
-                break
-            take = min(len(m["content"]), keep - n)
-            out.append({**m, "content": m["content"][:take]})
-            n += take
-        self.messages = out
-        self.covered = n
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -312,7 +315,8 @@ class Replay:
 
     # --- one session tree ----------------------------------------------------------------------
     async def _chain(self, client, lane, scope, session, agent, reqs: Sequence[TraceRequest], first_delay: float):
-        chat = _ChatHistory(session.system_tokens) if self.cfg.endpoint == "chat" else None
+        chat = _ChatHistory(session.system_tokens, self.cfg.chat_overhead_tokens) if self.cfg.endpoint == "chat" \
+            else None
         if not await self._sleep(first_delay):
             return
         prev = None
@@ -324,11 +328,16 @@ class Replay:
 
     async def _tree(self, client, lane: int, session: Session, pass_index: int) -> None:
         root = session.requests
-        j = self._rng.randrange(len(root)) if self.cfg.random_start else 0
+        j = 0
+        if self.cfg.random_start:
+            lo = min(int(self.cfg.start_min_ratio * len(root)), len(root) - 1)
+            hi = max(lo, min(math.ceil(self.cfg.start_max_ratio * len(root)), len(root)) - 1)
+            j = self._rng.randint(lo, hi)
         index = self.sessions.index(session)
         scope = _Scope(f"{self.salt}-{session.id}-p{pass_index}", session.block_size,
                        [self._salt_word, index, pass_index])
-        chat = _ChatHistory(session.system_tokens) if self.cfg.endpoint == "chat" else None
+        chat = _ChatHistory(session.system_tokens, self.cfg.chat_overhead_tokens) if self.cfg.endpoint == "chat" \
+            else None
         prev = None
         if j > 0:
             prev = root[j - 1]

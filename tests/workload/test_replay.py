@@ -85,8 +85,9 @@ def server(tmp_path_factory):
 
 def test_replay_short_preset_reports_throughput_latency_and_cache_hits(server, tmp_path):
     sessions = generate(load_preset("short", num_sessions=3))
+    # sessions start in their first fifth (warm-up prompts of ~1-1.5k tokens: cold prefills are slow here)
     cfg = ReplayConfig(url=server, concurrency=2, warmup_s=5.0, duration_s=20.0, grace_s=15.0, idle_gap_cap_s=0.5,
-                       seed=3, progress=False)
+                       seed=3, start_max_ratio=0.2, progress=False)
     report = replay(sessions, cfg, tmp_path / "run")
     req = report["requests"]
     assert report["config"]["model"] == "k3-tiny"
@@ -132,3 +133,35 @@ def test_replay_config_and_inputs_are_checked():
         ReplayConfig(url="http://x", endpoint="embeddings")
     with pytest.raises(ValueError, match="no sessions"):
         Replay([], ReplayConfig(url="http://x"))
+
+
+def test_chat_prompts_extend_the_previous_prompt_and_keep_trace_lengths():
+    """Chat mode: each root turn's rendered prompt (generation prompt included) starts with the previous
+    turn's, so a server's prefix cache can hit it, and with the byte tokenizer's template overhead (13
+    tokens per turn) taken off the text every prompt is the trace's length plus the fixed 16 tokens of
+    the first turn's system/user wrapping."""
+    import numpy as np
+
+    from serving.api.tokenizer import load_tokenizer
+    from serving.workload.replay import _ChatHistory, _Scope
+
+    tok = load_tokenizer()
+    [session] = generate(load_preset("short", num_sessions=1, seed=11))
+    scope = _Scope("s", session.block_size, [1, 2, 3])
+    chat = _ChatHistory(session.system_tokens, overhead=13)
+    prev_ids, prev = None, None
+    for r in session.requests[:12]:
+        tokens = scope.tokens(r.hash_ids, r.input_tokens, 70)
+        messages = chat.messages_for(tokens, prev, r, session.block_size)
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        assert len(ids) == r.input_tokens + 16
+        # the template's own special tokens only (2 per message + the generation prompt): none in the text
+        assert sum(i >= 256 for i in ids) == 2 * len(messages) + 1
+        if prev_ids is not None:
+            assert ids[: len(prev_ids)] == prev_ids
+        prev_ids, prev = ids, r
+    # a request that does not extend the previous one starts a new conversation with the same system text
+    r = session.requests[3]
+    fresh = chat.messages_for(scope.tokens(r.hash_ids, r.input_tokens, 70), session.requests[8], r, 16)
+    assert [m["role"] for m in fresh] == ["system", "user"]
+    assert np.all(np.array([len(m["content"]) for m in fresh]) > 0)
