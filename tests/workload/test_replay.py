@@ -7,6 +7,7 @@ replay starts and the scored window sees compiled shapes.
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import math
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.workload.replay import Replay, ReplayConfig, replay
+from serving.workload.replay import Replay, ReplayConfig, RequestRecord, replay
 from serving.workload.traces import generate, load_preset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,3 +166,89 @@ def test_chat_prompts_extend_the_previous_prompt_and_keep_trace_lengths():
     fresh = chat.messages_for(scope.tokens(r.hash_ids, r.input_tokens, 70), session.requests[8], r, 16)
     assert [m["role"] for m in fresh] == ["system", "user"]
     assert np.all(np.array([len(m["content"]) for m in fresh]) > 0)
+
+
+class _FakeServerReplay(Replay):
+    """The replay's scheduling with the HTTP request replaced by a fixed sleep: records who ran when."""
+
+    LATENCY_S = 0.02
+
+    async def _send(self, client, lane, scope, chat, session, agent, turn, r, prev, warmup):
+        if self._stop.is_set():
+            return
+        rec = RequestRecord(lane=lane, session=scope.name, agent=agent, turn=turn, warmup=warmup, start=self.now(),
+                            trace_input_tokens=r.input_tokens, trace_output_tokens=r.output_tokens,
+                            theoretical_cached_tokens=scope.theoretical(r))
+        self.records.append(rec)
+        await asyncio.sleep(self.LATENCY_S)
+        rec.end, rec.ttft, rec.itl = self.now(), self.LATENCY_S / 2, 0.001
+        rec.prompt_tokens, rec.completion_tokens = r.input_tokens, r.output_tokens
+        rec.cached_tokens = rec.theoretical_cached_tokens
+
+
+def test_session_tree_scheduling_spawns_joins_and_waits():
+    """One lane over a session with subagent bursts (no server): the warm-up turn comes first, each subagent
+    starts after the root turn before its spawn ends and finishes before the root turn that joins it starts,
+    subagents of one burst overlap, and root turns wait (capped) think times end to start."""
+    import asyncio as aio
+
+    preset = load_preset("short", num_sessions=1, seed=5, subagent_probability=0.3, max_turns=14,
+                         think_time_median_s=0.01, think_time_p90_s=0.03)
+    [session] = generate(preset)
+    assert len(session.subagents) >= 2
+    cap = 0.05
+    replay = _FakeServerReplay([session], ReplayConfig(url="http://unused", concurrency=1, duration_s=30.0,
+                                                       grace_s=0.0, idle_gap_cap_s=cap, seed=1,
+                                                       start_max_ratio=0.0, salt="x", progress=False))
+
+    async def one_tree():
+        replay._t0 = time.perf_counter()
+        await replay._tree(None, 0, session, 0)
+
+    aio.run(one_tree())
+    recs = replay.records
+    root = [r for r in recs if not r.agent]
+    assert [r.turn for r in root] == list(range(len(session.requests)))  # start ratio 0: from turn 0, no warm-up
+    assert not any(r.warmup for r in recs)
+    assert len(recs) == len(session.all_requests())
+    for a in session.subagents:
+        sub = [r for r in recs if r.agent == a.agent_id]
+        assert [r.turn for r in sub] == list(range(len(a.requests)))
+        before = max(i for i, q in enumerate(session.requests) if q.t <= a.t)
+        after = [i for i, q in enumerate(session.requests) if q.t >= a.end]
+        assert sub[0].start >= root[before].end - 1e-6
+        if after:
+            assert root[after[0]].start >= sub[-1].end - 1e-6
+    bursts = {}
+    for a in session.subagents:
+        bursts.setdefault(a.t, []).append(a.agent_id)
+    burst = next(ids for ids in bursts.values() if len(ids) > 1)
+    firsts = [next(r for r in recs if r.agent == i) for i in burst]
+    assert max(r.start for r in firsts) < min(r.end for r in firsts)  # launched together
+    # end-to-start gaps between root turns with no subagents in between: the recorded gap, capped
+    for k in range(1, len(session.requests)):
+        prev, cur = session.requests[k - 1], session.requests[k]
+        if any(prev.t <= a.t < cur.t for a in session.subagents):
+            continue
+        gap = root[k].start - root[k - 1].end
+        want = min(cur.t - prev.t - prev.api_time, cap)
+        assert want - 0.002 <= gap <= want + 0.25, (k, gap, want)
+    # every root turn after the first is a prefix hit in the infinite-cache model
+    assert all(r.theoretical_cached_tokens > 0 for r in root[1:])
+
+
+def test_warm_up_turn_precedes_a_random_start():
+    preset = load_preset("short", num_sessions=1, seed=5, max_turns=10)
+    [session] = generate(preset)
+    replay = _FakeServerReplay([session], ReplayConfig(url="http://unused", concurrency=1, idle_gap_cap_s=0.0,
+                                                       start_min_ratio=0.5, seed=2, salt="x", progress=False))
+
+    async def one_tree():
+        replay._t0 = time.perf_counter()
+        await replay._tree(None, 0, session, 0)
+
+    asyncio.run(one_tree())
+    root = [r for r in replay.records if not r.agent]
+    assert root[0].warmup and not any(r.warmup for r in root[1:])
+    assert root[1].turn == root[0].turn + 1 >= 5
+    assert root[0].theoretical_cached_tokens == 0 and root[1].theoretical_cached_tokens > 0
