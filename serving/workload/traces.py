@@ -538,6 +538,37 @@ def sessions_from_mooncake(rows: Sequence[MooncakeRow], block_size: int) -> list
     return [Session(id=sid, block_size=block_size, requests=roots[sid], subagents=tuple(subs[sid])) for sid in roots]
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m serving.workload.traces --preset short --weka out/weka --mooncake out/trace.jsonl"""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m serving.workload.traces",
+                                description="Generate an AgentX-like trace and write it in AIPerf's formats.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="configs/workloads/<name>.yaml or a YAML path")
+    src.add_argument("--weka-in", help="read a weka_trace file or directory instead (e.g. a real corpus)")
+    p.add_argument("--num-sessions", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--weka", help="write weka_trace files (one per session) into this directory")
+    p.add_argument("--mooncake", help="write a mooncake_trace JSONL file")
+    a = p.parse_args(argv)
+    if a.preset:
+        overrides = {k: v for k, v in (("num_sessions", a.num_sessions), ("seed", a.seed)) if v is not None}
+        sessions = generate(load_preset(a.preset, **overrides))
+    else:
+        sessions = read_weka(a.weka_in)
+    if a.weka:
+        write_weka(sessions, a.weka)
+    if a.mooncake:
+        write_mooncake(sessions, a.mooncake)
+    print(json.dumps(summary(sessions), indent=2))
+    return 0
+
+
 __all__ = ["MooncakeRow", "Session", "Subagent", "TracePreset", "TraceRequest", "generate", "load_preset",
            "prefix_reuse", "read_mooncake", "read_weka", "request_reuse", "session_from_weka", "session_to_weka",
            "sessions_from_mooncake", "summary", "to_mooncake", "write_mooncake", "write_weka"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

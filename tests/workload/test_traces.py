@@ -169,3 +169,15 @@ def test_preset_validation():
         load_preset("short", colour="red")
     with pytest.raises(ValueError, match="no workload preset"):
         load_preset("no-such-preset")
+
+
+def test_cli_writes_both_formats(tmp_path, capsys):
+    from serving.workload.traces import main
+
+    assert main(["--preset", "short", "--num-sessions", "2", "--weka", str(tmp_path / "w"),
+                 "--mooncake", str(tmp_path / "m.jsonl")]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["sessions"] == 2 and figures["prefix_reuse"] >= 0.96
+    sessions = read_weka(tmp_path / "w")
+    assert sessions == generate(load_preset("short", num_sessions=2))
+    assert len(read_mooncake(tmp_path / "m.jsonl")) == figures["requests"]
