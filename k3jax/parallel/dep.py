@@ -199,3 +199,18 @@ def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
     """`k3jax.model.decode` under DEP: tokens int32 [n*Bl] -> (logits float32 [n*Bl, V], new state)."""
     check_tokens(tokens, 1, "dep.decode")
     return _step(params, cfg, state, tokens[:, None], meta, mesh, "recurrent", capacity, backend_name)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layer", "mesh", "capacity", "backend_name"))
+def moe_block(params: dict, cfg: ModelConfig, layer: int, x: jax.Array, mesh: Mesh, capacity: int | None = None,
+              backend_name: str = "reference"):
+    """Layer `layer`'s feed-forward alone under DEP (params from `shard_params`): pre-normed x [n*Bl, T, D]
+    split by row -> [n*Bl, T, D]; equals `k3jax.moe.ffn` on the single-device params."""
+    n = mesh_size(mesh)
+    spec = param_specs(params)["layers"][layer]["mlp"]
+
+    def body(p, h):
+        return _dep_ffn(cfg, n, jnp.ones(h.shape[:2], bool), capacity, backend_name)(layer, p, h)
+
+    return jax.shard_map(body, mesh=mesh, check_vma=False, in_specs=(spec, P(AXIS)), out_specs=P(AXIS))(
+        params["layers"][layer]["mlp"], x)

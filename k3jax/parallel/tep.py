@@ -271,3 +271,14 @@ def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
     """`k3jax.model.decode` under TEP: tokens int32 [B] -> (logits float32 [B, V], new TEP state)."""
     check_tokens(tokens, 1, "tep.decode")
     return _step(params, cfg, state, tokens[:, None], meta, mesh, "recurrent", backend_name)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layer", "mesh", "backend_name"))
+def moe_block(params: dict, cfg: ModelConfig, layer: int, x: jax.Array, mesh: Mesh, backend_name: str = "reference"):
+    """Layer `layer`'s feed-forward alone under TEP (params from `shard_params`): pre-normed x [B, T, D],
+    replicated -> [B, T, D]; equals `k3jax.moe.ffn` on the single-device params."""
+    n = mesh_size(mesh)
+    specs = shard_layout_specs(params, cfg, n)["layers"][layer]["mlp"]
+    body = lambda p, h: _tep_ffn(cfg, n, backend_name)(layer, p, h)
+    return jax.shard_map(body, mesh=mesh, check_vma=False, in_specs=(specs, P()), out_specs=P())(
+        params["layers"][layer]["mlp"], x)

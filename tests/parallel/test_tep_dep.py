@@ -1,0 +1,199 @@
+"""TEP and DEP on 8 host CPU devices: equal to the single-device model (k3-tiny, fp32) for the MoE block,
+forward, prefill and decode (ragged per-rank batches for DEP), and HLO communication equal to the
+published closed forms.
+
+Tolerance 1e-5 relative to the largest |logit|: the strategies only reorder fp32 sums (partial o_proj /
+expert / shared sums added across ranks), which moves results by a few ulps per layer (measured ~1.5e-6).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import model
+from k3jax.moe import ffn as model_ffn
+from k3jax.params import init_params
+from k3jax.parallel import comm, dep, tep
+from k3jax.parallel.common import make_mesh
+from k3jax.testing import k3_tiny, step_meta
+
+RTOL = 1e-5
+RANKS = 8
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = k3_tiny()
+    params = init_params(cfg, jax.random.key(11))
+    mesh = make_mesh(RANKS)
+    return cfg, params, mesh, tep.shard_params(params, cfg, mesh), dep.shard_params(params, cfg, mesh)
+
+
+def test_padding_fits_tiny_config(setup):
+    cfg, *_ = setup
+    # k3-tiny's 3 heads and 7 experts do not divide by 8 ranks: the zero-padding path is what runs here
+    assert cfg.kda_num_heads % RANKS and cfg.mla_num_heads % RANKS and cfg.num_experts % RANKS
+
+
+@pytest.mark.parametrize("capacity", [None, 1])
+def test_moe_block_equals_single_device(setup, capacity):
+    cfg, params, mesh, tep_params, dep_params = setup
+    layer = 5
+    x = jax.random.normal(jax.random.key(3), (RANKS * 3, 5, cfg.hidden_size), jnp.float32)
+    want = model_ffn(params["layers"][layer]["mlp"], x, cfg)
+    assert rel_err(dep.moe_block(dep_params, cfg, layer, x, mesh, capacity=capacity), want) <= RTOL
+    if capacity is None:
+        assert rel_err(tep.moe_block(tep_params, cfg, layer, x, mesh), want) <= RTOL
+
+
+def test_dep_moe_skewed_routing_runs_extra_rounds(setup):
+    """All tokens choose experts 0..2 (ranks 0..2 at one expert per rank): with the default capacity a
+    destination needs B rows, i.e. several rounds; results stay exact (no token dropped)."""
+    cfg, params, mesh, _, dep_params = setup
+    layer = 2
+    skew = jnp.full((cfg.num_experts,), -10.0).at[:3].set(10.0)
+    mlp = dict(params["layers"][layer]["mlp"], router_bias=skew)
+    layers = list(dep_params["layers"])
+    layers[layer] = dict(layers[layer], mlp=dict(layers[layer]["mlp"], router_bias=skew))
+    x = jax.random.normal(jax.random.key(4), (RANKS * 2, 7, cfg.hidden_size), jnp.float32)
+    got = dep.moe_block(dict(dep_params, layers=layers), cfg, layer, x, mesh)
+    assert rel_err(got, model_ffn(mlp, x, cfg)) <= RTOL
+
+
+@pytest.fixture(scope="module")
+def forward_case(setup):
+    cfg, params, mesh, tep_params, dep_params = setup
+    # 8 tokens per rank (2 rows x 4): B*k = 24 is a multiple of 8 ranks, so DEP's buffers meet B*k exactly
+    tokens = jax.random.randint(jax.random.key(5), (RANKS * 2, 4), 0, cfg.vocab_size, jnp.int32)
+    want = model.forward(params, cfg, tokens)
+    compiled_tep = tep.forward.lower(tep_params, cfg, tokens, mesh).compile()
+    compiled_dep = dep.forward.lower(dep_params, cfg, tokens, mesh).compile()
+    return tokens, want, compiled_tep, compiled_dep
+
+
+def test_forward_equals_single_device(setup, forward_case):
+    _, _, _, tep_params, dep_params = setup
+    tokens, want, compiled_tep, compiled_dep = forward_case
+    assert rel_err(compiled_tep(tep_params, tokens), want) <= RTOL
+    assert rel_err(compiled_dep(dep_params, tokens), want) <= RTOL
+
+
+def test_tep_hlo_all_reduces_match_closed_form(setup, forward_case):
+    """TEP: every rank holds all N*B tokens (B = 8 per rank); each layer all-reduces the attention output
+    (width D), and a MoE layer also the routed latent sum (Dl) and the shared experts (D) -- layer 0's
+    dense MLP instead one of width D. Per rank and all-reduce: 2(N-1)/N x N*B token payloads ~ 2BN."""
+    cfg, *_ = setup
+    tokens, _, compiled_tep, _ = forward_case
+    report = comm.collectives(compiled_tep.as_text())
+    assert {c.kind for c in report} == {"all-reduce"}
+    global_tokens = tokens.size
+    widths = [cfg.hidden_size] * cfg.num_layers  # after attention
+    widths += [cfg.moe_latent_size + cfg.hidden_size if cfg.is_moe(l) else cfg.hidden_size for l in range(cfg.num_layers)]
+    payload = 4 * global_tokens * sum(widths)
+    total = comm.summary(report)["all-reduce"]
+    assert total["payload_bytes"] == payload
+    assert total["wire_bytes"] == pytest.approx(2 * (RANKS - 1) / RANKS * payload)
+    for c in report:  # each buffer (a tuple when XLA combines two all-reduces) is whole tokens x widths
+        assert c.group_size == RANKS
+        assert all(np.prod(dims[:-1]) == global_tokens for _, dims in c.shapes)
+
+
+def test_dep_hlo_all_to_all_within_2bk(setup, forward_case):
+    """DEP: per MoE layer one dispatch (latent + k ids + k weights per row) and one combine (latent) of
+    n * capacity rows each, n * capacity = B*k here (B = 8 tokens per rank, k = 3): <= 2BK token
+    payloads per rank and layer, plus 2k floats of routing per dispatched row, plus one scalar pmax."""
+    cfg, *_ = setup
+    tokens, _, _, compiled_dep = forward_case
+    report = comm.collectives(compiled_dep.as_text())
+    per_rank_tokens = tokens.size // RANKS
+    k, latent = cfg.num_experts_per_tok, cfg.moe_latent_size
+    moe_layers = sum(cfg.is_moe(l) for l in range(cfg.num_layers))
+    a2a = [c for c in report if c.kind == "all-to-all"]
+    assert len(a2a) == 2 * moe_layers and all(c.in_loop and c.group_size == RANKS for c in a2a)
+    rows = per_rank_tokens * k
+    assert sorted({c.payload_bytes for c in a2a}) == [4 * rows * latent, 4 * rows * (latent + 2 * k)]
+    token_payload_bytes = 4 * latent * sum(c.payload_bytes // (4 * c.shapes[0][1][-1]) for c in a2a) / moe_layers
+    assert token_payload_bytes <= 2 * per_rank_tokens * k * latent * 4
+    small = [c for c in report if c.kind != "all-to-all"]
+    assert len(small) == moe_layers and all(c.kind == "all-reduce" and c.payload_bytes == 4 for c in small)
+
+
+# --- serving steps: prefill then decode, with ragged per-rank batches ---------------------------------
+
+SLOTS, MAX_PAGES, PAGE = 3, 3, 4  # per rank: 2 rows, 3 slots, 2 * 3 pages of 4 tokens
+ROWS = 2
+
+
+@pytest.fixture(scope="module")
+def serving_case(setup):
+    """Per rank up to ROWS requests of ragged prefill lengths (some ranks with one or none: length-0
+    rows), local slot / page ids; the single-device reference sees all ranks' rows with global ids."""
+    cfg, params, *_ = setup
+    rng = np.random.default_rng(7)
+    t = 7
+    lengths = rng.integers(1, t + 1, (RANKS, ROWS))
+    lengths[1, 1] = lengths[4, 0] = 0
+    lengths[6] = 0  # a rank with no request at all
+    slots = np.stack([rng.permutation(SLOTS)[:ROWS] for _ in range(RANKS)])
+    pages_per_rank = ROWS * MAX_PAGES
+    tables = np.stack([rng.permutation(pages_per_rank).reshape(ROWS, MAX_PAGES) for _ in range(RANKS)])
+    tokens = rng.integers(0, cfg.vocab_size, (RANKS * ROWS, t))
+    next_tokens = rng.integers(0, cfg.vocab_size, (RANKS * ROWS,))
+    flat = lambda a: a.reshape(RANKS * ROWS, *a.shape[2:])
+    offsets = np.arange(RANKS)[:, None]
+    local = dict(slots=flat(slots), tables=flat(tables), lengths=flat(lengths))
+    glob = dict(slots=flat(slots + offsets * SLOTS), tables=flat(tables + offsets[:, :, None] * pages_per_rank),
+                lengths=flat(lengths))
+    state0 = model.init_state(cfg, RANKS * SLOTS, RANKS * pages_per_rank, PAGE)
+    # a random (never zero) starting state, so decode reads real history
+    state0 = state0.replace(kda=0.1 * jax.random.normal(jax.random.key(8), state0.kda.shape),
+                            conv=0.1 * jax.random.normal(jax.random.key(9), state0.conv.shape))
+    zeros = np.zeros(RANKS * ROWS, np.int32)
+    meta_p = step_meta(glob["slots"], glob["tables"], zeros, glob["lengths"])
+    meta_d = step_meta(glob["slots"], glob["tables"], glob["lengths"], (glob["lengths"] > 0).astype(np.int32))
+    logits_p, state = model.prefill(params, cfg, jax.tree.map(jnp.copy, state0), jnp.asarray(tokens, jnp.int32), meta_p)
+    logits_d, state = model.decode(params, cfg, state, jnp.asarray(next_tokens, jnp.int32), meta_d)
+    valid = glob["lengths"] > 0
+    return dict(tokens=tokens, next_tokens=next_tokens, local=local, glob=glob, state0=state0, valid=valid,
+                logits_p=np.asarray(logits_p)[valid], logits_d=np.asarray(logits_d)[valid], state=state)
+
+
+def test_tep_prefill_decode_equal_single_device(setup, serving_case):
+    cfg, params, mesh, tep_params, _ = setup
+    c = serving_case
+    g = c["glob"]
+    zeros = np.zeros_like(g["lengths"])
+    state = tep.shard_state(jax.tree.map(jnp.copy, c["state0"]), cfg, mesh)  # shard_state may alias; steps donate
+    logits, state = tep.prefill(tep_params, cfg, state, jnp.asarray(c["tokens"], jnp.int32),
+                                step_meta(g["slots"], g["tables"], zeros, g["lengths"]), mesh)
+    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_p"]) <= RTOL
+    logits, state = tep.decode(tep_params, cfg, state, jnp.asarray(c["next_tokens"], jnp.int32),
+                               step_meta(g["slots"], g["tables"], g["lengths"], (g["lengths"] > 0).astype(np.int32)), mesh)
+    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_d"]) <= RTOL
+    back = tep.unshard_state(state, cfg)
+    assert rel_err(back.kda, c["state"].kda) <= RTOL and rel_err(back.conv, c["state"].conv) <= RTOL
+
+
+def test_dep_prefill_decode_ragged_equal_single_device(setup, serving_case):
+    cfg, params, mesh, _, dep_params = setup
+    c = serving_case
+    loc = c["local"]
+    zeros = np.zeros_like(loc["lengths"])
+    state = dep.shard_state(jax.tree.map(jnp.copy, c["state0"]), mesh)
+    logits, state = dep.prefill(dep_params, cfg, state, jnp.asarray(c["tokens"], jnp.int32),
+                                step_meta(loc["slots"], loc["tables"], zeros, loc["lengths"]), mesh)
+    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_p"]) <= RTOL
+    logits, state = dep.decode(dep_params, cfg, state, jnp.asarray(c["next_tokens"], jnp.int32),
+                               step_meta(loc["slots"], loc["tables"], loc["lengths"],
+                                         (loc["lengths"] > 0).astype(np.int32)), mesh)
+    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_d"]) <= RTOL
+    # rank r's slots r*SLOTS.. are the global pool's: the sharded state is the single-device state
+    assert rel_err(state.kda, c["state"].kda) <= RTOL and rel_err(state.kv_pages, c["state"].kv_pages) <= RTOL
