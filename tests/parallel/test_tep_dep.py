@@ -43,15 +43,13 @@ def test_padding_fits_tiny_config(setup):
     assert cfg.kda_num_heads % RANKS and cfg.mla_num_heads % RANKS and cfg.num_experts % RANKS
 
 
-@pytest.mark.parametrize("capacity", [None, 1])
-def test_moe_block_equals_single_device(setup, capacity):
+def test_moe_block_equals_single_device(setup):
     cfg, params, mesh, tep_params, dep_params = setup
     layer = 5
     x = jax.random.normal(jax.random.key(3), (RANKS * 3, 5, cfg.hidden_size), jnp.float32)
     want = model_ffn(params["layers"][layer]["mlp"], x, cfg)
-    assert rel_err(dep.moe_block(dep_params, cfg, layer, x, mesh, capacity=capacity), want) <= RTOL
-    if capacity is None:
-        assert rel_err(tep.moe_block(tep_params, cfg, layer, x, mesh), want) <= RTOL
+    assert rel_err(tep.moe_block(tep_params, cfg, layer, x, mesh), want) <= RTOL
+    assert rel_err(dep.moe_block(dep_params, cfg, layer, x, mesh), want) <= RTOL
 
 
 def test_dep_moe_skewed_routing_runs_extra_rounds(setup):
@@ -68,68 +66,10 @@ def test_dep_moe_skewed_routing_runs_extra_rounds(setup):
     assert rel_err(got, model_ffn(mlp, x, cfg)) <= RTOL
 
 
-@pytest.fixture(scope="module")
-def forward_case(setup):
-    cfg, params, mesh, tep_params, dep_params = setup
-    # 8 tokens per rank (2 rows x 4): B*k = 24 is a multiple of 8 ranks, so DEP's buffers meet B*k exactly
-    tokens = jax.random.randint(jax.random.key(5), (RANKS * 2, 4), 0, cfg.vocab_size, jnp.int32)
-    want = model.forward(params, cfg, tokens)
-    compiled_tep = tep.forward.lower(tep_params, cfg, tokens, mesh).compile()
-    compiled_dep = dep.forward.lower(dep_params, cfg, tokens, mesh).compile()
-    return tokens, want, compiled_tep, compiled_dep
-
-
-def test_forward_equals_single_device(setup, forward_case):
-    _, _, _, tep_params, dep_params = setup
-    tokens, want, compiled_tep, compiled_dep = forward_case
-    assert rel_err(compiled_tep(tep_params, tokens), want) <= RTOL
-    assert rel_err(compiled_dep(dep_params, tokens), want) <= RTOL
-
-
-def test_tep_hlo_all_reduces_match_closed_form(setup, forward_case):
-    """TEP: every rank holds all N*B tokens (B = 8 per rank); each layer all-reduces the attention output
-    (width D), and a MoE layer also the routed latent sum (Dl) and the shared experts (D) -- layer 0's
-    dense MLP instead one of width D. Per rank and all-reduce: 2(N-1)/N x N*B token payloads ~ 2BN."""
-    cfg, *_ = setup
-    tokens, _, compiled_tep, _ = forward_case
-    report = comm.collectives(compiled_tep.as_text())
-    assert {c.kind for c in report} == {"all-reduce"}
-    global_tokens = tokens.size
-    widths = [cfg.hidden_size] * cfg.num_layers  # after attention
-    widths += [cfg.moe_latent_size + cfg.hidden_size if cfg.is_moe(l) else cfg.hidden_size for l in range(cfg.num_layers)]
-    payload = 4 * global_tokens * sum(widths)
-    total = comm.summary(report)["all-reduce"]
-    assert total["payload_bytes"] == payload
-    assert total["wire_bytes"] == pytest.approx(2 * (RANKS - 1) / RANKS * payload)
-    for c in report:  # each buffer (a tuple when XLA combines two all-reduces) is whole tokens x widths
-        assert c.group_size == RANKS
-        assert all(np.prod(dims[:-1]) == global_tokens for _, dims in c.shapes)
-
-
-def test_dep_hlo_all_to_all_within_2bk(setup, forward_case):
-    """DEP: per MoE layer one dispatch (latent + k ids + k weights per row) and one combine (latent) of
-    n * capacity rows each, n * capacity = B*k here (B = 8 tokens per rank, k = 3): <= 2BK token
-    payloads per rank and layer, plus 2k floats of routing per dispatched row, plus one scalar pmax."""
-    cfg, *_ = setup
-    tokens, _, _, compiled_dep = forward_case
-    report = comm.collectives(compiled_dep.as_text())
-    per_rank_tokens = tokens.size // RANKS
-    k, latent = cfg.num_experts_per_tok, cfg.moe_latent_size
-    moe_layers = sum(cfg.is_moe(l) for l in range(cfg.num_layers))
-    a2a = [c for c in report if c.kind == "all-to-all"]
-    assert len(a2a) == 2 * moe_layers and all(c.in_loop and c.group_size == RANKS for c in a2a)
-    rows = per_rank_tokens * k
-    assert sorted({c.payload_bytes for c in a2a}) == [4 * rows * latent, 4 * rows * (latent + 2 * k)]
-    token_payload_bytes = 4 * latent * sum(c.payload_bytes // (4 * c.shapes[0][1][-1]) for c in a2a) / moe_layers
-    assert token_payload_bytes <= 2 * per_rank_tokens * k * latent * 4
-    small = [c for c in report if c.kind != "all-to-all"]
-    assert len(small) == moe_layers and all(c.kind == "all-reduce" and c.payload_bytes == 4 for c in small)
-
-
 # --- serving steps: prefill then decode, with ragged per-rank batches ---------------------------------
 
 SLOTS, MAX_PAGES, PAGE = 3, 3, 4  # per rank: 2 rows, 3 slots, 2 * 3 pages of 4 tokens
-ROWS = 2
+ROWS, PREFILL = 2, 4  # 8 token slots per rank: B*k = 24 is a multiple of 8 ranks (DEP buffers meet B*k exactly)
 
 
 @pytest.fixture(scope="module")
@@ -138,62 +78,110 @@ def serving_case(setup):
     rows), local slot / page ids; the single-device reference sees all ranks' rows with global ids."""
     cfg, params, *_ = setup
     rng = np.random.default_rng(7)
-    t = 7
-    lengths = rng.integers(1, t + 1, (RANKS, ROWS))
+    lengths = rng.integers(1, PREFILL + 1, (RANKS, ROWS))
     lengths[1, 1] = lengths[4, 0] = 0
     lengths[6] = 0  # a rank with no request at all
     slots = np.stack([rng.permutation(SLOTS)[:ROWS] for _ in range(RANKS)])
     pages_per_rank = ROWS * MAX_PAGES
     tables = np.stack([rng.permutation(pages_per_rank).reshape(ROWS, MAX_PAGES) for _ in range(RANKS)])
-    tokens = rng.integers(0, cfg.vocab_size, (RANKS * ROWS, t))
-    next_tokens = rng.integers(0, cfg.vocab_size, (RANKS * ROWS,))
     flat = lambda a: a.reshape(RANKS * ROWS, *a.shape[2:])
     offsets = np.arange(RANKS)[:, None]
-    local = dict(slots=flat(slots), tables=flat(tables), lengths=flat(lengths))
-    glob = dict(slots=flat(slots + offsets * SLOTS), tables=flat(tables + offsets[:, :, None] * pages_per_rank),
-                lengths=flat(lengths))
+    lengths = flat(lengths)
+    metas = {}
+    for name, sl, tb in (("local", flat(slots), flat(tables)),
+                         ("global", flat(slots + offsets * SLOTS), flat(tables + offsets[:, :, None] * pages_per_rank))):
+        metas[name] = (step_meta(sl, tb, np.zeros_like(lengths), lengths),
+                       step_meta(sl, tb, lengths, (lengths > 0).astype(np.int32)))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (RANKS * ROWS, PREFILL)), jnp.int32)
+    next_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (RANKS * ROWS,)), jnp.int32)
     state0 = model.init_state(cfg, RANKS * SLOTS, RANKS * pages_per_rank, PAGE)
-    # a random (never zero) starting state, so decode reads real history
+    # a random (never zero) starting state, so every step reads real history
     state0 = state0.replace(kda=0.1 * jax.random.normal(jax.random.key(8), state0.kda.shape),
                             conv=0.1 * jax.random.normal(jax.random.key(9), state0.conv.shape))
-    zeros = np.zeros(RANKS * ROWS, np.int32)
-    meta_p = step_meta(glob["slots"], glob["tables"], zeros, glob["lengths"])
-    meta_d = step_meta(glob["slots"], glob["tables"], glob["lengths"], (glob["lengths"] > 0).astype(np.int32))
-    logits_p, state = model.prefill(params, cfg, jax.tree.map(jnp.copy, state0), jnp.asarray(tokens, jnp.int32), meta_p)
-    logits_d, state = model.decode(params, cfg, state, jnp.asarray(next_tokens, jnp.int32), meta_d)
-    valid = glob["lengths"] > 0
-    return dict(tokens=tokens, next_tokens=next_tokens, local=local, glob=glob, state0=state0, valid=valid,
+    meta_p, meta_d = metas["global"]
+    logits_p, state = model.prefill(params, cfg, jax.tree.map(jnp.copy, state0), tokens, meta_p)
+    logits_d, state = model.decode(params, cfg, state, next_tokens, meta_d)
+    valid = lengths > 0
+    return dict(tokens=tokens, next_tokens=next_tokens, metas=metas, state0=state0, valid=valid,
                 logits_p=np.asarray(logits_p)[valid], logits_d=np.asarray(logits_d)[valid], state=state)
 
 
-def test_tep_prefill_decode_equal_single_device(setup, serving_case):
-    cfg, params, mesh, tep_params, _ = setup
-    c = serving_case
-    g = c["glob"]
-    zeros = np.zeros_like(g["lengths"])
-    state = tep.shard_state(jax.tree.map(jnp.copy, c["state0"]), cfg, mesh)  # shard_state may alias; steps donate
-    logits, state = tep.prefill(tep_params, cfg, state, jnp.asarray(c["tokens"], jnp.int32),
-                                step_meta(g["slots"], g["tables"], zeros, g["lengths"]), mesh)
-    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_p"]) <= RTOL
-    logits, state = tep.decode(tep_params, cfg, state, jnp.asarray(c["next_tokens"], jnp.int32),
-                               step_meta(g["slots"], g["tables"], g["lengths"], (g["lengths"] > 0).astype(np.int32)), mesh)
-    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_d"]) <= RTOL
-    back = tep.unshard_state(state, cfg)
-    assert rel_err(back.kda, c["state"].kda) <= RTOL and rel_err(back.conv, c["state"].conv) <= RTOL
+def _run(strategy, params, cfg, mesh, state, case, metas):
+    """prefill (compiled explicitly, so its HLO is at hand) then decode; returns logits, state, HLO text."""
+    meta_p, meta_d = metas
+    prefill = strategy.prefill.lower(params, cfg, state, case["tokens"], meta_p, mesh).compile()
+    logits_p, state = prefill(params, state, case["tokens"], meta_p)
+    logits_d, state = strategy.decode(params, cfg, state, case["next_tokens"], meta_d, mesh)
+    return dict(logits_p=np.asarray(logits_p)[case["valid"]], logits_d=np.asarray(logits_d)[case["valid"]],
+                state=state, hlo=prefill.as_text())
 
 
-def test_dep_prefill_decode_ragged_equal_single_device(setup, serving_case):
-    cfg, params, mesh, _, dep_params = setup
-    c = serving_case
-    loc = c["local"]
-    zeros = np.zeros_like(loc["lengths"])
-    state = dep.shard_state(jax.tree.map(jnp.copy, c["state0"]), mesh)
-    logits, state = dep.prefill(dep_params, cfg, state, jnp.asarray(c["tokens"], jnp.int32),
-                                step_meta(loc["slots"], loc["tables"], zeros, loc["lengths"]), mesh)
-    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_p"]) <= RTOL
-    logits, state = dep.decode(dep_params, cfg, state, jnp.asarray(c["next_tokens"], jnp.int32),
-                               step_meta(loc["slots"], loc["tables"], loc["lengths"],
-                                         (loc["lengths"] > 0).astype(np.int32)), mesh)
-    assert rel_err(np.asarray(logits)[c["valid"]], c["logits_d"]) <= RTOL
-    # rank r's slots r*SLOTS.. are the global pool's: the sharded state is the single-device state
-    assert rel_err(state.kda, c["state"].kda) <= RTOL and rel_err(state.kv_pages, c["state"].kv_pages) <= RTOL
+@pytest.fixture(scope="module")
+def tep_run(setup, serving_case):
+    cfg, _, mesh, tep_params, _ = setup
+    state = tep.shard_state(jax.tree.map(jnp.copy, serving_case["state0"]), cfg, mesh)  # may alias; steps donate
+    return _run(tep, tep_params, cfg, mesh, state, serving_case, serving_case["metas"]["global"])
+
+
+@pytest.fixture(scope="module")
+def dep_run(setup, serving_case):
+    cfg, _, mesh, _, dep_params = setup
+    state = dep.shard_state(jax.tree.map(jnp.copy, serving_case["state0"]), mesh)
+    return _run(dep, dep_params, cfg, mesh, state, serving_case, serving_case["metas"]["local"])
+
+
+def test_tep_prefill_decode_equal_single_device(setup, serving_case, tep_run):
+    cfg = setup[0]
+    assert rel_err(tep_run["logits_p"], serving_case["logits_p"]) <= RTOL
+    assert rel_err(tep_run["logits_d"], serving_case["logits_d"]) <= RTOL
+    back, want = tep.unshard_state(tep_run["state"], cfg), serving_case["state"]
+    for name in ("kda", "conv", "kv_pages"):
+        assert rel_err(getattr(back, name), getattr(want, name)) <= RTOL, name
+
+
+def test_dep_prefill_decode_ragged_equal_single_device(serving_case, dep_run):
+    assert rel_err(dep_run["logits_p"], serving_case["logits_p"]) <= RTOL
+    assert rel_err(dep_run["logits_d"], serving_case["logits_d"]) <= RTOL
+    # rank r's slots r*SLOTS.. and pages are the global pool's: the sharded state is the single-device state
+    for name in ("kda", "conv", "kv_pages"):
+        assert rel_err(getattr(dep_run["state"], name), getattr(serving_case["state"], name)) <= RTOL, name
+
+
+def test_tep_hlo_all_reduces_match_closed_form(setup, serving_case, tep_run):
+    """TEP prefill: every rank holds all N*B token slots (B = 8 per rank); each layer all-reduces the
+    attention output (width D), and a MoE layer also the routed latent sum (Dl) and the shared experts
+    (D) -- layer 0's dense MLP one of width D. Per rank and all-reduce: 2(N-1)/N x N*B token payloads,
+    ~ 2BN. Nothing else is communicated."""
+    cfg = setup[0]
+    report = comm.collectives(tep_run["hlo"])
+    assert {c.kind for c in report} == {"all-reduce"}
+    global_tokens = serving_case["tokens"].size
+    widths = [cfg.hidden_size] * cfg.num_layers  # after attention
+    widths += [cfg.moe_latent_size + cfg.hidden_size if cfg.is_moe(l) else cfg.hidden_size for l in range(cfg.num_layers)]
+    payload = 4 * global_tokens * sum(widths)
+    total = comm.summary(report)["all-reduce"]
+    assert total["payload_bytes"] == payload
+    assert total["wire_bytes"] == pytest.approx(2 * (RANKS - 1) / RANKS * payload)
+    for c in report:  # each buffer (a tuple when XLA combines two all-reduces) is whole tokens x widths
+        assert c.group_size == RANKS and not c.in_loop
+        assert all(np.prod(dims[:-1]) == global_tokens for _, dims in c.shapes)
+
+
+def test_dep_hlo_all_to_all_within_2bk(setup, serving_case, dep_run):
+    """DEP prefill: per MoE layer one dispatch (latent + k ids + k weights per row) and one combine
+    (latent) of n * capacity rows each, n * capacity = B*k here (B = 8 token slots per rank, k = 3): 2BK
+    token payloads per rank and layer per round, plus 2k floats of routing per dispatched row, plus one
+    scalar pmax (the round count). Attention is local: nothing else is communicated."""
+    cfg = setup[0]
+    report = comm.collectives(dep_run["hlo"])
+    per_rank_tokens = serving_case["tokens"].size // RANKS
+    k, latent = cfg.num_experts_per_tok, cfg.moe_latent_size
+    moe_layers = sum(cfg.is_moe(l) for l in range(cfg.num_layers))
+    a2a = [c for c in report if c.kind == "all-to-all"]
+    assert len(a2a) == 2 * moe_layers and all(c.in_loop and c.group_size == RANKS for c in a2a)
+    rows = per_rank_tokens * k
+    assert sorted({c.payload_bytes for c in a2a}) == [4 * rows * latent, 4 * rows * (latent + 2 * k)]
+    token_rows = sum(c.payload_bytes // (4 * c.shapes[0][1][-1]) for c in a2a) / moe_layers
+    assert token_rows == 2 * per_rank_tokens * k
+    small = [c for c in report if c.kind != "all-to-all"]
+    assert len(small) == moe_layers and all(c.kind == "all-reduce" and c.payload_bytes == 4 for c in small)
