@@ -60,7 +60,7 @@ class Subagent:
     agent_id: str
     requests: tuple[TraceRequest, ...]
     subagent_type: str = "general-purpose"
-    duration_ms: float = 0.0
+    duration_ms: int = 0  # an integer in weka_trace (AIPerf's model rejects fractions)
     status: str = "completed"
     tool_use_count: int = 0
 
@@ -280,8 +280,8 @@ def _subagent(p: TracePreset, rng, blocks: _Blocks, system_ids: list[int], spawn
         t = t + req.api_time + think
         new = out + _log_uniform(rng, p.new_input_tokens)
     end = reqs[-1].t + reqs[-1].api_time
-    return Subagent(t=_ms(spawn), agent_id=agent_id, requests=tuple(reqs), duration_ms=round((end - spawn) * 1000, 3),
-                    tool_use_count=len(reqs) - 1)
+    return Subagent(t=_ms(spawn), agent_id=agent_id, requests=tuple(reqs),
+                    duration_ms=math.ceil((end - spawn) * 1000 - 1e-6), tool_use_count=len(reqs) - 1)
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -398,7 +398,7 @@ def session_from_weka(obj: dict, where: str = "weka trace") -> Session:
                 duration = (inner[-1].t + inner[-1].api_time - float(d.get("t", 0.0))) * 1000
             subs.append(Subagent(t=float(d.get("t", 0.0)), agent_id=str(d.get("agent_id", f"sub{i}")),
                                  requests=tuple(inner), subagent_type=str(d.get("subagent_type") or ""),
-                                 duration_ms=float(duration or 0.0), status=str(d.get("status") or ""),
+                                 duration_ms=math.ceil(float(duration or 0.0)), status=str(d.get("status") or ""),
                                  tool_use_count=int(d.get("tool_use_count") or 0)))
     return Session(id=str(obj.get("id", where)), block_size=int(obj.get("block_size", 64)), requests=tuple(root),
                    subagents=tuple(subs), models=tuple(obj.get("models") or ()),
@@ -534,7 +534,7 @@ def sessions_from_mooncake(rows: Sequence[MooncakeRow], block_size: int) -> list
             spawn = roots[parent][0].t if roots[parent] else 0.0
             reqs = chain(rs, spawn)
             subs[parent].append(Subagent(t=spawn, agent_id=agent, requests=reqs,
-                                         duration_ms=_ms((reqs[-1].t - spawn) * 1000)))
+                                         duration_ms=math.ceil((reqs[-1].t - spawn) * 1000 - 1e-6)))
     return [Session(id=sid, block_size=block_size, requests=roots[sid], subagents=tuple(subs[sid])) for sid in roots]
 
 
