@@ -45,7 +45,15 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.workload.traces import Session, Subagent, TraceRequest, generate, load_preset, read_weka
+from serving.workload.traces import (
+    JOIN_EPSILON_S,
+    Session,
+    Subagent,
+    TraceRequest,
+    generate,
+    load_preset,
+    read_weka,
+)
 
 ENDPOINTS = ("completions", "chat")
 # printable characters for chat prompts: one byte = one token with the byte tokenizer; no '<' or '|' so a
@@ -359,7 +367,7 @@ class Replay:
                                                              delay))
                     running.append((a, task))
                 # join the subagents that ended (on the recorded clock) before this turn
-                joined = [(a, task) for a, task in running if a.end <= r.t]
+                joined = [(a, task) for a, task in running if a.end <= r.t + JOIN_EPSILON_S]
                 if joined:
                     await asyncio.gather(*(task for _, task in joined))
                     running = [x for x in running if x not in joined]

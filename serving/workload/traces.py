@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "workloads"
+JOIN_EPSILON_S = 1e-6  # a root turn joins a subagent whose recorded end is at most this much after its start
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -391,8 +392,11 @@ def session_from_weka(obj: dict, where: str = "weka trace") -> Session:
         if kind in ("n", "s"):
             root.append(_parse_request(d, f"{where} request {i}"))
         elif kind == "subagent":
+            spawn = float(d.get("t", 0.0))
             inner = [_parse_request(x, f"{where} subagent {i}") for x in d.get("requests") or ()
                      if x.get("type") in ("n", "s")]
+            # current captures put inner `t` on the root clock; older ones relative to the spawn (as AIPerf reads it)
+            inner = [dataclasses.replace(r, t=spawn + r.t) if r.t + JOIN_EPSILON_S < spawn else r for r in inner]
             duration = d.get("duration_ms")
             if duration is None and inner:
                 duration = (inner[-1].t + inner[-1].api_time - float(d.get("t", 0.0))) * 1000

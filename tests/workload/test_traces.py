@@ -107,7 +107,8 @@ def test_weka_round_trip(short, tmp_path):
 
 def test_reads_a_real_style_weka_trace(tmp_path):
     """A hand-written object in the cc-traces layout: type n and s requests, extra fields, a subagent with
-    nested requests, a partial last block; unknown request types are skipped."""
+    nested requests (an older capture: inner t relative to the spawn), a partial last block; unknown request
+    types are skipped."""
     obj = {"id": "cc-7", "models": ["claude"], "block_size": 64, "hash_id_scope": "local", "tool_tokens": 900,
            "system_tokens": 128, "totals": {"requests": 4},
            "requests": [
@@ -116,7 +117,7 @@ def test_reads_a_real_style_weka_trace(tmp_path):
                 "think_time": 0},
                {"type": "subagent", "t": 3.0, "agent_id": "a1", "subagent_type": "Explore", "duration_ms": 4000,
                 "total_tokens": 999, "tool_use_count": 2, "status": "completed", "models": ["claude"],
-                "requests": [{"type": "s", "t": 3.1, "model": "claude", "in": 200, "out": 20,
+                "requests": [{"type": "s", "t": 0.1, "model": "claude", "in": 200, "out": 20,
                               "hash_ids": [11, 12, 40, 41], "api_time": 1.0, "ttft": 0.3}]},
                {"type": "compaction", "t": 7.5},
                {"type": "s", "t": 8.0, "model": "claude", "in": 250, "out": 30, "hash_ids": [11, 12, 50, 51],
