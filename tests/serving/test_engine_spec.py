@@ -124,11 +124,11 @@ def test_speculation_stops_inside_an_accepted_run(model, monkeypatch):
 
 
 def test_swap_preemption_keeps_outputs_and_frees_host_copies(model):
-    prompts = spaced_prompts(3, [20, 24, 28, 30])
-    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = spaced_prompts(3, [101, 102, 103, 104])
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
     base = plain_outputs(model, prompts, sp)
-    for spec in (False, True):  # 4 requests x 10-12 pages (+1 for the draft positions) do not fit in 30
-        tight = make_engine(model, spec=spec, num_pages=30, preemption="swap")
+    for spec in (False, True):  # 4 requests x 31-32 pages do not fit in 120 (the default pool: no recompile)
+        tight = make_engine(model, spec=spec, preemption="swap")
         assert tight.generate(prompts, sp) == base
         assert tight.counters["preemptions"] > 0
         assert tight.kv.swapped_bytes == 0
