@@ -343,6 +343,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(_run=run_serve, _engine_fields=engine_fields, _server_fields=server_fields)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks against a running server",
+                       description="Benchmarks that drive a running k3jax (or any OpenAI-compatible) server.")
+    kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    agentx = kinds.add_parser("agentx", add_help=False,
+                              help="replay AgentX-like agent sessions (python -m serving.workload.replay; "
+                                   "`k3jax bench agentx --help` lists its options)")
+    agentx.add_argument("replay_args", nargs=argparse.REMAINDER)
+    agentx.set_defaults(_run=run_bench_agentx)
+
+
+def run_bench_agentx(ns: argparse.Namespace) -> int:
+    from serving.workload import replay
+
+    return replay.main(ns.replay_args)
+
+
 # ---------------------------------------------------------------------------------------------------
 # entry point
 
@@ -371,12 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Kimi K3 in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
-    _add_serve(sub)  # later: bench, plan -- one _add_<name>(sub) each
+    _add_serve(sub)
+    _add_bench(sub)  # later: plan -- one _add_<name>(sub) each
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (argparse's own usage errors raise SystemExit(2))."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "agentx"]:  # its own parser takes every option (argparse's REMAINDER cannot lead with one)
+        return run_bench_agentx(argparse.Namespace(replay_args=argv[2:]))
     ns = build_parser().parse_args(argv)
     try:
         return ns._run(ns)

@@ -188,3 +188,12 @@ def test_serve_flags_default_to_the_config_dataclasses():
     assert ns.max_running == EngineConfig.max_running and ns.prefix_cache is EngineConfig.prefix_cache
     ns = build_parser().parse_args(["serve", "--grpc-port", "50051", "--http-port", "none", "--no-prefix-cache"])
     assert (ns.grpc_port, ns.http_port, ns.prefix_cache) == (50051, None, False)
+
+
+def test_bench_agentx_hands_its_arguments_to_the_replay_client(monkeypatch):
+    from serving.workload import replay
+
+    seen = []
+    monkeypatch.setattr(replay, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["bench", "agentx", "--preset", "short", "--url", "http://127.0.0.1:1"]) == 0
+    assert seen == [["--preset", "short", "--url", "http://127.0.0.1:1"]]
