@@ -138,7 +138,7 @@ def build_app(state) -> FastAPI:
         stream, include_usage, continuous = stream_options(body)
         prompt_ids, _ = completion_prompt(body, state.tokenizer)
         sampling = sampling_params(body, len(prompt_ids), state.engine.max_model_len, chat=False)
-        handle = await _submit(state, prompt_ids, sampling, request, "cmpl")
+        handle = await _submit(state, prompt_ids, sampling, request, "cmpl", cache_boundaries=_cache_boundaries(body))
         rid = f"cmpl-{handle.request_id}"
         base = {"id": rid, "object": "text_completion", "created": int(handle.created), "model": state.model_name}
 
@@ -225,6 +225,15 @@ def _render_chat(state, body: dict) -> str:
                                                    tools=body.get("tools"), **kwargs)
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
+
+
+def _cache_boundaries(body: dict) -> tuple[int, ...]:
+    """k3jax extension `cache_boundaries`: prompt token positions where a prefix that other requests share
+    ends (e.g. a system prompt); the engine checkpoints there so they can resume from it."""
+    value = body.get("cache_boundaries", [])
+    if not isinstance(value, list) or any(not isinstance(b, int) or isinstance(b, bool) for b in value):
+        raise APIError("'cache_boundaries' must be a list of token positions (ints)", param="cache_boundaries")
+    return tuple(value)
 
 
 def _system_prefix_end(state, body: dict, text: str) -> tuple[int, ...]:

@@ -89,6 +89,19 @@ def test_chats_sharing_a_system_prompt_reuse_it(client):
     assert usage[1].prompt_tokens_details.cached_tokens >= 4 * 16  # the system turn renders to > 64 tokens
 
 
+def test_completions_declare_a_shared_prefix(client):
+    shared = "Shared tool preamble for every subagent of this run. " * 2  # 108 tokens
+    client.completions.create(model="k3-tiny", prompt=shared + "First task.", max_tokens=2,
+                              extra_body={"ignore_eos": True, "cache_boundaries": [len(shared)]})
+    other = client.completions.create(model="k3-tiny", prompt=shared + "A different task!", max_tokens=2,
+                                      extra_body={"ignore_eos": True})
+    assert other.usage.prompt_tokens_details.cached_tokens == len(shared) // 16 * 16
+    with pytest.raises(openai.BadRequestError, match="cache_boundaries"):
+        client.completions.create(model="k3-tiny", prompt=shared, max_tokens=2, extra_body={"cache_boundaries": "x"})
+    with pytest.raises(openai.BadRequestError, match="cache_boundaries"):
+        client.completions.create(model="k3-tiny", prompt=shared, max_tokens=2, extra_body={"cache_boundaries": [10**6]})
+
+
 def test_bad_input_gets_openai_400_and_server_keeps_serving(worker, client):
     url = f"{worker.url}/v1/chat/completions"
     ok = {"model": "k3-tiny", "messages": [{"role": "user", "content": "hi there, anyone home?"}], "max_tokens": 2}
