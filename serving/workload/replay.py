@@ -88,6 +88,9 @@ class ReplayConfig:
     # message's text is shortened by it so prompts keep the trace's lengths (13 for the bundled byte
     # tokenizer's template: '<|im_end|>\n<|im_start|>assistant\n')
     chat_overhead_tokens: int = 0
+    # completions: declare where the shared system prompt ends (the k3jax `cache_boundaries` extension), so a
+    # subagent's first request resumes from its parent's system prompt; turn off against other servers
+    declare_shared_prefix: bool = True
 
     def __post_init__(self):
         problems = []
@@ -269,6 +272,8 @@ class Replay:
                 "stream_options": {"include_usage": True}}
         if cfg.endpoint == "completions":
             body["prompt"] = tokens.tolist()
+            if cfg.declare_shared_prefix and 0 < session.system_tokens < len(tokens):
+                body["cache_boundaries"] = [int(session.system_tokens)]
             path = "/v1/completions"
         else:
             body["messages"] = chat.messages_for(tokens, prev, r, session.block_size)
