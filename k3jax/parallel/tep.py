@@ -127,7 +127,8 @@ def _place(tree, specs, mesh: Mesh):
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Single-device params -> TEP params (padded, placed on the mesh)."""
     n = mesh_size(mesh)
-    return _place(shard_layout(params, cfg, n)[0], shard_layout_specs(params, cfg, n), mesh)
+    padded_params = jax.jit(lambda p: shard_layout(p, cfg, n)[0])(params)  # one program, not an op per leaf
+    return _place(padded_params, shard_layout_specs(params, cfg, n), mesh)
 
 
 def shard_layout_specs(params: dict, cfg: ModelConfig, n: int) -> dict:

@@ -44,26 +44,35 @@ def test_padding_fits_tiny_config(setup):
 
 
 def test_moe_block_equals_single_device(setup):
+    """One MoE layer alone. DEP also with skewed routing: every token picks experts 0..2 (ranks 0..2 at one
+    expert per rank), so a destination needs all B of a rank's rows, several rounds of the default
+    capacity; results stay exact (no token is dropped)."""
     cfg, params, mesh, tep_params, dep_params = setup
     layer = 5
+    reference = jax.jit(model_ffn, static_argnums=2)
     x = jax.random.normal(jax.random.key(3), (RANKS * 3, 5, cfg.hidden_size), jnp.float32)
-    want = model_ffn(params["layers"][layer]["mlp"], x, cfg)
+    want = reference(params["layers"][layer]["mlp"], x, cfg)
     assert rel_err(tep.moe_block(tep_params, cfg, layer, x, mesh), want) <= RTOL
     assert rel_err(dep.moe_block(dep_params, cfg, layer, x, mesh), want) <= RTOL
 
-
-def test_dep_moe_skewed_routing_runs_extra_rounds(setup):
-    """All tokens choose experts 0..2 (ranks 0..2 at one expert per rank): with the default capacity a
-    destination needs B rows, i.e. several rounds; results stay exact (no token dropped)."""
-    cfg, params, mesh, _, dep_params = setup
-    layer = 2
     skew = jnp.full((cfg.num_experts,), -10.0).at[:3].set(10.0)
-    mlp = dict(params["layers"][layer]["mlp"], router_bias=skew)
     layers = list(dep_params["layers"])
     layers[layer] = dict(layers[layer], mlp=dict(layers[layer]["mlp"], router_bias=skew))
-    x = jax.random.normal(jax.random.key(4), (RANKS * 2, 7, cfg.hidden_size), jnp.float32)
-    got = dep.moe_block(dict(dep_params, layers=layers), cfg, layer, x, mesh)
-    assert rel_err(got, model_ffn(mlp, x, cfg)) <= RTOL
+    want = reference(dict(params["layers"][layer]["mlp"], router_bias=skew), x, cfg)
+    assert rel_err(dep.moe_block(dict(dep_params, layers=layers), cfg, layer, x, mesh), want) <= RTOL
+
+
+def test_forward_equals_single_device(setup):
+    """`forward` (cache-free attention) under both strategies, on k3-tiny cut to its first two layers (KDA +
+    dense MLP, then MLA + MoE: every layer kind; the full depth runs in the serving tests below, and
+    whole-model forwards would overrun CI's CPU budget on 8 devices)."""
+    _, full_params, mesh, *_ = setup
+    cfg = k3_tiny().replace(num_layers=2, mla_layers=(1,))
+    params = dict(full_params, layers=[full_params["layers"][0], full_params["layers"][7]])  # 7: an MLA + MoE layer
+    tokens = jax.random.randint(jax.random.key(5), (RANKS * 2, 6), 0, cfg.vocab_size, jnp.int32)
+    want = model.forward(params, cfg, tokens)
+    assert rel_err(tep.forward(tep.shard_params(params, cfg, mesh), cfg, tokens, mesh), want) <= RTOL
+    assert rel_err(dep.forward(dep.shard_params(params, cfg, mesh), cfg, tokens, mesh), want) <= RTOL
 
 
 # --- serving steps: prefill then decode, with ragged per-rank batches ---------------------------------
