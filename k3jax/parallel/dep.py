@@ -6,7 +6,8 @@ the routed experts is replicated and runs on the rank's own tokens; the MoE laye
 
   1. routes its tokens, projects them to the latent width (latent_down) and runs the shared experts locally;
   2. dispatch, deduplicated per destination rank: a token goes once to every rank owning at least one of
-     its top-k experts (never once per expert), carrying its k expert ids and weights;
+     its top-k experts (never once per expert), its latent row plus its k expert ids and fp32 weights
+     (2k int32 words, a second all-to-all: ids and weights must not be rounded to a bf16 activation);
   3. the destination runs its local experts on what it received and sums a token's local experts into one
      row (still latent width);
   4. combine: that row goes back to the token's owner (the same all-to-all, reversed), which adds the
@@ -89,9 +90,11 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
     sends = jnp.any(dest[:, :, None] == jnp.arange(ranks)[None, None, :], axis=1) & valid[:, None]  # [N, n]
     position = jnp.cumsum(sends, axis=0) - 1  # row of token t in the list for destination r
     rounds = jax.lax.pmax(-(-jnp.max(jnp.sum(sends, axis=0)) // capacity), AXIS)
-    # one payload row per sent token: latent | expert ids | weights (ids are small integers, exact in fp32)
-    payload = jnp.concatenate([z, ids.astype(z.dtype), weights.astype(z.dtype)], axis=1)
-    payload = jnp.concatenate([payload, jnp.zeros((1, payload.shape[1]), z.dtype)])  # row N: empty slot
+    # one row per sent token: the latent in its own dtype, and the routing as int32 (expert ids | fp32
+    # weights bit-cast), so neither ids nor weights are rounded to a bf16 activation dtype
+    rows_z = jnp.concatenate([z, jnp.zeros((1, width), z.dtype)])  # row N: an empty slot
+    routing = jnp.concatenate([ids.astype(jnp.int32), jax.lax.bitcast_convert_type(weights.astype(jnp.float32), jnp.int32)], 1)
+    rows_routing = jnp.concatenate([routing, jnp.zeros((1, 2 * k), jnp.int32)])
     sink = num_tokens
 
     def one_round(i, out):
@@ -99,12 +102,14 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
         slot = jnp.where(in_round, jnp.arange(ranks)[None, :] * capacity + position - i * capacity, ranks * capacity)
         token_of_slot = jnp.full((ranks * capacity,), sink, jnp.int32).at[slot.reshape(-1)].set(
             jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], slot.shape).reshape(-1), mode="drop")
-        send = payload[token_of_slot].reshape(ranks, capacity, -1)
-        recv = jax.lax.all_to_all(send, AXIS, 0, 0).reshape(ranks * capacity, -1)  # [source, slot] rows
-        r_z, r_ids, r_w = recv[:, :width], recv[:, width : width + k].astype(jnp.int32), recv[:, width + k :]
+        recv_z = jax.lax.all_to_all(rows_z[token_of_slot].reshape(ranks, capacity, width), AXIS, 0, 0)
+        recv_routing = jax.lax.all_to_all(rows_routing[token_of_slot].reshape(ranks, capacity, 2 * k), AXIS, 0, 0)
+        r_z = recv_z.reshape(ranks * capacity, width)  # [source, slot] rows
+        r_ids = recv_routing[..., :k].reshape(ranks * capacity, k)
+        r_w = jax.lax.bitcast_convert_type(recv_routing[..., k:], jnp.float32).reshape(ranks * capacity, k)
         mine = r_ids // local_experts == rank  # empty slots carry weight 0 and contribute nothing
         partial_sums = backend.get("moe_experts", backend_name)(
-            r_z, jnp.where(mine, r_ids - rank * local_experts, 0), jnp.where(mine, r_w, 0.0).astype(jnp.float32),
+            r_z, jnp.where(mine, r_ids - rank * local_experts, 0), jnp.where(mine, r_w, 0.0),
             experts, expert_cfg)
         back = jax.lax.all_to_all(partial_sums.reshape(ranks, capacity, width), AXIS, 0, 0).reshape(ranks * capacity, width)
         return out.at[token_of_slot].add(back.astype(jnp.float32))
