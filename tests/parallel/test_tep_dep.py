@@ -44,16 +44,16 @@ def test_padding_fits_tiny_config(setup):
 
 
 def test_moe_block_equals_single_device(setup):
-    """One MoE layer alone. DEP also with skewed routing: every token picks experts 0..2 (ranks 0..2 at one
+    """One DEP MoE layer alone, also with skewed routing: every token picks experts 0..2 (ranks 0..2 at one
     expert per rank), so a destination needs all B of a rank's rows, several rounds of the default
     capacity; results stay exact (no token is dropped)."""
-    cfg, params, mesh, tep_params, dep_params = setup
+    cfg, params, mesh, _, dep_params = setup
     layer = 5
     reference = jax.jit(model_ffn, static_argnums=2)
     x = jax.random.normal(jax.random.key(3), (RANKS * 3, 5, cfg.hidden_size), jnp.float32)
     want = reference(params["layers"][layer]["mlp"], x, cfg)
-    assert rel_err(tep.moe_block(tep_params, cfg, layer, x, mesh), want) <= RTOL
     assert rel_err(dep.moe_block(dep_params, cfg, layer, x, mesh), want) <= RTOL
+    # (tep.moe_block is exercised by every TEP test below; one more 8-device program would overrun CI's budget)
 
     skew = jnp.full((cfg.num_experts,), -10.0).at[:3].set(10.0)
     layers = list(dep_params["layers"])
