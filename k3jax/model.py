@@ -93,8 +93,9 @@ Mixer = Callable[[int, dict, jax.Array], jax.Array]
 
 
 def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_name: str,
-            capture: tuple[int, ...] = ()) -> tuple[jax.Array, list[jax.Array]]:
-    """Runs all layers on embeddings h [B, T, D]; `mixer(layer, attn_params, x)` is the attention block.
+            capture: tuple[int, ...] = (), ffn_fn: Mixer | None = None) -> tuple[jax.Array, list[jax.Array]]:
+    """Runs all layers on embeddings h [B, T, D]; `mixer(layer, attn_params, x)` is the attention block,
+    `ffn_fn(layer, mlp_params, x)` the feed-forward (default: moe.ffn; parallel strategies pass sharded ones).
 
     Returns the final-normed hidden states [B, T, D] and, for each layer in `capture`, the hidden
     state entering that layer (EAGLE-3 features). With AttnRes that is the layer's attention-side mix
@@ -103,6 +104,8 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
     """
     block = cfg.attn_res_block_size
     eps = cfg.rms_norm_eps
+    if ffn_fn is None:
+        ffn_fn = lambda l, p, x: ffn(p, x, cfg, backend_name=backend_name)  # noqa: E731
     bank: list[jax.Array] = []
     partial_sum: jax.Array | None = h
     captured: dict[int, jax.Array] = {}
@@ -111,7 +114,7 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
             if l in capture:
                 captured[l] = h
             h = h + mixer(l, lp["attn"], rms_norm(h, lp["input_layernorm"], eps))
-            h = h + ffn(lp["mlp"], rms_norm(h, lp["post_attention_layernorm"], eps), cfg, backend_name=backend_name)
+            h = h + ffn_fn(l, lp["mlp"], rms_norm(h, lp["post_attention_layernorm"], eps))
             continue
         if bank:  # the mix and the pre-norm of the mix: one fused op (the mix is kept only for a capture)
             x, normed = attn_res_mix_norm(bank + [partial_sum], lp["self_attention_res_proj"], lp["self_attention_res_norm"],
@@ -127,7 +130,7 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
         partial_sum = a if partial_sum is None else partial_sum + a
         _, normed = attn_res_mix_norm(bank + [partial_sum], lp["mlp_res_proj"], lp["mlp_res_norm"],
                                       lp["post_attention_layernorm"], eps, backend_name=backend_name)
-        partial_sum = partial_sum + ffn(lp["mlp"], normed, cfg, backend_name=backend_name)
+        partial_sum = partial_sum + ffn_fn(l, lp["mlp"], normed)
     if block is not None:
         _, hidden = attn_res_mix_norm(bank + [partial_sum], params["output_attn_res_proj"], params["output_attn_res_norm"],
                                       params["norm"], eps, backend_name=backend_name)
@@ -155,7 +158,7 @@ def _check_tokens(tokens: jax.Array, ndim: int, what: str) -> None:
         raise ValueError(f"{what}: expected integer tokens of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
 
 
-def _cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str) -> Mixer:
+def cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str) -> Mixer:
     """Attention for a whole sequence with no cache: naive MLA, chunked KDA from zero states."""
     act = jnp.dtype(cfg.dtype)
 
@@ -173,7 +176,7 @@ def _cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str) -> Mixer:
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, backend_name: str = "reference") -> jax.Array:
     """Logits float32 [B, T, V] for tokens int32 [B, T], with no cache (naive MLA, chunked KDA)."""
     _check_tokens(tokens, 2, "forward")
-    mixer = _cache_free_mixer(cfg, tokens.shape[0], backend_name)
+    mixer = cache_free_mixer(cfg, tokens.shape[0], backend_name)
     return lm_head(params, cfg, decoder(params, cfg, embed(params, tokens), mixer, backend_name)[0])
 
 
@@ -183,7 +186,7 @@ def forward_with_features(params: dict, cfg: ModelConfig, tokens: jax.Array, cap
     """`forward` plus the hidden states entering the `capture` layers: (logits [B, T, V],
     features [B, T, len(capture), D]). Used to train and run EAGLE-3 drafters."""
     _check_tokens(tokens, 2, "forward_with_features")
-    mixer = _cache_free_mixer(cfg, tokens.shape[0], backend_name)
+    mixer = cache_free_mixer(cfg, tokens.shape[0], backend_name)
     hidden, feats = decoder(params, cfg, embed(params, tokens), mixer, backend_name, capture)
     return lm_head(params, cfg, hidden), jnp.stack(feats, axis=2)
 
@@ -194,6 +197,22 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
     returns (hidden [B, T, D], new state, verified states or None, features entering `capture` layers)."""
     caches = {"kda": state.kda, "conv": state.conv, "kv_pages": state.kv_pages}
     verified_kda, verified_conv = [], []
+    mixer = cached_mixer(cfg, caches, meta, kda_mode=kda_mode, backend_name=backend_name,
+                         verified=(verified_kda, verified_conv) if all_states else None)
+    hidden, feats = decoder(params, cfg, embed(params, tokens), mixer, backend_name, capture)
+    new_state = DecodeState(**caches)
+    verified = None
+    if all_states:
+        stack = lambda xs, like: jnp.stack(xs) if xs else jnp.zeros((0, *tokens.shape, *like.shape[2:]), like.dtype)
+        verified = VerifiedStates(kda=stack(verified_kda, state.kda), conv=stack(verified_conv, state.conv))
+    return hidden, new_state, verified, feats
+
+
+def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: str, backend_name: str,
+                 verified: tuple[list, list] | None = None) -> Mixer:
+    """The attention block of the serving steps over caches = {"kda", "conv", "kv_pages"}, updated in the
+    dict as layers run. With `verified` = (kda list, conv list), KDA layers append their per-position
+    states there and leave the pooled states alone (verify: commit_verified picks a position later)."""
 
     def mixer(l, p, x):
         j = cfg.mixer_slot[l]
@@ -205,23 +224,18 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
             return y
         conv, rec = caches["conv"][j][meta.slots], caches["kda"][j][meta.slots]
         y, new_conv, new_rec = kda.kda_mixer(
-            p, x, conv, rec, cfg, lengths=meta.lengths, mode=kda_mode, all_states=all_states, backend_name=backend_name
+            p, x, conv, rec, cfg, lengths=meta.lengths, mode=kda_mode, all_states=verified is not None,
+            backend_name=backend_name,
         )
-        if all_states:  # the pool keeps the pre-verify state until commit_verified picks a position
-            verified_conv.append(new_conv)
-            verified_kda.append(new_rec)
+        if verified is not None:  # the pool keeps the pre-verify state until commit_verified picks a position
+            verified[0].append(new_rec)
+            verified[1].append(new_conv)
         else:
             caches["conv"] = caches["conv"].at[j, meta.slots].set(new_conv)
             caches["kda"] = caches["kda"].at[j, meta.slots].set(new_rec)
         return y
 
-    hidden, feats = decoder(params, cfg, embed(params, tokens), mixer, backend_name, capture)
-    new_state = DecodeState(**caches)
-    verified = None
-    if all_states:
-        stack = lambda xs, like: jnp.stack(xs) if xs else jnp.zeros((0, *tokens.shape, *like.shape[2:]), like.dtype)
-        verified = VerifiedStates(kda=stack(verified_kda, state.kda), conv=stack(verified_conv, state.conv))
-    return hidden, new_state, verified, feats
+    return mixer
 
 
 def last_token_hidden(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
