@@ -39,7 +39,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen import initializers
 
 from k3jax import mla
 from k3jax.config import ModelConfig
@@ -177,6 +176,13 @@ def target_ids(params: dict) -> jax.Array:
     return draft_to_target(params, jnp.arange(params["d2t"].shape[0]))
 
 
+def _normals(key: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
+    """normal(0, INIT_STD) float32 arrays of `shapes` from a numpy generator seeded by the key's bits
+    (deterministic per key, and no XLA program to compile for a one-off initialisation)."""
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    return [(INIT_STD * rng.standard_normal(s)).astype(np.float32) for s in shapes]
+
+
 def init_drafter(cfg: ModelConfig, dcfg: DrafterConfig, key: jax.Array, *, d2t=None,
                  target_params: dict | None = None) -> dict:
     """Random drafter parameters (normal(0.02) projections, unit norms).
@@ -189,37 +195,36 @@ def init_drafter(cfg: ModelConfig, dcfg: DrafterConfig, key: jax.Array, *, d2t=N
     lcfg = dcfg.layer_config(cfg)
     dtype = jnp.dtype(cfg.dtype)
     dim, vd = cfg.hidden_size, d.draft_vocab_size
-    count = iter(range(1, 1 << 30))
-    normal = lambda shape: initializers.normal(INIT_STD)(jax.random.fold_in(key, next(count)), shape, jnp.float32).astype(dtype)
     h = d.num_heads
-    attn = {}
+    shapes = {"fc": (len(d.capture_layers) * dim, dim), "kv_a": (2 * dim, lcfg.latent_cache_dim),
+              "kv_b": (d.kv_lora_rank, h * (d.qk_nope_head_dim + d.v_head_dim)), "o_proj": (h * d.v_head_dim, dim),
+              "gate": (dim, d.intermediate_size), "up": (dim, d.intermediate_size), "down": (d.intermediate_size, dim),
+              "lm_head": (dim, vd)}
     if d.q_lora_rank is not None:
-        attn["q_a"] = normal((2 * dim, d.q_lora_rank))
-        attn["q_a_norm"] = jnp.ones((d.q_lora_rank,), dtype)
-        attn["q_b"] = normal((d.q_lora_rank, h * lcfg.mla_q_head_dim))
+        shapes.update(q_a=(2 * dim, d.q_lora_rank), q_b=(d.q_lora_rank, h * lcfg.mla_q_head_dim))
     else:
-        attn["q_proj"] = normal((2 * dim, h * lcfg.mla_q_head_dim))
-    attn["kv_a"] = normal((2 * dim, lcfg.latent_cache_dim))
-    attn["kv_a_norm"] = jnp.ones((d.kv_lora_rank,), dtype)
-    attn["kv_b"] = normal((d.kv_lora_rank, h * (d.qk_nope_head_dim + d.v_head_dim)))
+        shapes["q_proj"] = (2 * dim, h * lcfg.mla_q_head_dim)
     if cfg.mla_output_gate:
-        attn["g_proj"] = normal((2 * dim, h * d.v_head_dim))
-    attn["o_proj"] = normal((h * d.v_head_dim, dim))
+        shapes["g_proj"] = (2 * dim, h * d.v_head_dim)
+    w = {name: jnp.asarray(x, dtype) for name, x in zip(shapes, _normals(key, tuple(shapes.values())))}
+    attn = {name: w[name] for name in ("q_a", "q_b", "q_proj", "kv_a", "kv_b", "g_proj", "o_proj") if name in w}
+    if d.q_lora_rank is not None:
+        attn["q_a_norm"] = jnp.ones((d.q_lora_rank,), dtype)
+    attn["kv_a_norm"] = jnp.ones((d.kv_lora_rank,), dtype)
     if d2t is None:
         d2t = np.zeros(vd, np.int32)
     d2t = jnp.asarray(d2t, jnp.int32)
     if d2t.shape != (vd,):
         raise ValueError(f"d2t must have shape ({vd},), got {d2t.shape}")
     params = {
-        "fc": normal((len(d.capture_layers) * dim, dim)),
+        "fc": w["fc"],
         "emb_norm": jnp.ones((dim,), dtype),
         "hidden_norm": jnp.ones((dim,), dtype),
         "attn": attn,
         "post_attention_layernorm": jnp.ones((dim,), dtype),
-        "mlp": {"gate": normal((dim, d.intermediate_size)), "up": normal((dim, d.intermediate_size)),
-                "down": normal((d.intermediate_size, dim))},
+        "mlp": {"gate": w["gate"], "up": w["up"], "down": w["down"]},
         "norm": jnp.ones((dim,), dtype),
-        "lm_head": normal((dim, vd)),
+        "lm_head": w["lm_head"],
         "d2t": d2t,
     }
     ids = np.asarray(target_ids(params))
