@@ -96,12 +96,17 @@ def decode_with_features(params: dict, cfg: ModelConfig, state: DecodeState, tok
     position: (logits [B, V], new state, features [B, len(capture), D])."""
     hidden, state, _, feats = step_body(params, cfg, state, tokens[:, None], meta, kda_mode="recurrent",
                                         all_states=False, backend_name="reference", capture=capture)
-    feats = jnp.stack(feats, axis=2)[:, 0] if capture else jnp.zeros((tokens.shape[0], 0, cfg.hidden_size), hidden.dtype)
+    if capture:
+        feats = jnp.stack(feats, axis=2)[:, 0]
+    else:
+        feats = jnp.zeros((tokens.shape[0], 0, cfg.hidden_size), hidden.dtype)
     return lm_head(params, cfg, hidden[:, 0]), state, feats
 
 
 def _as_rows(prompts, vocab_size: int) -> list[np.ndarray]:
-    rows = [np.asarray(p, np.int32).reshape(-1) for p in (prompts.tolist() if isinstance(prompts, np.ndarray) else prompts)]
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    rows = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     if not rows or any(r.size == 0 for r in rows):
         raise ValueError("prompts: expected a non-empty batch of non-empty token sequences")
     if min(int(r.min()) for r in rows) < 0 or max(int(r.max()) for r in rows) >= vocab_size:
@@ -188,7 +193,8 @@ def build_dataset(params: dict, cfg: ModelConfig, tcfg: TrainConfig, capture: tu
         else:
             batch = prompts[i * tcfg.gen_batch : (i + 1) * tcfg.gen_batch]
         temps = np.where(np.arange(tcfg.gen_batch) % 2 == 0, 0.0, tcfg.sample_temperature)
-        seqs, fe, lo = generate_with_features(params, cfg, batch, tcfg.gen_len, temps, jax.random.fold_in(key, i), capture)
+        seqs, fe, lo = generate_with_features(params, cfg, batch, tcfg.gen_len, temps, jax.random.fold_in(key, i),
+                                              capture)
         toks.append(seqs)
         feats.append(fe)
         logits.append(lo)
@@ -464,7 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     dcfg, dp, info = distil(params, cfg, tcfg, prompts=train_prompts)
     data = info.pop("data")
     extra = {"train": {k: v for k, v in info.items() if k != "history"}, "train_config": dataclasses.asdict(tcfg)}
-    print(f"first-draft top-1 agreement on the training data: {agreement(params, cfg, dcfg, dp, data, tcfg.ttt_steps)[0]:.3f}")
+    train_agree = [round(float(a), 4) for a in agreement(params, cfg, dcfg, dp, data, tcfg.ttt_steps,
+                                                         batch_size=min(32, tcfg.num_seqs))]
+    extra["train_agreement"] = train_agree
+    print(f"top-1 agreement with the target's argmax on the training data, per draft step: {train_agree}")
     if args.eval_prompts:
         report = evaluate(params, cfg, dcfg, dp, held_out, args.eval_tokens, args.eval_k, args.eval_rejection,
                           tcfg, log=print)
@@ -510,8 +519,9 @@ def split_prompts(cfg: ModelConfig, corpus, n_train: int, n_held_out: int, lengt
 def evaluate(params: dict, cfg: ModelConfig, dcfg: DrafterConfig, drafter_params: dict, prompts: np.ndarray,
              max_tokens: int, ks, rejection: bool, tcfg: TrainConfig | None = None, log=print) -> dict:
     """Held-out evaluation: for each k, greedy speculative decoding's mean acceptance length (and whether
-    its output equals plain greedy decoding), optionally rejection sampling's at temperature 1; plus the
-    first-draft agreement on the held-out continuations."""
+    its output equals plain greedy decoding), optionally rejection sampling's at temperature 1; with
+    tcfg, also the drafter's top-1 agreement per draft step on continuations of the held-out prompts
+    (generated as the training data are), to compare with the training data's."""
     t0 = time.time()
     plain = greedy_continuations(params, cfg, prompts, max_tokens, dcfg.resolve(cfg).capture_layers)
     report: dict = {"prompts": len(prompts), "max_tokens": max_tokens, "greedy": {}, "rejection_t1": {},
@@ -527,6 +537,16 @@ def evaluate(params: dict, cfg: ModelConfig, dcfg: DrafterConfig, drafter_params
             report["rejection_t1"][k] = rej.mean_acceptance_length
             line += f"; rejection sampling at T=1: {rej.mean_acceptance_length:.3f}"
         log(line)
+    if tcfg is not None:  # how well the drafter generalises: agreement on held-out continuations
+        n = min(len(p) for p in prompts)
+        rows = np.array([list(p)[:n] for p in prompts], np.int32)
+        hcfg = dataclasses.replace(tcfg, num_seqs=len(rows), gen_batch=len(rows))
+        hdata = build_dataset(params, cfg, hcfg, dcfg.resolve(cfg).capture_layers, tcfg.seed + 1, prompts=rows,
+                              log=lambda *a: None)
+        agree = agreement(params, cfg, dcfg, drafter_params, hdata, tcfg.ttt_steps, batch_size=min(32, len(rows)))
+        report["held_out_agreement"] = [round(float(a), 4) for a in agree]
+        log(f"top-1 agreement with the target's argmax on held-out continuations, per draft step: "
+            f"{report['held_out_agreement']}")
     report["seconds"] = time.time() - t0
     return report
 

@@ -46,7 +46,8 @@ def pair():
 
 @pytest.fixture(scope="module")
 def random_drafter(pair):
-    """An untrained drafter over a 64-token draft vocab (the trained one's size: shared compiles) chosen from random counts (non-trivial d2t)."""
+    """An untrained drafter over a 64-token draft vocab chosen from random counts (a non-trivial d2t; 64
+    is the trained drafter's size, so both share compiled programs)."""
     cfg = pair.cfg
     counts = np.random.default_rng(0).integers(0, 50, cfg.vocab_size)
     dcfg = dr.DrafterConfig(draft_vocab_size=64)
@@ -140,7 +141,8 @@ def test_draft_tokens_shapes_and_jit(pair, random_drafter):
     np.testing.assert_array_equal(drafts, np.asarray(dr.target_ids(dp))[np.asarray(logits.argmax(-1))])
     # a second call of the same shapes (another drafter, another state) reuses the compiled function
     before = dr.draft_tokens._cache_size()
-    dr.draft_tokens(dr.init_drafter(cfg, dcfg, jax.random.key(5), d2t=dp["d2t"]), cfg, dcfg, embed, new, feats, toks, lengths, K, 1.0, None)
+    other = dr.init_drafter(cfg, dcfg, jax.random.key(5), d2t=dp["d2t"])
+    dr.draft_tokens(other, cfg, dcfg, embed, new, feats, toks, lengths, K, 1.0, None)
     assert dr.draft_tokens._cache_size() == before
     # sampled drafts: still in the draft vocab, reproducible per key, different across keys
     sample = lambda key: np.asarray(dr.draft_tokens(dp, cfg, dcfg, embed, state, feats, toks, lengths, K, 1.0, key)[0])
@@ -170,11 +172,12 @@ def test_unrolled_training_pass_equals_cached_chain(pair, random_drafter):
     # never attended from t0, so any values do
     rows = slice(0, 4)  # a few rows suffice for the unroll
     nxt = jnp.concatenate([toks, drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)[rows]
-    seq_feats = jnp.concatenate([feats, jnp.asarray(rng.standard_normal((b, K + 1, 3, cfg.hidden_size)), jnp.float32)], 1)[rows]
+    later = jnp.asarray(rng.standard_normal((b, K + 1, 3, cfg.hidden_size)), jnp.float32)
+    seq_feats = jnp.concatenate([feats, later], 1)[rows]
     unrolled = jax.jit(dr.unrolled_logits, static_argnums=(1, 2, 6))(dp, cfg, dcfg, emb, seq_feats, nxt, K)
     for j in range(K):
         np.testing.assert_allclose(unrolled[j, :, t - 1], logits[rows, j], rtol=1e-5, atol=1e-5)
-    # the same catch-up in two pieces: ragged first lengths (1..t-1), then the rest in a [b, K+1] call --
+    # the same catch-up in two pieces: ragged first lengths (t-K-1 .. t-1), then the rest in a [b, K+1] call --
     # the shapes speculative_generate uses (prompt, then accepted + 1 per round)
     first = np.minimum(rng.integers(t - K - 1, t, b), t - 1)
     _, _, st = dr.draft_tokens(dp, cfg, dcfg, emb, state, feats, toks, jnp.asarray(first), K, 1.0, None)

@@ -173,7 +173,8 @@ def test_bad_inputs(pair):
                    dict(draft_sampling="nope"), dict(fixed_accepted=4, benchmark_only=True)):
         args = dict(prompts=ok, max_tokens=4, k=3) | kwargs
         with pytest.raises(ValueError):
-            sp.speculative_generate(params, cfg, dp, dcfg, args.pop("prompts"), args.pop("max_tokens"), args.pop("k"), **args)
+            sp.speculative_generate(params, cfg, dp, dcfg, args.pop("prompts"), args.pop("max_tokens"), args.pop("k"),
+                                    **args)
 
 
 def test_greedy_accept():
