@@ -8,7 +8,7 @@ logits are close), so any wrong KDA rollback or MLA position flips tokens.
 - target_step (prefill / verify plus EAGLE-3 features) == k3jax.verify, and its logits and features ==
   the token-by-token decode step's (test_model.py ties decode to the cache-free forward).
 - Greedy speculative output == plain greedy decoding, with a drafter that is mostly rejected, and with the
-  trained drafter at k = 1 and 5 (k = 3 is test_drafter.py's acceptance test).
+  trained drafter at k = 1 (k = 3 is test_drafter.py's acceptance test).
 - The fixed-acceptance benchmark mode forces every acceptance count 0..k on the random target and checks
   each bonus token against the target's logits after the emitted prefix: every multi-token commit.
 - Rejection sampling: the acceptance rule exactly (chi-square), and end to end, every emitted token's
@@ -125,16 +125,14 @@ def test_greedy_equals_plain_greedy_untrained_drafter(pair, untrained_drafter):
     assert 1.0 <= res.mean_acceptance_length < 1.5  # mostly rejected: the one-token-per-round path
 
 
-@pytest.mark.parametrize("k", [1, 5])
-def test_trained_drafter_other_draft_lengths(pair, k):
-    """k = 1 (no chained draft steps) and k = 5 (longer chains than the drafter's 3-step training unroll):
-    output == plain greedy, and the trained drafter still beats one token per verify."""
+def test_trained_drafter_single_draft(pair):
+    """k = 1 (no chained draft steps; a two-token verify): output == plain greedy, and the trained drafter
+    still beats one token per verify (k = 3 is test_drafter.py's acceptance test)."""
     cfg, params = pair.cfg, pair.params
     want = td.greedy_continuations(params, cfg, pair.held_out, pair.max_tokens, capture(pair))
-    res = sp.speculative_generate(params, cfg, pair.drafter_params, pair.dcfg, pair.held_out, pair.max_tokens, k)
+    res = sp.speculative_generate(params, cfg, pair.drafter_params, pair.dcfg, pair.held_out, pair.max_tokens, 1)
     assert res.tokens == want
-    print(f"\nheld-out greedy mean acceptance length at k={k}: {res.mean_acceptance_length:.3f}")
-    assert res.mean_acceptance_length > 1.5 and (res.accepted == k).any()
+    assert res.mean_acceptance_length > 1.5 and (res.accepted == 1).any()
 
 
 NEAR_TIE = 1e-4  # top-2 logit gap below which fp32 reassociation (chunked vs recurrent KDA) may flip argmax
