@@ -32,7 +32,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import flax.struct
