@@ -202,7 +202,7 @@ class Engine:
             pad_to=b * (k + 1), suppress_eos=[pos < r.sampling.min_tokens for r, pos in flat],
             eos_id=self.cfg.eos_token_id,
         )
-        accepted, emitted, verified = self.runner.speculate(rows, [r.spec_pending for r in reqs], tensors,
+        accepted, emitted = self.runner.speculate(rows, [r.spec_pending for r in reqs], tensors,
                                                             self.ecfg.spec_fixed_accepted)
         out = {}
         for i, req in enumerate(reqs):
@@ -213,8 +213,8 @@ class Engine:
             if end % ps == 0:
                 self.kv.maybe_checkpoint(req)
             # A page boundary crossed *inside* the accepted run is not checkpointed: checkpoints taken there
-            # from the verify step's per-position states (runner.snapshot_verified) made a request that later
-            # hit one diverge from plain greedy (docs/benchmarks.md, "drafter acceptance"); off until found.
+            # from the verify step's per-position states made a request that later hit one diverge from
+            # plain greedy (docs/benchmarks.md, "drafter acceptance"); removed until the cause is found.
             out[req.request_id] = tokens
         self.counters["spec_verifies"] += len(reqs)
         self.counters["spec_draft_tokens"] += k * len(reqs)
