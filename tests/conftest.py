@@ -21,7 +21,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if not _GPU_RUN:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("K3JAX_COMPILE_CACHE", "off")
-# tests/parity run public torch references in this Python 3.11 environment (scripts/setup.sh --with-torch-ref)
+# tests/parity run public torch references in this Python 3.11 environment (scripts/extras/torchref.sh, via scripts/setup.sh --with-test-extras)
 _TORCH_REF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-torchref", "bin", "python")
 if os.path.exists(_TORCH_REF):
     os.environ.setdefault("K3JAX_TORCH_PYTHON", _TORCH_REF)
