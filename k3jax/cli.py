@@ -390,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_bench(sub)  # later: plan -- one _add_<name>(sub) each
+    from k3jax.plan import add_parser as _add_plan  # the capacity planner owns its flags
+
+    _add_plan(sub)
     return parser
 
 
