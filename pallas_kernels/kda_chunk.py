@@ -79,104 +79,98 @@ def _identity(n):
     return jnp.where(lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
 
 
-def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
-                  w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref, *,
-                  gate, lower_bound, beta_sigmoid, qk_l2norm, scale, bounded_diag, stored_dtype):
-    # start_ref, len_ref: [NC] int32 first packed token and valid length of every chunk
-    # q_ref, k_ref: [T, H, K]; v_ref: [T, H, V]; g_ref: [T, H, K] raw gate (or log decay); b_ref: [T, H]
-    # alog_ref: [H] fp32; dtb_ref: [H, K] fp32
-    # w_ref, qg_ref, kg_ref: [C, K] (block of [H, NC, C, K]); u_ref: [C, V]; aqk_ref: [C, C]; gc_ref: [K]
-    c, h = pl.program_id(0), pl.program_id(1)
-    start, length = start_ref[c], len_ref[c]
-    dk = q_ref.shape[-1]
-    f32 = jnp.float32
-    big = stored_dtype  # operand dtype of the W / U matmuls
-    rows = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-    alog = alog_ref[h].astype(f32)
-    dtb = dtb_ref[h, :].astype(f32)
+def _to_chunks(x, tok_start, length):
+    """Packed [T, H, ...] -> chunk layout [H, NC, C, ...] (zeros past each chunk's length): one gather."""
+    rows = jnp.arange(CHUNK, dtype=jnp.int32)
+    valid = rows[None, :] < length[:, None]  # [NC, C]
+    idx = jnp.where(valid, tok_start[:, None] + rows[None, :], 0)
+    y = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[idx], 0)  # [NC, C, H, ...]
+    return jnp.moveaxis(y, 2, 0)
 
-    qs, ks, vs, gs, bs, cum, prev = [], [], [], [], [], [], []
-    carry = jnp.zeros((dk,), f32)
-    for i in range(NSUB):
-        valid = rows + i * SUB < length  # [SUB]
-        tok = pl.ds(start + i * SUB, SUB)
-        load = lambda ref, m: plt.load(ref.at[tok, h], mask=m, other=0).astype(f32)
-        q = load(q_ref, valid[:, None])  # [SUB, K]
-        k = load(k_ref, valid[:, None])
-        v = load(v_ref, valid[:, None])  # [SUB, V]
-        g = jnp.where(valid[:, None], _gate(load(g_ref, valid[:, None]), alog, dtb, gate, lower_bound), 0.0)
-        b = load(b_ref, valid)  # [SUB]
-        b = jnp.where(valid, jax.nn.sigmoid(b) if beta_sigmoid else b, 0.0)
-        if qk_l2norm:
-            q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + _L2_EPS) * scale
-            k = k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + _L2_EPS)
-        prev.append(carry)  # G just before this sub-block (>= every G inside it)
-        cum.append(jnp.cumsum(g, axis=0) + carry[None, :])
-        carry = carry + jnp.sum(g, axis=0)
-        qs.append(q), ks.append(k), vs.append(v), gs.append(g), bs.append(b)
-    g_last = carry  # G_C
 
-    eye = _identity(SUB)
-    strict = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) > lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    incl = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) >= lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    # Row-side factors e^(G_r - P_i) <= 1 and column-side factors e^(E_j - G_s) <= 1, E_j = G at the end of j.
-    row_f = [jnp.exp(cum[i] - prev[i][None, :]) for i in range(NSUB)]
-    ends = prev[1:] + [g_last]
-    col_f = [ks[j] * jnp.exp(ends[j][None, :] - cum[j]) for j in range(NSUB)]
-    lower, aqk = {}, {}
-    for i in range(NSUB):
-        kr, qr = ks[i] * row_f[i], qs[i] * row_f[i]
-        for j in range(i):
-            mid = jnp.exp(prev[i] - ends[j])[None, :]  # e^(P_i - E_j) <= 1
-            lower[i, j] = bs[i][:, None] * _dot(kr * mid, col_f[j], tb=True, precision=_HI)
-            aqk[i, j] = _dot(qr * mid, col_f[j], tb=True, precision=_HI)
-        if bounded_diag:  # e^(P_i - G_s) <= e^(16 |lb|) <= e^80
-            kc = ks[i] * jnp.exp(prev[i][None, :] - cum[i])
-            lii, aii = _dot(kr, kc, tb=True, precision=_HI), _dot(qr, kc, tb=True, precision=_HI)
-        else:  # pairwise e^(G_r - G_s) of masked (non-positive) differences
-            diff = cum[i][:, None, :] - cum[i][None, :, :]  # [SUB, SUB, K]
-            decay = jnp.exp(jnp.where(incl[:, :, None], diff, -jnp.inf))
-            lii = jnp.sum(ks[i][:, None, :] * ks[i][None, :, :] * decay, axis=2)
-            aii = jnp.sum(qs[i][:, None, :] * ks[i][None, :, :] * decay, axis=2)
-        lower[i, i] = jnp.where(strict, bs[i][:, None] * lii, 0.0)
-        aqk[i, i] = jnp.where(incl, aii, 0.0)
+def _bdot(spec, a, b, precision):
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
 
-    # A = (I + L)^-1 in 16x16 blocks.
-    inv = {}
-    for i in range(NSUB):
-        l1 = lower[i, i]
-        l2 = _dot(l1, l1, precision=_HI)
-        l4 = _dot(l2, l2, precision=_HI)
-        l8 = _dot(l4, l4, precision=_HI)
-        x = eye - l1
-        x = x + _dot(x, l2, precision=_HI)
-        x = x + _dot(x, l4, precision=_HI)
-        inv[i, i] = x + _dot(x, l8, precision=_HI)
+
+def _block_inverse(lower):
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C] fp32, in 16x16 blocks (IEEE fp32 dots).
+
+    Diagonal blocks by the exact nilpotent product (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) (L^16 = 0
+    on a 16x16 block): three squarings and three products, all 4 blocks batched. Off-diagonal blocks by
+    A_ij = -A_ii sum_{j<=m<i} L_im A_mj, row block by row block."""
+    lb = lower.reshape(lower.shape[:-2] + (NSUB, SUB, NSUB, SUB))
+    blk = lambda i, j: lb[..., i, :, j, :]  # [..., SUB, SUB]
+    mm = lambda a, b: jnp.matmul(a, b, precision=_HI)
+    l1 = jnp.stack([blk(i, i) for i in range(NSUB)], axis=-3)  # [..., NSUB, SUB, SUB]
+    l2 = mm(l1, l1)
+    l4 = mm(l2, l2)
+    x = _identity(SUB) - l1
+    x = x + mm(x, l2)
+    x = x + mm(x, l4)
+    diag = x + mm(x, mm(l4, l4))
+    inv = {(i, i): diag[..., i, :, :] for i in range(NSUB)}
+    for i in range(1, NSUB):
         for j in range(i - 1, -1, -1):
-            acc = _dot(lower[i, j], inv[j, j], precision=_HI)
-            for m in range(j + 1, i):
-                acc = acc + _dot(lower[i, m], inv[m, j], precision=_HI)
-            inv[i, j] = -_dot(inv[i, i], acc, precision=_HI)
+            acc = sum(mm(blk(i, m), inv[m, j]) for m in range(j, i))
+            inv[i, j] = -mm(inv[i, i], acc)
+    zero = jnp.zeros_like(diag[..., 0, :, :])
+    rows = [jnp.concatenate([inv.get((i, j), zero) for j in range(NSUB)], axis=-1) for i in range(NSUB)]
+    return jnp.concatenate(rows, axis=-2)
 
-    prec = _HI if big == jnp.float32 else None
-    kdec = [(ks[j] * jnp.exp(cum[j])).astype(big) for j in range(NSUB)]
-    vb = [vs[j].astype(big) for j in range(NSUB)]
-    for i in range(NSUB):
-        w = jnp.zeros((SUB, dk), f32)
-        u = jnp.zeros((SUB, vs[0].shape[1]), f32)
-        for j in range(i + 1):
-            t = (inv[i, j] * bs[j][None, :]).astype(big)  # A diag(beta)
-            w = w + _dot(t, kdec[j], precision=prec)
-            u = u + _dot(t, vb[j], precision=prec)
-        sl = pl.ds(i * SUB, SUB)
-        w_ref[sl, :] = w.astype(w_ref.dtype)
-        u_ref[sl, :] = u.astype(u_ref.dtype)
-        qg_ref[sl, :] = (qs[i] * jnp.exp(cum[i])).astype(qg_ref.dtype)
-        kg_ref[sl, :] = (ks[i] * jnp.exp(g_last[None, :] - cum[i])).astype(kg_ref.dtype)
-        for j in range(NSUB):
-            blk = aqk[i, j] if j <= i else jnp.zeros((SUB, SUB), f32)
-            aqk_ref[sl, pl.ds(j * SUB, SUB)] = blk.astype(aqk_ref.dtype)
-    gc_ref[...] = jnp.exp(g_last)
+
+def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, lower_bound, beta_sigmoid,
+                 qk_l2norm, scale, bounded, stored):
+    """Every chunk's W, U, e^G Q, e^(G_C - G) K, Aqk and e^(G_C), all chunks and heads at once (XLA).
+
+    Inputs packed [T, H, D]; outputs in the chunk layout [H, NC, C, D] (Aqk [H, NC, C, C], e^(G_C) [H, NC, K]
+    fp32). Stages: gather to chunks + gate + beta + L2 norm + in-chunk cumsum (elementwise, one fusion);
+    L and Aqk as batched tensor-core dots with per-sub-block decay references; the 16x16-block inverse in
+    IEEE fp32; W, U as batched dots in the stored dtype."""
+    f32 = jnp.float32
+    prec = _HI if stored == f32 else None  # bf16 inputs: default precision (bf16 / tf32 tensor cores)
+    rows = jnp.arange(CHUNK, dtype=jnp.int32)
+    valid = (rows[None, :] < length[:, None])[None, :, :, None]  # [1, NC, C, 1]
+    qc, kc, gc_raw = (_to_chunks(x, tok_start, length).astype(f32) for x in (q, k, g))  # [H, NC, C, K]
+    vc = _to_chunks(v, tok_start, length)  # [H, NC, C, V]
+    bc = _to_chunks(beta, tok_start, length).astype(f32)  # [H, NC, C]
+    gl = _gate(gc_raw, a_log[:, None, None, None], dt_bias[:, None, None, :], gate, lower_bound)
+    gl = jnp.where(valid, gl, 0.0)
+    bc = jnp.where(valid[..., 0], jax.nn.sigmoid(bc) if beta_sigmoid else bc, 0.0)
+    if qk_l2norm:
+        qc = qc * lax.rsqrt(jnp.sum(qc * qc, -1, keepdims=True) + _L2_EPS) * scale
+        kc = kc * lax.rsqrt(jnp.sum(kc * kc, -1, keepdims=True) + _L2_EPS)
+    cum = jnp.cumsum(gl, axis=2)  # G [H, NC, C, K], non-increasing along C
+    g_last = cum[:, :, -1, :]  # G_C
+    sub = lambda x: x.reshape(x.shape[:2] + (NSUB, SUB) + x.shape[3:])
+    cum4, q4, k4 = sub(cum), sub(qc), sub(kc)
+    prev = cum4[:, :, :, 0, :] - sub(gl)[:, :, :, 0, :]  # P_i: G just before sub-block i [H, NC, NSUB, K]
+    # Row i, column s: e^(G_r - G_s) = e^(G_r - P_i) e^(P_i - G_s). The first factor is <= 1; the second is
+    # <= 1 for s before sub-block i, <= e^(16 |lb|) <= e^80 inside it when the gate is bounded, and only
+    # masked entries (s after the block) exceed that, so it is capped there to stay finite.
+    row_f = jnp.exp(cum4 - prev[:, :, :, None, :])  # [H, NC, NSUB, SUB, K]
+    col_f = jnp.exp(jnp.minimum(prev[:, :, :, None, :] - cum[:, :, None, :, :], _MAX_DIAG_EXPONENT))  # [H,NC,NSUB,C,K]
+    kcol = (kc[:, :, None] * col_f).astype(stored)
+    lkk = _bdot("hcirk,hcisk->hcirs", (k4 * row_f).astype(stored), kcol, prec).reshape(cum.shape[:2] + (CHUNK, CHUNK))
+    aqk = _bdot("hcirk,hcisk->hcirs", (q4 * row_f).astype(stored), kcol, prec).reshape(lkk.shape)
+    if not bounded:  # diagonal blocks from pairwise e^(G_r - G_s) of masked (non-positive) differences
+        incl4 = rows[:SUB, None] >= rows[None, :SUB]
+        decay = jnp.exp(jnp.where(incl4[:, :, None], cum4[..., :, None, :] - cum4[..., None, :, :], -jnp.inf))
+        lii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", k4, k4, decay, precision=_HI)
+        aii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", q4, k4, decay, precision=_HI)
+        eye4 = jnp.eye(NSUB, dtype=bool)[:, None, :, None]  # [NSUB, 1, NSUB, 1]: diagonal sub-blocks
+        expand = lambda d: (d[:, :, :, :, None, :] * eye4).reshape(lkk.shape)
+        on_diag = jnp.broadcast_to(eye4, (NSUB, SUB, NSUB, SUB)).reshape(CHUNK, CHUNK)
+        lkk = jnp.where(on_diag, expand(lii), lkk)
+        aqk = jnp.where(on_diag, expand(aii), aqk)
+    strict = rows[:, None] > rows[None, :]
+    lkk = jnp.where(strict, bc[..., :, None] * lkk, 0.0)
+    aqk = jnp.where(strict | (rows[:, None] == rows[None, :]), aqk, 0.0)
+    a_beta = (_block_inverse(lkk) * bc[:, :, None, :]).astype(stored)  # A diag(beta)
+    w = _bdot("hcij,hcjk->hcik", a_beta, (kc * jnp.exp(cum)).astype(stored), prec).astype(stored)
+    u = _bdot("hcij,hcjv->hciv", a_beta, vc.astype(stored), prec).astype(stored)
+    qg = (qc * jnp.exp(cum)).astype(stored)
+    kg = (kc * jnp.exp(g_last[:, :, None, :] - cum)).astype(stored)
+    return w, u, qg, kg, aqk.astype(stored), jnp.exp(g_last)
 
 
 def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
@@ -212,44 +206,56 @@ def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_
     final_ref[...] = s
 
 
+def _state_h_kernel(first_ref, ckpt_idx_ref, w_ref, u_ref, kg_ref, gc_ref, s0_ref,
+                    h_ref, vnew_ref, final_ref, ckpt_ref, *, block_v, has_ckpt):
+    # first_ref: [N+1] int32; ckpt_idx_ref: [NC] int32
+    # w_ref, kg_ref: [H, NC, C, K]; u_ref: [H, NC, C, V]; gc_ref: [H, NC, K] fp32; s0_ref: [BV, K] (of [N, H, V, K])
+    # h_ref: [H, NC, V, K] state before each chunk (stored dtype); vnew_ref: [H, NC, C, V] (stored dtype)
+    # final_ref: [BV, K]; ckpt_ref: [NCK, H, V, K] fp32
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * block_v, block_v)
+    stored = w_ref.dtype
+    prec = _HI if stored == jnp.float32 else None
+
+    def chunk(c, s):  # s: [BV, K] fp32, the state before chunk c
+        sd = s.astype(stored)
+        h_ref[h, c, vs, :] = sd
+        v_new = u_ref[h, c, :, vs].astype(jnp.float32) - _dot(w_ref[h, c], sd, tb=True, precision=prec)  # [C, BV]
+        vd = v_new.astype(stored)
+        vnew_ref[h, c, :, vs] = vd
+        s = s * gc_ref[h, c][None, :] + _dot(vd, kg_ref[h, c], ta=True, precision=prec)
+        if has_ckpt:
+            idx = ckpt_idx_ref[c]
+            plt.store(ckpt_ref.at[jnp.maximum(idx, 0), h, vs, :], s,
+                      mask=jnp.full((block_v, s.shape[1]), idx >= 0))
+        return s
+
+    s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, s0_ref[...].astype(jnp.float32))
+    final_ref[...] = s
+
+
 def _full(shape):
     """A block covering the whole array: the kernel indexes it itself (dynamic chunk / token offsets)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _intra_call(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, lower_bound, beta_sigmoid,
-                qk_l2norm, scale, bounded, stored, interpret, num_warps):
-    tp, h, dk = q.shape
-    dv = v.shape[2]
-    num_chunks = tok_start.shape[0]
-    chunk_block = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda c, hh: (hh, c, 0, 0))
-    chunked = lambda d, dtype=stored: jax.ShapeDtypeStruct((h, num_chunks, CHUNK, d), dtype)
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
-    return pl.pallas_call(
-        functools.partial(_intra_kernel, gate=gate, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
-                          qk_l2norm=qk_l2norm, scale=scale, bounded_diag=bounded, stored_dtype=stored),
-        grid=(num_chunks, h),
-        in_specs=[_full((num_chunks,)), _full((num_chunks,)), _full((tp, h, dk)), _full((tp, h, dk)),
-                  _full((tp, h, dv)), _full((tp, h, dk)), _full((tp, h)), _full((h,)), _full((h, dk))],
-        out_specs=[chunk_block(dk), chunk_block(dv), chunk_block(dk), chunk_block(dk), chunk_block(CHUNK),
-                   pl.BlockSpec((None, None, dk), lambda c, hh: (hh, c, 0))],
-        out_shape=[chunked(dk), chunked(dv), chunked(dk), chunked(dk), chunked(CHUNK),
-                   jax.ShapeDtypeStruct((h, num_chunks, dk), jnp.float32)],
-        interpret=interpret, name="kda_chunk_intra", **params,
-    )(tok_start, length, q, k, v, g, beta, a_log, dt_bias)
-
-
-def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, *, t, n, page, block_v,
-                out_dtype, interpret, num_warps=4):
-    h, num_chunks, _, dk = w.shape
-    dv = u.shape[3]
-    tp = t + CHUNK if interpret else t
+def _pick_block_v(n, h, dv, block_v):
     if block_v is None:  # enough programs to fill the GPU's 132 SMs twice when sequences x heads are few
         block_v = min(dv, 64)
         while block_v > 16 and n * h * (dv // block_v) < 2 * 132:
             block_v //= 2
     if dv % block_v:
         raise ValueError(f"block_v={block_v} must divide V={dv}")
+    return block_v
+
+
+def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, *, t, n, page, block_v,
+                out_dtype, interpret, num_warps=4):
+    """Fused state pass: the sequential walk also forms each chunk's output (o never leaves the kernel)."""
+    h, num_chunks, _, dk = w.shape
+    dv = u.shape[3]
+    tp = t + CHUNK if interpret else t  # interpret mode clamps out-of-range stores instead of masking them
+    block_v = _pick_block_v(n, h, dv, block_v)
     num_ckpt = t // page + n if page else 1
     state_block = pl.BlockSpec((None, None, block_v, dk), lambda nn, hh, vv: (nn, hh, vv, 0))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2))
@@ -265,6 +271,51 @@ def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initi
         interpret=interpret, name="kda_chunk_state", **params,
     )(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state.astype(jnp.float32))
     return o[:t], final, (ckpt if page else None)
+
+
+def _state_split_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, *, t, n, page,
+                      block_v, out_dtype, interpret, num_warps=4):
+    """Split state pass (fla's layout of the work): the sequential walk only advances the state and stores
+    it before every chunk (stored dtype) with V' = U - W S^T; the output O = (e^G Q) S^T + Aqk V' is then
+    one batched, fully parallel tensor-core einsum (XLA) and a gather back to the packed token order."""
+    h, num_chunks, _, dk = w.shape
+    dv = u.shape[3]
+    block_v = _pick_block_v(n, h, dv, block_v)
+    num_ckpt = t // page + n if page else 1
+    state_block = pl.BlockSpec((None, None, block_v, dk), lambda nn, hh, vv: (nn, hh, vv, 0))
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2))
+    states, v_new, final, ckpt = pl.pallas_call(
+        functools.partial(_state_h_kernel, block_v=block_v, has_ckpt=bool(page)),
+        grid=(n, h, dv // block_v),
+        in_specs=[_full((n + 1,)), _full((num_chunks,)), _full(w.shape), _full(u.shape), _full(kg.shape),
+                  _full(gc.shape), state_block],
+        out_specs=[_full((h, num_chunks, dv, dk)), _full(u.shape), state_block, _full((num_ckpt, h, dv, dk))],
+        out_shape=[jax.ShapeDtypeStruct((h, num_chunks, dv, dk), w.dtype), jax.ShapeDtypeStruct(u.shape, w.dtype),
+                   jax.ShapeDtypeStruct((n, h, dv, dk), jnp.float32),
+                   jax.ShapeDtypeStruct((num_ckpt, h, dv, dk), jnp.float32)],
+        interpret=interpret, name="kda_chunk_state_h", **params,
+    )(first, ckpt_idx, w, u, kg, gc, initial_state.astype(jnp.float32))
+    # Chunks past the table's end (length 0) were never visited: their state / V' rows are garbage, but
+    # only rows of chunks with length > 0 reach the output below.
+    prec = _HI if w.dtype == jnp.float32 else None
+    o = _bdot("hcik,hcvk->hciv", qg, states, prec) + _bdot("hcij,hcjv->hciv", aqk, v_new, prec)  # [H, NC, C, V]
+    o = _from_chunks(o.astype(out_dtype), tok_start, length, t)
+    return o, final, (ckpt if page else None)
+
+
+def _from_chunks(y, tok_start, length, t):
+    """Chunk layout [H, NC, C, ...] -> packed [T, H, ...]; tokens in no chunk (seq_lens padding) get 0."""
+    rows = jnp.arange(CHUNK, dtype=jnp.int32)
+    num_chunks = tok_start.shape[0]
+    valid = rows[None, :] < length[:, None]
+    dest = jnp.where(valid, tok_start[:, None] + rows[None, :], t)  # t = dropped
+    owner = jnp.full((t,), num_chunks, jnp.int32).at[dest.reshape(-1)].set(
+        jnp.broadcast_to(jnp.arange(num_chunks, dtype=jnp.int32)[:, None], dest.shape).reshape(-1), mode="drop")
+    covered = owner < num_chunks
+    chunk = jnp.where(covered, owner, 0)
+    pos = jnp.where(covered, jnp.arange(t, dtype=jnp.int32) - tok_start[chunk], 0)
+    out = jnp.moveaxis(y, 0, 2)[chunk, pos]  # [T, H, ...]
+    return jnp.where(covered.reshape((t,) + (1,) * (out.ndim - 1)), out, 0)
 
 
 def chunk_table(cu_seqlens, start_positions, num_chunks, page_size, seq_lens=None):
@@ -344,10 +395,11 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
 
 @functools.partial(jax.jit, static_argnames=(
     "gate", "lower_bound", "beta_sigmoid", "qk_l2norm", "scale", "checkpoint_page_size", "interpret",
-    "block_v", "num_warps"))
+    "block_v", "num_warps", "state_pass"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
-              seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4):
+              seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4,
+              state_pass="fused"):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -366,14 +418,18 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       start_positions: [N] absolute position of each sequence's first token (default 0): chunks align to
         multiples of 64 of it, and checkpoints fall on multiples of checkpoint_page_size of it.
       checkpoint_page_size: emit the state after every absolute position p*page (start < p*page <= end).
+      block_v, num_warps: the state pass's V-block and warps (None: picked from N x H);
+      state_pass: "fused" (the sequential walk also writes O) or "split" (it stores every chunk's state,
+        O follows as one parallel einsum); same results up to rounding.
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
       (rows per sequence as `checkpoint_offsets`; unused rows are unspecified) or None.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, checkpoint_page_size)
+    if state_pass not in ("fused", "split"):
+        raise ValueError(f"state_pass must be 'fused' or 'split'; got {state_pass!r}")
     t, h, dk = q.shape
-    dv = v.shape[2]
     n = cu_seqlens.shape[0] - 1
     cu, start, a, b = _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions)
     num_chunks = t // CHUNK + 2 * n
@@ -383,14 +439,12 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     stored = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
     bounded = gate == "lower_bound" and -SUB * lower_bound <= _MAX_DIAG_EXPONENT
     scale = dk**-0.5 if scale is None else scale
-    if interpret:  # interpret mode clamps out-of-range dynamic slices instead of masking them: pad the tail
-        pad = lambda x: jnp.pad(x, [(0, CHUNK)] + [(0, 0)] * (x.ndim - 1))
-        q, k, v, g, beta = map(pad, (q, k, v, g, beta))
-    w, u, qg, kg, aqk, gc = _intra_call(tok_start, length, q, k, v, g, beta, a, b, gate=gate, lower_bound=lower_bound,
-                                        beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm, scale=scale, bounded=bounded,
-                                        stored=stored, interpret=interpret, num_warps=num_warps)
-    return _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, t=t, n=n,
-                       page=page, block_v=block_v, out_dtype=v.dtype, interpret=interpret)
+    w, u, qg, kg, aqk, gc = _intra_stage(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
+                                         lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+                                         scale=scale, bounded=bounded, stored=stored)
+    state_pass = {"fused": _state_call, "split": _state_split_call}[state_pass]
+    return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, t=t, n=n,
+                      page=page, block_v=block_v, out_dtype=v.dtype, interpret=interpret, num_warps=num_warps)
 
 
 def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",

@@ -38,16 +38,19 @@ def packed_inputs(seed, lens, h, dk, dv, dtype=np.float32):
     return x, s0, jnp.asarray(cu), a_log, dt_bias
 
 
-@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
-def test_ragged_lengths_fused_gate_checkpoints(gate):
+@pytest.mark.parametrize("gate,state_pass", [("lower_bound", "fused"), ("softplus", "split")])
+def test_ragged_lengths_fused_gate_checkpoints(gate, state_pass):
     """Issue lengths 1, 63, 64, 65, 1000 in one packed batch (one empty row too), non-zero initial states,
-    the gate, beta sigmoid and L2 norm fused, checkpoints every 128 tokens from unaligned start positions."""
+    the gate, beta sigmoid and L2 norm fused, checkpoints every 128 tokens from unaligned start positions.
+    Both state passes (fused output / split output einsum); the bounded gate takes the factored diagonal
+    blocks, softplus the pairwise ones."""
     lens = [1, 63, 0, 64, 65, 1000]
     x, s0, cu, a_log, dt_bias = packed_inputs(1, lens, h=2, dk=16, dv=16)
     start = jnp.asarray([0, 5, 9, 64, 100, 37], jnp.int32)  # absolute positions: pages are absolute too
     kw = dict(a_log=a_log, dt_bias=dt_bias, gate=gate, beta_sigmoid=True, qk_l2norm=True, start_positions=start,
               checkpoint_page_size=128)
-    o, final, ckpt = kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, interpret=True, **kw)
+    o, final, ckpt = kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, interpret=True,
+                               state_pass=state_pass, **kw)
     ro, rfinal, rckpt = kda_chunk_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, **kw)
     assert rel(o, ro) < 2e-5
     for i in range(len(lens)):  # per sequence, so a wrong state in a short one cannot hide
@@ -83,15 +86,22 @@ def test_precomputed_gate_head_counts_and_page_size():
     np.testing.assert_allclose(rckpt[1], rfinal[1], rtol=0, atol=0)  # seq 1 ends on its page boundary
 
 
-def test_single_head_bf16():
-    """bf16 inputs (the model's activation dtype): bf16 intermediates and matmul operands."""
+def test_single_head_bf16_split_padded():
+    """bf16 inputs (the model's activation dtype): bf16 intermediates and matmul operands; the split state
+    pass on a padded batch (seq_lens), whose padding rows come back as zeros."""
     lens = [200, 65]
     x, s0, cu, a_log, dt_bias = packed_inputs(3, lens, h=1, dk=16, dv=32, dtype=jnp.bfloat16)
     kw = dict(a_log=a_log, dt_bias=dt_bias, gate="lower_bound", beta_sigmoid=True, qk_l2norm=True)
+    pad_cu = jnp.asarray([0, 200, 400], jnp.int32)  # row 1: 65 valid tokens, then 135 of padding
+    padded = {n: jnp.concatenate([a, a[200:][:135]]) for n, a in x.items()}
+    po, pfinal, _ = kda_chunk(padded["q"], padded["k"], padded["v"], padded["g"], padded["beta"], s0, pad_cu,
+                              seq_lens=jnp.asarray(lens, jnp.int32), state_pass="split", interpret=True, **kw)
     o, final, ckpt = kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, interpret=True, **kw)
     assert o.dtype == jnp.bfloat16 and ckpt is None
     ro, rfinal, _ = kda_chunk_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, **kw)
     assert rel(o, ro) < 2e-2 and rel(final, rfinal) < 2e-2
+    assert rel(po[:265], ro) < 2e-2 and rel(pfinal, rfinal) < 2e-2
+    assert not np.any(np.asarray(po[265:], np.float32))
 
 
 def test_bad_arguments_raise():
