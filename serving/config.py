@@ -6,6 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one worker serves a model. Sizes in pages/slots; `None` means "size from free memory"."""
@@ -29,6 +32,15 @@ class EngineConfig:
     speculative_k: int = 0  # draft tokens per decode step (EAGLE-3 drafter); 0 = off
     drafter: str | None = None  # drafter checkpoint (k3jax.drafter.save_drafter); or Engine(drafter=(dcfg, params))
     spec_fixed_accepted: int | None = None  # BENCHMARK ONLY: accept exactly this many drafts (outputs are not the model's)
+    # Disaggregated prefill/decode (serving.disagg): "both" = colocated (today's behaviour)
+    role: str = "both"  # "prefill": prompt + first token, then hand the KV to a decode worker; "decode": pull it, decode
+    bootstrap_port: int | None = None  # prefill: where decode workers pull KV (SGLang bootstrap port); 0/None = any free
+    disagg_transport: str = "tcp"  # "tcp" between processes, "inprocess" when both roles share one process
+    handoff_max_held: int = 16  # prefill: finished prompts held for their decode partner before admission stops
+    handoff_timeout_s: float = 60.0  # prefill: a held request nobody pulls is freed after this
+    transfer_timeout_s: float = 60.0  # decode: a pull that has not completed by then fails its request
+    pd_admission: str = "independent"  # prefill admission: "independent", or "decode_first" (wait for the partner)
+    store_write_through: bool = False  # copy published pages + checkpoints to the store at once (always on for P/D roles)
 
     def __post_init__(self) -> None:
         problems = []
@@ -50,6 +62,18 @@ class EngineConfig:
             problems.append("cache_memory_fraction must be in (0, 0.95]")
         if self.host_cache_gb < 0:
             problems.append("host_cache_gb must be >= 0")
+        if self.role not in ROLES:
+            problems.append(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.disagg_transport not in ("tcp", "inprocess"):
+            problems.append(f"disagg_transport must be 'tcp' or 'inprocess', got {self.disagg_transport!r}")
+        if self.pd_admission not in ("independent", "decode_first"):
+            problems.append(f"pd_admission must be 'independent' or 'decode_first', got {self.pd_admission!r}")
+        if self.bootstrap_port is not None and not 0 <= self.bootstrap_port <= 65535:
+            problems.append(f"bootstrap_port must be in [0, 65535], got {self.bootstrap_port}")
+        if self.handoff_max_held < 1:
+            problems.append("handoff_max_held must be >= 1")
+        if not (self.handoff_timeout_s > 0 and self.transfer_timeout_s > 0):
+            problems.append("handoff_timeout_s and transfer_timeout_s must be > 0")
         if self.max_prefill_tokens < self.page_size:
             problems.append("max_prefill_tokens must be at least one page")
         if problems:

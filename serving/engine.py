@@ -8,6 +8,11 @@ The engine is single-threaded: `step()` runs one scheduled batch; `generate` / `
 until their requests finish. Requests are validated on entry (ValueError); a bad request never
 touches the state. Memory lifecycle lives in `KVManager`, policy in `Scheduler`, device work in
 `ModelRunner`.
+
+Roles (EngineConfig.role, serving.disagg.roles): "both" serves requests whole. "prefill" stops every
+request after its first token; one with a bootstrap room is then held (state on the device) until
+its decode partner pulls it. "decode" takes a request with a bootstrap room outside the scheduler,
+reserves memory, pulls the state and then decodes it (without a room it serves the request whole).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import k3jax
 from k3jax.sampling import SamplingTensors, sample
 from serving.cache.host_tier import HostStore
+from serving.cache.store import CacheStore
 from serving.config import EngineConfig
 from serving.kv_manager import KVManager
 from serving.request import (
@@ -46,14 +52,16 @@ class StepOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
+    error: str | None = None  # the request failed (e.g. its KV transfer): finished, with this message
 
 
 class Engine:
     def __init__(self, ecfg: EngineConfig | None = None, *, cfg=None, params=None, detokenize=None,
-                 drafter: tuple | None = None):
+                 drafter: tuple | None = None, store: CacheStore | None = None):
         """`detokenize(ids) -> str` enables stop strings (the API layer passes its tokenizer's).
         `drafter=(DrafterConfig, params)` (or ecfg.drafter, a checkpoint path) with ecfg.speculative_k > 0
-        turns on speculative decoding."""
+        turns on speculative decoding. `store`: the cache tier below the device (e.g. a pool shared with
+        other workers); default a private HostStore of ecfg.host_cache_gb, or none."""
         self.ecfg = ecfg = ecfg or EngineConfig()
         self.detokenize = detokenize
         self.matchers: dict[str, StopStringMatcher] = {}
@@ -69,9 +77,21 @@ class Engine:
         draft_dim = drafter[0].layer_config(self.cfg).latent_cache_dim if drafter else 0
         num_pages, num_slots = pool_sizes(self.cfg, ecfg, jax.devices()[0], draft_dim)
         self.runner = ModelRunner(self.cfg, ecfg, params, num_pages, num_slots, drafter=drafter)
-        store = HostStore(ecfg.host_cache_gb) if ecfg.host_cache_gb > 0 else None
-        self.kv = KVManager(self.runner, ecfg.page_size, ecfg.prefix_cache, store=store, session_ttl_s=ecfg.session_ttl_s)
+        if store is None and ecfg.host_cache_gb > 0:
+            store = HostStore(ecfg.host_cache_gb)
+        self.kv = KVManager(self.runner, ecfg.page_size, ecfg.prefix_cache, store=store, session_ttl_s=ecfg.session_ttl_s,
+                            write_through=ecfg.store_write_through or ecfg.role != "both")
         self.scheduler = Scheduler(ecfg, self.kv, lookahead=self.runner.k)
+        self.disagg = None  # serving.disagg.roles: PrefillHandoff / DecodeIntake by role
+        if ecfg.role == "prefill":
+            from serving.disagg.roles import PrefillHandoff
+
+            self.disagg = PrefillHandoff(self)
+            self.scheduler.admission_gate = self.disagg.can_admit
+        elif ecfg.role == "decode":
+            from serving.disagg.roles import DecodeIntake
+
+            self.disagg = DecodeIntake(self)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.timing = {"schedule_s": 0.0, "forward_s": 0.0, "process_s": 0.0}
@@ -82,13 +102,16 @@ class Engine:
     # --- receive -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
                     request_id: str | None = None, session: str | None = None,
-                    cache_boundaries: Sequence[int] = ()) -> str:
+                    cache_boundaries: Sequence[int] = (), bootstrap=None) -> str:
         """Validates and queues a request; returns its id. Raises ValueError for a bad request.
 
         cache_boundaries: prompt positions where a prefix other requests will share ends (the end of a
         system prompt, of a tool preamble): the KDA state there (floored to a page boundary) is
         checkpointed and published, so requests sharing only that prefix hit it. The prompt's own last
-        page boundary is always checkpointed."""
+        page boundary is always checkpointed.
+
+        bootstrap: a serving.disagg.roles.Bootstrap pairing this request's prefill and decode legs
+        (used by the prefill and decode roles; a colocated engine ignores it)."""
         sampling = sampling or SamplingParams()
         sampling.validate(self.cfg.vocab_size)
         validate_prompt(prompt_ids, self.cfg.vocab_size, self.ecfg.max_model_len, sampling.max_tokens)
@@ -107,7 +130,11 @@ class Engine:
         ps = self.ecfg.page_size
         req.cache_boundaries = sorted({int(b) // ps * ps for b in cache_boundaries} - {0})
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        req.bootstrap = bootstrap if self.disagg is not None else None
+        if self.ecfg.role == "decode" and bootstrap is not None:
+            self.disagg.add(req)  # reserved and pulled at step boundaries
+        else:
+            self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(req.prompt_ids)
         return request_id
 
@@ -116,7 +143,9 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
-        if req.status == RequestStatus.RUNNING:
+        if self.ecfg.role == "decode" and req.bootstrap is not None and req.status == RequestStatus.WAITING:
+            self.disagg.cancel(req)  # awaiting memory or its transfer
+        elif req.status == RequestStatus.RUNNING:
             self.kv.release(req, cache=False)
         elif req.swapped is not None:
             self.kv.discard_swapped(req)
@@ -131,10 +160,13 @@ class Engine:
         """schedule -> forward (prefill part, decode part) -> process. Device work is dispatched before
         anything waits on it; host-tier prefetches for waiting requests are queued behind the forward."""
         t0 = time.perf_counter()
+        arrived = self._service_disagg()
         plan = self.scheduler.schedule()
         self.counters["preemptions"] += len(plan.preempted)
         if plan.empty:
-            return []
+            if not arrived and self.ecfg.role == "decode":
+                self.disagg.wait(0.005)  # only transfers in flight: don't spin
+            return arrived
         self.counters["steps"] += 1
         t1 = time.perf_counter()
         prefill_logits = self._forward_prefill(plan) if plan.prefill else None
@@ -146,13 +178,25 @@ class Engine:
         if plan.decode:
             sampled.update(self._speculate(plan) if self.runner.k else self._sample(decode_logits, plan.decode))
         t2 = time.perf_counter()
-        outputs = self._process(sampled)
+        outputs = arrived + self._process(sampled)
         t3 = time.perf_counter()
         # host-only phases: the device is idle during scheduling (before anything is dispatched) and
         # during processing (after the sampled tokens came back); the forward phase overlaps host and device
         for name, dt in (("schedule_s", t1 - t0), ("forward_s", t2 - t1), ("process_s", t3 - t2)):
             self.timing[name] += dt
         return outputs
+
+    def _service_disagg(self) -> list[StepOutput]:
+        if self.ecfg.role == "decode":
+            return self.disagg.service()
+        if self.ecfg.role == "prefill":
+            self.disagg.service()
+        return []
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to step, or (P/D roles) held states and transfers to serve."""
+        return self.scheduler.has_work or (self.disagg is not None and self.disagg.has_work)
 
     def _forward_prefill(self, plan: StepPlan) -> jax.Array:
         rows = []
@@ -240,24 +284,42 @@ class Engine:
     # --- process -----------------------------------------------------------------------------
     def _process(self, sampled: dict[str, list[int]]) -> list[StepOutput]:
         """Appends each request's new tokens, stopping at the first that finishes it."""
-        outputs = []
-        for rid, tokens in sampled.items():
-            req = self.requests[rid]
-            kept = []
-            for token in tokens:
-                req.output_ids.append(token)
-                kept.append(token)
-                reason = check_stop(req, self.cfg.eos_token_id, self.matchers.get(rid))
-                if reason is not None:
-                    self._finish(req, reason)
-                    break
-            self.counters["generation_tokens"] += len(kept)
-            outputs.append(StepOutput(rid, kept, req.is_finished, req.finish_reason))
-        return outputs
+        return [self.emit(self.requests[rid], tokens) for rid, tokens in sampled.items()]
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def emit(self, req: Request, tokens: list[int]) -> StepOutput:
+        """Appends req's new tokens, stopping at the first that finishes it. A prefill-role worker stops
+        every request after its first token ("length" unless it stopped anyway) and hands a paired one
+        to its decode partner instead of freeing its state."""
+        kept = []
+        for token in tokens:
+            req.output_ids.append(token)
+            kept.append(token)
+            reason = check_stop(req, self.cfg.eos_token_id, self.matchers.get(req.request_id))
+            if reason is None and self.ecfg.role == "prefill":
+                reason = "length"
+            if reason is not None:
+                if self.ecfg.role == "prefill" and req.bootstrap is not None:
+                    self._finish(req, reason, release=False)
+                    self.disagg.hold(req)
+                else:
+                    self._finish(req, reason)
+                break
+        self.counters["generation_tokens"] += len(kept)
+        return StepOutput(req.request_id, kept, req.is_finished, req.finish_reason)
+
+    def fail_request(self, req: Request, error: str) -> StepOutput:
+        """Ends req with an error (its memory already freed by the caller)."""
+        self.scheduler.remove(req)
+        self.matchers.pop(req.request_id, None)
+        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        req.finish_time = time.monotonic()
+        self.counters["aborted"] += 1
+        return StepOutput(req.request_id, [], True, "abort", error=error)
+
+    def _finish(self, req: Request, reason: str, release: bool = True) -> None:
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        self.kv.release(req, cache=True)
+        if release:
+            self.kv.release(req, cache=True)
         self.scheduler.remove(req)
         self.matchers.pop(req.request_id, None)
         req.finish_time = time.monotonic()
@@ -266,7 +328,7 @@ class Engine:
     # --- drivers -----------------------------------------------------------------------------
     def run_until_done(self, request_ids: Sequence[str]) -> None:
         while not all(self.requests[r].is_finished for r in request_ids):
-            if not self.step() and not self.scheduler.has_work:
+            if not self.step() and not self.has_work:
                 raise RuntimeError("engine idle with unfinished requests")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -312,8 +374,9 @@ class Engine:
             "prefix_query_tokens": self.kv.query_tokens,
             "prefix_hit_tokens": self.kv.hit_tokens,
             "prefix_hit_tokens_host": self.kv.store_hit_tokens,
-            "prefix_hit_tokens_by_tier": {"device": self.kv.hit_tokens - self.kv.store_hit_tokens,
-                                          "host": self.kv.store_hit_tokens},
+            "prefix_hit_tokens_by_tier": self._hits_by_tier(),
+            "role": self.ecfg.role,
+            "disagg": self._disagg_stats(),
             "swapped_requests": sum(1 for r in self.scheduler.waiting if r.swapped is not None),
             "swapped_bytes": self.kv.swapped_bytes,
             "timing": dict(self.timing),
@@ -325,12 +388,41 @@ class Engine:
             **self.counters,
         }
 
+    def _hits_by_tier(self) -> dict[str, int]:
+        """Prefix-hit tokens by the tier they came from: device, or the store's tier ("host" for the host
+        L2; a store shared by workers names itself with a `tier` attribute, e.g. "shared")."""
+        by_tier = {"device": self.kv.hit_tokens - self.kv.store_hit_tokens, "host": 0}
+        tier = getattr(self.kv.store, "tier", "host")
+        by_tier[tier] = by_tier.get(tier, 0) + self.kv.store_hit_tokens
+        return by_tier
+
+    def _disagg_stats(self) -> dict:
+        d = self.disagg
+        if d is None:
+            return {}
+        out = {**d.stats, "written_through_pages": self.kv.written_through_pages}
+        if self.ecfg.role == "prefill":
+            out.update(held=len(d.held), bootstrap_port=d.port)
+        else:
+            out.update(awaiting=len(d.awaiting), transferring=len(d.inflight))
+        return out
+
+    def close(self) -> None:
+        """Stops the P/D transfer listener (if any)."""
+        if self.disagg is not None:
+            self.disagg.close()
+
     def check_integrity(self) -> None:
         """Allocator and prefix-cache invariants, plus: every page/slot held by a live request is
         referenced, and no page is owned by two live requests unless it is a shared cached page."""
         self.kv.check_integrity()
         owned: dict[int, str] = {}
-        for req in self.scheduler.running:
+        holding = []  # requests whose memory a P/D role holds outside the scheduler
+        if self.ecfg.role == "prefill":
+            holding = self.disagg.held_requests()
+        elif self.ecfg.role == "decode":
+            holding = self.disagg.reserved_requests()
+        for req in [*self.scheduler.running, *holding]:
             shared = set(req.hit.pages) if req.hit else set()
             for p in req.pages:
                 assert self.kv.pages.refcount(p) >= 1, f"{req.request_id} holds free page {p}"

@@ -49,9 +49,14 @@ class KVManager:
     """
 
     def __init__(self, runner: ModelRunner, page_size: int, use_prefix_cache: bool = True,
-                 store: CacheStore | None = None, session_ttl_s: float = 600.0):
+                 store: CacheStore | None = None, session_ttl_s: float = 600.0, write_through: bool = False):
+        """write_through: every prefix published to the device cache (with its checkpoint) is copied to
+        the store at once, not only when evicted: a store shared by several workers then serves a
+        continuation on any of them (disaggregated prefill)."""
         self.runner, self.page_size, self.use_prefix_cache = runner, page_size, use_prefix_cache
         self.store = store if use_prefix_cache else None
+        self.write_through = write_through and self.store is not None
+        self.written_through_pages = 0
         self.pages = PageAllocator(runner.num_pages)
         self.slots = SlotPool(runner.num_slots)
         self.prefix = PrefixCache(page_size, self.pages, self.slots, on_evict=self._offload if self.store is not None else None,
@@ -107,6 +112,21 @@ class KVManager:
         self.pages.decref(new_pages)  # the cache holds them now
         if ckpt is not None:
             self.slots.decref([ckpt])
+
+    def _publish(self, tokens, pages: list[int], slot: int, session) -> None:
+        """prefix.insert, plus the write-through copy of the pages the store lacks and the checkpoint."""
+        self.prefix.insert(tokens, pages, slot, session=session)
+        if not self.write_through or not pages:
+            return
+        hashes = prefix_hashes(tokens, self.page_size)
+        have = min(self.store.contains_prefix(hashes), len(pages) - 1)  # the last page goes again, with its checkpoint
+        latents = self.runner.read_pages(pages[have:])
+        kda, conv = self.runner.read_slot(slot)
+        for i in range(have, len(pages)):
+            last = i == len(pages) - 1
+            self.store.put(hashes[i], PageBlob(latents=latents[:, i - have], kda=kda if last else None,
+                                               conv=conv if last else None))
+        self.written_through_pages += len(pages) - have
 
     def prefetch(self, req: Request) -> None:
         """While req waits: copy the part of its prefix that only the store has back to the device
@@ -197,7 +217,7 @@ class KVManager:
         if fixed(n):
             # the prompt's checkpoint (and a declared shared-prefix end) is never overwritten: publish it
             # now, so requests that share it (a burst of subagents, a retry) hit it while this one runs
-            self.prefix.insert(req.ids_slice(0, n), req.pages[: n // self.page_size], slot, session=req.session)
+            self._publish(req.ids_slice(0, n), req.pages[: n // self.page_size], slot, req.session)
 
     # --- release ----------------------------------------------------------------------------
     def release(self, req: Request, cache: bool = True) -> None:
@@ -207,7 +227,10 @@ class KVManager:
                 if length > req.num_tokens:  # past a stop inside an accepted speculative run
                     continue
                 n_pages = length // self.page_size
-                self.prefix.insert(req.all_ids[:length], req.pages[:n_pages], slot, session=req.session)
+                if self.write_through and (length == req.prompt_boundary or length in req.cache_boundaries):
+                    self.prefix.insert(req.all_ids[:length], req.pages[:n_pages], slot, session=req.session)  # written at publication
+                else:
+                    self._publish(req.all_ids[:length], req.pages[:n_pages], slot, req.session)
             if req.session is not None and req.is_finished:
                 self.prefix.set_session_state(req.session, "waiting")  # its next turn will want this
         self.slots.decref([slot for _, slot in req.checkpoints] + [req.slot])
@@ -242,6 +265,32 @@ class KVManager:
         self.swapped_bytes -= swapped.nbytes
         req.swapped = None
         return True
+
+    # --- disaggregated prefill/decode (serving.disagg.roles) -----------------------------------
+    def export(self, req: Request) -> dict[str, np.ndarray]:
+        """req's device state on the host (the swap-out read), for a KV transfer; req keeps its memory."""
+        return self.runner.read_request(req.slot, req.pages)
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """A slot and pages for `num_tokens` tokens for a request whose state will arrive by transfer;
+        False (nothing taken) if memory is short even after evicting cache-only entries."""
+        num_pages = -(-num_tokens // self.page_size)
+        if not self._evict(num_pages, 1):
+            return False
+        [req.slot] = self.slots.allocate(1)
+        req.pages = self.pages.allocate(num_pages)
+        req.checkpoints, req.hit = [], None
+        req.prompt_boundary = (req.num_prompt - 1) // self.page_size * self.page_size
+        return True
+
+    def install(self, req: Request, arrays: dict[str, np.ndarray], spec_pending: list[int]) -> None:
+        """Writes a transferred state into req's reserved slot and pages (the swap-in write)."""
+        arrays = dict(arrays)
+        arrays["kv"] = arrays["kv"][:, : len(req.pages)]
+        if "draft" in arrays:
+            arrays["draft"] = arrays["draft"][:, : len(req.pages)]
+        self.runner.write_request(req.slot, req.pages, arrays)
+        req.spec_pending = list(spec_pending)
 
     def discard_swapped(self, req: Request) -> None:
         """Drops a swapped request's host copy (it was aborted while preempted)."""

@@ -178,6 +178,8 @@ class Request:
     swapped: Any = None
     # Host-tier prefetch while waiting: (device hit tokens before it, hit tokens after it), for attribution
     host_prefetch: tuple[int, int] | None = None
+    # Disaggregated prefill/decode (serving.disagg.roles.Bootstrap): the room pairing its two legs, or None
+    bootstrap: Any = None
 
     def __post_init__(self):
         self.prompt_ids = tuple(self.prompt_ids)

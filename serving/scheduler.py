@@ -14,6 +14,8 @@
    declared shared-prefix ends and at its prompt's last page boundary, which are always checkpointed.
 Decode and prefill of one step run back to back on the same state; neither starves the other.
 A swapped request at the head of the queue is re-admitted before new ones, without prefill budget.
+3. Disaggregated prefill (serving.disagg.roles): `admission_gate(req)` must allow a new request
+   (backpressure when finished prompts wait for their decode partners; decode-first admission).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Scheduler:
         self.ecfg, self.kv, self.lookahead = ecfg, kv, lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
+        self.admission_gate = lambda req: True  # a prefill worker's handoff bound (serving.disagg.roles)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -104,7 +107,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 continue
-            if not self.kv.can_admit():
+            if not self.kv.can_admit() or not self.admission_gate(req):
                 break
             self.waiting.popleft()
             self.kv.admit(req)
