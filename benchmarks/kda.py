@@ -4,14 +4,19 @@
 
 Shapes (issue 3), bf16 activations, fp32 V-first states, D = 128, K3's gate (lower bound -5), gate / beta
 sigmoid / q-k L2 norm fused on both sides:
-  prefill  B1 T32768 and B8 T4096 (packed, cu_seqlens) at H32 and H96: ours `kda_chunk` vs fla `chunk_kda`
-           (safe_gate, state_v_first); throughput = tokens / time; plus ours with page-256 checkpoints.
+  prefill  packed (cu_seqlens) B1 T32768 / B8 T4096 at H32 and H96: ours `kda_chunk` (both state passes)
+           vs fla `chunk_kda` (safe_gate, state_v_first); throughput = tokens / time. On the first case
+           also: our stages apart (XLA intra-chunk stage, Pallas state pass), the state pass's V-block
+           sweep, and page-64 / page-256 checkpoint emission vs none.
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
            gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
-           (no conv, no output norm; final state only). State traffic = fp32 state bytes read + written.
+           (no conv, no output norm; final state only). State traffic = fp32 state bytes read + written
+           (decode: read + write once; verify: read once, write T times); the limit is the copy bandwidth.
   copy     torch and XLA device copies (bytes read + written) measured in the same run: the bandwidth limit.
-Timing: warm-up, then the median over --trials of (--reps back-to-back calls, synchronised) / reps.
-Prints the table last; writes the raw numbers as JSON to --out.
+Timing: one warm-up (compile) call, then reps sized to ~25 ms per trial, median over --trials.
+Every case runs under --case-limit seconds (SIGALRM; a compile in progress is only interrupted when it
+returns) and skips its optional sweeps once half of that is spent; the JSON is rewritten after every case.
+Prints the table last.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import signal
 import statistics
 import sys
 import time
@@ -28,16 +35,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kda_chunk import kda_chunk
+from pallas_kernels import kda_chunk as kc
 from pallas_kernels.kda_decode import kda_decode
 
 D = 128
 LB = -5.0
 
 
-def time_jax(fn, reps, trials):
-    out = fn()
-    jax.block_until_ready(out)
+class CaseTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise CaseTimeout("case time limit")
+
+
+def _reps(one_call_s, target_s=0.025):
+    return int(min(100, max(1, math.ceil(target_s / max(one_call_s, 1e-6)))))
+
+
+def time_jax(fn, trials):
+    jax.block_until_ready(fn())  # compile + warm
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    reps = _reps(time.perf_counter() - t0)
     samples = []
     for _ in range(trials):
         t0 = time.perf_counter()
@@ -48,11 +69,15 @@ def time_jax(fn, reps, trials):
     return statistics.median(samples)
 
 
-def time_torch(fn, reps, trials):
+def time_torch(fn, trials):
     import torch
 
     fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    reps = _reps(time.perf_counter() - t0)
     samples = []
     for _ in range(trials):
         t0 = time.perf_counter()
@@ -75,27 +100,24 @@ def to_torch(x):
 
 
 def copy_bandwidth(results, trials):
-    n = 1 << 29  # 2 GiB of fp32
+    n = 1 << 28  # 1 GiB of fp32
     x = jnp.ones((n,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0)
-    t = time_jax(lambda: f(x), 10, trials)
-    results["copy_xla_TBps"] = 2 * 4 * n / t / 1e12
+    results["copy_xla_TBps"] = 2 * 4 * n / time_jax(lambda: f(x), trials) / 1e12
     del x
     try:
         import torch
 
         a = torch.ones(n, device="cuda")
         b = torch.empty_like(a)
-        t = time_torch(lambda: b.copy_(a), 10, trials)
-        results["copy_torch_TBps"] = 2 * 4 * n / t / 1e12
+        results["copy_torch_TBps"] = 2 * 4 * n / time_torch(lambda: b.copy_(a), trials) / 1e12
         del a, b
     except Exception as e:  # noqa: BLE001 -- torch is optional
         results["copy_torch_error"] = repr(e)
 
 
-def prefill_case(b, t, h, args, fla):
-    key = jax.random.key(b * 7 + h)
-    ks = jax.random.split(key, 8)
+def prefill_case(row, b, t, h, args, fla, deadline, detail):
+    ks = jax.random.split(jax.random.key(b * 7 + h), 8)
     total = b * t
     q, k, v, z = (jax.random.normal(ks[i], (total, h, D), jnp.bfloat16) for i in range(4))
     beta = jax.random.normal(ks[4], (total, h), jnp.float32)
@@ -104,26 +126,13 @@ def prefill_case(b, t, h, args, fla):
     dt_bias = jax.random.normal(ks[7], (h * D,), jnp.float32)
     cu = jnp.arange(b + 1, dtype=jnp.int32) * t
     kw = dict(a_log=a_log, dt_bias=dt_bias, gate="lower_bound", lower_bound=LB, beta_sigmoid=True, qk_l2norm=True)
-    row = dict(kind="prefill", B=b, T=t, H=h, tokens=total)
-    o, final, _ = kda_chunk(q, k, v, z, beta, s0, cu, **kw)
-    row["ours_ms"] = 1e3 * time_jax(lambda: kda_chunk(q, k, v, z, beta, s0, cu, **kw), args.reps, args.trials)
-    sweep = (b, t, h) == (1, 32768, 96)  # checkpoints and launch variants: on K3's long-prompt shape only
-    if sweep:
-        row["ours_ckpt256_ms"] = 1e3 * time_jax(
-            lambda: kda_chunk(q, k, v, z, beta, s0, cu, checkpoint_page_size=256, **kw), args.reps, args.trials)
-        row["ckpt_overhead"] = row["ours_ckpt256_ms"] / row["ours_ms"] - 1
-    for nw in args.intra_warps if sweep else []:
-        try:
-            row[f"ours_w{nw}_ms"] = 1e3 * time_jax(lambda: kda_chunk(q, k, v, z, beta, s0, cu, num_warps=nw, **kw),
-                                                   args.reps, args.trials)
-        except Exception as e:  # noqa: BLE001
-            row[f"ours_w{nw}_error"] = repr(e)[:300]
-    for bv in args.block_v if sweep else []:
-        try:
-            row[f"ours_bv{bv}_ms"] = 1e3 * time_jax(lambda: kda_chunk(q, k, v, z, beta, s0, cu, block_v=bv, **kw),
-                                                    args.reps, args.trials)
-        except Exception as e:  # noqa: BLE001
-            row[f"ours_bv{bv}_error"] = repr(e)[:300]
+    row["tokens"] = total
+    ours = lambda **extra: kc.kda_chunk(q, k, v, z, beta, s0, cu, interpret=args.interpret, **kw, **extra)
+    o, final, _ = ours()
+    row["ours_ms"] = 1e3 * time_jax(ours, args.trials)
+    o_split, final_split, _ = ours(state_pass="split")
+    row["ours_split_ms"] = 1e3 * time_jax(lambda: ours(state_pass="split"), args.trials)
+    row["rel_o_split_vs_fused"] = rel(jnp.asarray(o_split, jnp.float32), jnp.asarray(o, jnp.float32))
     if fla is not None:
         import torch
 
@@ -136,15 +145,53 @@ def prefill_case(b, t, h, args, fla):
             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB, state_v_first=True, cu_seqlens=tcu)
         with torch.no_grad():
             fo, ff = call()
-            row["fla_ms"] = 1e3 * time_torch(call, args.reps, args.trials)
-        row["rel_o_vs_fla"] = rel(jnp.asarray(o, jnp.float32), np.asarray(fo[0].float().cpu()))
+            row["fla_ms"] = 1e3 * time_torch(call, args.trials)
+        fo = np.asarray(fo[0].float().cpu())
+        row["rel_o_vs_fla"] = rel(jnp.asarray(o, jnp.float32), fo)
         row["rel_state_vs_fla"] = rel(final, np.asarray(ff.float().cpu()))
+        row["rel_o_split_vs_fla"] = rel(jnp.asarray(o_split, jnp.float32), fo)
         row["ratio"] = row["fla_ms"] / row["ours_ms"]
-    row["ours_Mtok_s"] = total / row["ours_ms"] / 1e3
-    return row
+        row["ratio_split"] = row["fla_ms"] / row["ours_split_ms"]
+    row["ours_Mtok_s"] = total / min(row["ours_ms"], row["ours_split_ms"]) / 1e3
+    if not detail:
+        return
+    # Stages apart: the XLA intra-chunk stage, then each state pass on its output.
+    n = b
+    num_chunks = total // kc.CHUNK + 2 * n
+    cu32, start, a, bias = kc._preprocess_args(q, z, beta, s0, cu, "lower_bound", a_log, dt_bias, None)
+
+    @jax.jit
+    def intra():
+        first, tok_start, length, ckpt_idx = kc.chunk_table(cu32, start, num_chunks, 0)
+        return (first, tok_start, length, ckpt_idx) + kc._intra_stage(
+            tok_start, length, q, k, v, z, beta, a, bias, gate="lower_bound", lower_bound=LB, beta_sigmoid=True,
+            qk_l2norm=True, scale=D**-0.5, bounded=True, stored=jnp.bfloat16)
+
+    row["stage_intra_ms"] = 1e3 * time_jax(intra, args.trials)
+    staged = intra()
+    for name, fn in (("fused", kc._state_call), ("split", kc._state_split_call)):
+        for bv in [None] + args.block_v:
+            if time.monotonic() > deadline - args.case_limit / 2:
+                row["sweep_cut"] = True
+                break
+            key = f"stage_state_{name}" + (f"_bv{bv}" if bv else "") + "_ms"
+            try:
+                f = jax.jit(lambda *xs, fn=fn, bv=bv: fn(*xs, s0, t=total, n=n, page=0, block_v=bv,
+                                                        out_dtype=jnp.bfloat16, interpret=args.interpret))
+                row[key] = 1e3 * time_jax(lambda f=f: f(*staged), args.trials)
+            except CaseTimeout:
+                raise
+            except Exception as e:  # noqa: BLE001
+                row[key.replace("_ms", "_error")] = repr(e)[:300]
+    for page in (256, 64):
+        if time.monotonic() > deadline - args.case_limit / 2:
+            row["sweep_cut"] = True
+            break
+        row[f"ours_ckpt{page}_ms"] = 1e3 * time_jax(lambda page=page: ours(checkpoint_page_size=page), args.trials)
+        row[f"ckpt{page}_overhead"] = row[f"ours_ckpt{page}_ms"] / row["ours_ms"] - 1
 
 
-def decode_case(b, t, h, args, fla, copy_tbps):
+def decode_case(row, b, t, h, args, fla, copy_tbps):
     ks = jax.random.split(jax.random.key(b + t), 10)
     c = 3 * h * D
     qkv = jax.random.normal(ks[0], (b, t, c), jnp.bfloat16)
@@ -159,13 +206,14 @@ def decode_case(b, t, h, args, fla, copy_tbps):
     a_log = 0.5 * jax.random.normal(ks[8], (h,), jnp.float32)
     dt_bias = jax.random.normal(ks[9], (h * D,), jnp.float32)
     onw = jnp.ones((D,), jnp.float32)
-    kw = dict(a_log=a_log, dt_bias=dt_bias, o_norm_weight=onw, gate="lower_bound", lower_bound=LB)
+    kw = dict(a_log=a_log, dt_bias=dt_bias, o_norm_weight=onw, gate="lower_bound", lower_bound=LB,
+              interpret=args.interpret)
     verify = t > 1
-    row = dict(kind="verify" if verify else "decode", B=b, T=t, H=h)
+    row["kind"] = "verify" if verify else "decode"
     state_bytes = b * h * D * D * 4
     if verify:
         f = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, all_states=True, **kw))
-        row["ours_ms"] = 1e3 * time_jax(lambda: f(conv, state), args.reps, args.trials)
+        row["ours_ms"] = 1e3 * time_jax(lambda: f(conv, state), args.trials)
         ours_bytes = state_bytes * (1 + t)
     else:
         step = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw)[1:],
@@ -176,7 +224,7 @@ def decode_case(b, t, h, args, fla, copy_tbps):
             pools[:] = step(*pools)
             return pools[1]
 
-        row["ours_ms"] = 1e3 * time_jax(run, args.reps, args.trials)
+        row["ours_ms"] = 1e3 * time_jax(run, args.trials)
         ours_bytes = state_bytes * 2
     row["ours_state_TBps"] = ours_bytes / (row["ours_ms"] * 1e-3) / 1e12
     row["ours_frac_of_copy"] = row["ours_state_TBps"] / copy_tbps
@@ -192,22 +240,54 @@ def decode_case(b, t, h, args, fla, copy_tbps):
             output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, lower_bound=LB, state_v_first=True)
         with torch.no_grad():
-            row["fla_ms"] = 1e3 * time_torch(call, args.reps, args.trials)
+            row["fla_ms"] = 1e3 * time_torch(call, args.trials)
         row["fla_state_TBps"] = 2 * state_bytes / (row["fla_ms"] * 1e-3) / 1e12
         row["ratio"] = row["fla_ms"] / row["ours_ms"]
-    return row
+
+
+def _shapes(spec):
+    return [tuple(int(x) for x in s.split("x")) for s in spec.split(",") if s]
+
+
+def print_table(results):
+    print(f"\ncopy bandwidth: torch {results.get('copy_torch_TBps', float('nan')):.2f} TB/s, "
+          f"XLA {results['copy_xla_TBps']:.2f} TB/s ({results['device']}, jax {results['jax']})")
+    print(f"{'case':<24}{'ours ms':>9}{'split ms':>9}{'fla ms':>9}{'fla/ours':>9}  extra")
+    for r in results["rows"]:
+        name = f"{r['kind']} B{r['B']} T{r['T']} H{r['H']}"
+        if "error" in r and "ours_ms" not in r:
+            print(f"{name:<24} error: {r['error'][:100]}")
+            continue
+        nan = float("nan")
+        if r["kind"] == "prefill":
+            best = max(r.get("ratio", nan), r.get("ratio_split", nan))
+            extra = f"{r['ours_Mtok_s']:.2f} Mtok/s"
+            stages = {k[len("stage_"):-3]: v for k, v in r.items() if k.startswith("stage_") and k.endswith("_ms")}
+            if stages:
+                extra += "; stages ms " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
+            for page in (256, 64):
+                if f"ckpt{page}_overhead" in r:
+                    extra += f"; ckpt{page} {100 * r[f'ckpt{page}_overhead']:+.1f}%"
+            print(f"{name:<24}{r['ours_ms']:>9.3f}{r.get('ours_split_ms', nan):>9.3f}{r.get('fla_ms', nan):>9.3f}"
+                  f"{best:>9.2f}  {extra}")
+        else:
+            extra = f"state {r['ours_state_TBps']:.2f} TB/s = {100 * r['ours_frac_of_copy']:.0f}% of copy"
+            if "fla_state_TBps" in r:
+                extra += f" (fla {r['fla_state_TBps']:.2f} TB/s)"
+            print(f"{name:<24}{r['ours_ms']:>9.3f}{'':>9}{r.get('fla_ms', nan):>9.3f}{r.get('ratio', nan):>9.2f}  {extra}")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
-    p.add_argument("--reps", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--prefill", default="1x32768x32,8x4096x32,1x32768x96,8x4096x96", help="BxTxH list")
+    p.add_argument("--prefill", default="1x32768x32,8x4096x32,1x32768x96", help="BxTxH list (first: stages, sweep)")
     p.add_argument("--decode", default="64x1x96,256x1x96,64x4x96,256x4x96", help="BxTxH list")
-    p.add_argument("--intra-warps", type=lambda s: [int(x) for x in s.split(",") if x], default=[8])
-    p.add_argument("--block-v", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
+    p.add_argument("--order", default="prefill1,decode,prefill", help="prefill1 = the first prefill case")
+    p.add_argument("--block-v", type=lambda s: [int(x) for x in s.split(",") if x], default=[32, 64])
+    p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (tiny shapes)")
     args = p.parse_args(argv)
     fla = None
     if not args.no_fla:
@@ -216,40 +296,36 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             print(f"fla unavailable: {e!r}", file=sys.stderr)
     results = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
-                   jax=jax.__version__, rows=[])
+                   jax=jax.__version__, argv=sys.argv[1:], rows=[])
     copy_bandwidth(results, args.trials)
     copy_tbps = results.get("copy_torch_TBps", results["copy_xla_TBps"])
-    cases = [("prefill", tuple(int(x) for x in s.split("x"))) for s in args.prefill.split(",") if s]
-    cases += [("decode", tuple(int(x) for x in s.split("x"))) for s in args.decode.split(",") if s]
-    for kind, (b, t, h) in cases:
+    prefill, decode = _shapes(args.prefill), _shapes(args.decode)
+    groups = dict(prefill1=[("prefill", s, True) for s in prefill[:1]],
+                  prefill=[("prefill", s, False) for s in prefill[1:]],
+                  decode=[("decode", s, False) for s in decode])
+    cases = [c for g in args.order.split(",") for c in groups[g]]
+    signal.signal(signal.SIGALRM, _alarm)
+    for kind, (b, t, h), detail in cases:
+        t0 = time.monotonic()
+        signal.alarm(int(args.case_limit))
+        row = dict(kind=kind, B=b, T=t, H=h)  # filled in place: a case cut short keeps what it measured
         try:
-            row = prefill_case(b, t, h, args, fla) if kind == "prefill" else decode_case(b, t, h, args, fla, copy_tbps)
-        except Exception as e:  # noqa: BLE001 -- keep the other cases' numbers
+            if kind == "prefill":
+                prefill_case(row, b, t, h, args, fla, t0 + args.case_limit, detail)
+            else:
+                decode_case(row, b, t, h, args, fla, copy_tbps)
+        except Exception as e:  # noqa: BLE001 -- CaseTimeout included: keep the other cases' numbers
             traceback.print_exc()
-            row = dict(kind=kind, B=b, T=t, H=h, error=repr(e)[:500])
+            row["error"] = repr(e)[:500]
+        finally:
+            signal.alarm(0)
+        row["case_s"] = time.monotonic() - t0
         results["rows"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(results, fh, indent=1)
-    print(f"\ncopy bandwidth: torch {results.get('copy_torch_TBps', float('nan')):.2f} TB/s, "
-          f"XLA {results['copy_xla_TBps']:.2f} TB/s ({results['device']}, jax {results['jax']})")
-    print(f"{'case':<22}{'ours ms':>10}{'fla ms':>10}{'fla/ours':>10}{'extra':>44}")
-    for r in results["rows"]:
-        name = f"{r['kind']} B{r['B']} T{r['T']} H{r['H']}"
-        if "error" in r:
-            print(f"{name:<22} error: {r['error'][:100]}")
-            continue
-        if r["kind"] == "prefill":
-            extra = f"{r['ours_Mtok_s']:.2f} Mtok/s"
-            if "ckpt_overhead" in r:
-                extra += f", ckpt256 +{100 * r['ckpt_overhead']:.1f}%"
-        else:
-            extra = f"state {r['ours_state_TBps']:.2f} TB/s = {100 * r['ours_frac_of_copy']:.0f}% copy"
-            if "fla_state_TBps" in r:
-                extra += f" (fla {r['fla_state_TBps']:.2f})"
-        print(f"{name:<22}{r['ours_ms']:>10.3f}{r.get('fla_ms', float('nan')):>10.3f}"
-              f"{r.get('ratio', float('nan')):>10.2f}{extra:>44}")
+    print_table(results)
 
 
 if __name__ == "__main__":
