@@ -352,12 +352,36 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                    "`k3jax bench agentx --help` lists its options)")
     agentx.add_argument("replay_args", nargs=argparse.REMAINDER)
     agentx.set_defaults(_run=run_bench_agentx)
+    sweep = kinds.add_parser("sweep", add_help=False,
+                             help="the AgentX replay at several concurrency levels (--concurrency 1,2,4): "
+                                  "per-level reports, sweep.json/csv, Pareto and throughput-over-time PNGs")
+    sweep.add_argument("replay_args", nargs=argparse.REMAINDER)
+    sweep.set_defaults(_run=run_bench_sweep)
+    compare = kinds.add_parser("compare", add_help=False,
+                               help="throughput ratio of two saved sweeps at matched P90 interactivity")
+    compare.add_argument("replay_args", nargs=argparse.REMAINDER)
+    compare.set_defaults(_run=run_bench_compare)
 
 
 def run_bench_agentx(ns: argparse.Namespace) -> int:
     from serving.workload import replay
 
     return replay.main(ns.replay_args)
+
+
+def run_bench_sweep(ns: argparse.Namespace) -> int:
+    from serving.workload import sweep
+
+    return sweep.main(ns.replay_args)
+
+
+def run_bench_compare(ns: argparse.Namespace) -> int:
+    from serving.workload import sweep
+
+    return sweep.compare_main(ns.replay_args)
+
+
+_BENCH_RUNNERS = {"agentx": run_bench_agentx, "sweep": run_bench_sweep, "compare": run_bench_compare}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,8 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (argparse's own usage errors raise SystemExit(2))."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "agentx"]:  # its own parser takes every option (argparse's REMAINDER cannot lead with one)
-        return run_bench_agentx(argparse.Namespace(replay_args=argv[2:]))
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in _BENCH_RUNNERS:
+        # each bench has its own parser for every option (argparse's REMAINDER cannot lead with one)
+        return _BENCH_RUNNERS[argv[1]](argparse.Namespace(replay_args=argv[2:]))
     ns = build_parser().parse_args(argv)
     try:
         return ns._run(ns)

@@ -602,16 +602,14 @@ def replay(sessions: Sequence[Session], cfg: ReplayConfig, out_dir: str | Path |
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.workload.replay", description=__doc__.split("\n\n")[0])
+def add_replay_arguments(p: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+    """The trace source (--preset/--trace, --num-sessions) and one flag per ReplayConfig field not in skip."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="generate sessions from configs/workloads/<name>.yaml (or a YAML path)")
     src.add_argument("--trace", help="weka_trace file or directory (generated or a real cc-traces corpus)")
     p.add_argument("--num-sessions", type=int, help="override the preset's session count")
-    p.add_argument("--url", required=True)
-    p.add_argument("--out", help="directory for report.json, summary.csv, requests.csv")
     for f in dataclasses.fields(ReplayConfig):
-        if f.name in ("url",):
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool",) or isinstance(f.default, bool):
@@ -619,15 +617,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             p.add_argument(flag, type=kind, default=f.default)
-    a = p.parse_args(argv)
+
+
+def sessions_from_args(a: argparse.Namespace) -> list[Session]:
     if a.preset:
         overrides = {"num_sessions": a.num_sessions} if a.num_sessions else {}
-        sessions = generate(load_preset(a.preset, **overrides))
-    else:
-        sessions = read_weka(a.trace)
-    cfg = ReplayConfig(url=a.url, **{f.name: getattr(a, f.name) for f in dataclasses.fields(ReplayConfig)
-                                      if f.name != "url"})
-    report = replay(sessions, cfg, a.out)
+        return generate(load_preset(a.preset, **overrides))
+    return read_weka(a.trace)
+
+
+def config_from_args(a: argparse.Namespace, **fixed) -> ReplayConfig:
+    return ReplayConfig(**{f.name: fixed[f.name] if f.name in fixed else getattr(a, f.name)
+                           for f in dataclasses.fields(ReplayConfig)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m serving.workload.replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True)
+    p.add_argument("--out", help="directory for report.json, summary.csv, requests.csv")
+    add_replay_arguments(p, skip=("url",))
+    a = p.parse_args(argv)
+    report = replay(sessions_from_args(a), config_from_args(a), a.out)
     keys = ("output_tokens_per_s_per_gpu", "total_tokens_per_s_per_gpu", "p90_interactivity_tokens_per_s", "ttft_s",
             "cache_hit_rate", "requests")
     print(json.dumps({k: report[k] for k in keys}, indent=2, default=_json_default))

@@ -1,9 +1,5 @@
-"""The AgentX replay client against a real `k3jax serve` worker (k3-tiny on CPU, short preset).
-
-The worker keeps shape buckets few (1 running request, 128-token prefill chunks, bucket growth 256):
-compilation dominates on a 2-core machine, so the fixture compiles the replay's programs before the
-replay starts and the scored window sees compiled shapes.
-"""
+"""The AgentX replay client against a real `k3jax serve` worker (k3-tiny on CPU, short preset; the
+`server` fixture is in conftest.py), and its session-tree scheduling against a fake server."""
 
 from __future__ import annotations
 
@@ -11,12 +7,6 @@ import asyncio
 import csv
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,64 +14,6 @@ import pytest
 
 from serving.workload.replay import Replay, ReplayConfig, RequestRecord, replay
 from serving.workload.traces import generate, load_preset
-
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_FLAGS = ["--model", "k3-tiny", "--max-running", "1", "--max-prefill-tokens", "128", "--page-size", "16",
-                "--max-model-len", "4096", "--num-pages", "1200", "--num-slots", "64", "--bucket-growth", "256",
-                "--no-warmup", "--grpc-port", "none"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _compile_shapes(url: str) -> None:
-    """Compiles the programs a replay uses before it starts (on a loaded 2-core machine that takes about a
-    minute, longer than any warm-up period worth scoring after): a 300-token prompt (128-token chunks), the
-    same prompt extended by 10 tokens (a prefix hit, a 16-token chunk, checkpoint copies), and decode."""
-    import httpx
-
-    prompt = [(7 * i + 3) % 251 for i in range(300)]
-    for ids in (prompt, prompt + [5] * 10):
-        r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 4, "ignore_eos": True},
-                       timeout=300)
-        assert r.status_code == 200, r.text
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    env = {**os.environ, "K3JAX_COMPILE_CACHE": str(tmp_path_factory.mktemp("xla_cache")), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "k3jax", "serve", *ENGINE_FLAGS, "--http-port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if "k3jax serve: ready" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while not ready.wait(0.5):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("k3jax serve did not start:\n" + "\n".join(lines[-40:]))
-    url = f"http://127.0.0.1:{port}"
-    _compile_shapes(url)
-    yield url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 def test_replay_short_preset_reports_throughput_latency_and_cache_hits(server, tmp_path):
