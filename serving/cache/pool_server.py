@@ -91,8 +91,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_frame(sock: socket.socket, max_header: int, max_payload: int) -> tuple[dict, bytearray]:
-    """One frame: (header map, payload). ProtocolError on a bad magic, size or header encoding."""
+def recv_frame_head(sock: socket.socket, max_header: int, max_payload: int) -> tuple[dict | BadHeader, int]:
+    """A frame's prefix and header: (header map, or the BadHeader describing why it is not one; payload
+    length). The payload is still in the stream. ProtocolError on a bad magic or an over-size length."""
     magic, header_len, payload_len = FRAME.unpack(recv_exact(sock, FRAME.size))
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
@@ -101,14 +102,44 @@ def recv_frame(sock: socket.socket, max_header: int, max_payload: int) -> tuple[
     if payload_len > max_payload:
         raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of {max_payload}")
     raw = recv_exact(sock, header_len)
-    payload = recv_exact(sock, payload_len) if payload_len else bytearray()
     try:
         header = msgpack.unpackb(bytes(raw), raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
     except Exception as e:  # msgpack raises several types for garbage
-        raise BadHeader(f"header is not valid msgpack: {e}") from None
+        return BadHeader(f"header is not valid msgpack: {e}"), payload_len
     if not isinstance(header, dict):
-        raise BadHeader("header must be a msgpack map")
+        return BadHeader("header must be a msgpack map"), payload_len
+    return header, payload_len
+
+
+def recv_frame(sock: socket.socket, max_header: int, max_payload: int) -> tuple[dict, bytearray]:
+    """One whole frame: (header map, payload). ProtocolError (BadHeader for a bad header) as above."""
+    header, payload_len = recv_frame_head(sock, max_header, max_payload)
+    payload = recv_exact(sock, payload_len) if payload_len else bytearray()
+    if isinstance(header, BadHeader):
+        raise header
     return header, payload
+
+
+class PayloadReader:
+    """The payload of the frame being served, read straight into the buffers that keep it (one copy
+    from the socket, no staging buffer). `drain()` skips whatever was not read (after a bad request)."""
+
+    def __init__(self, sock: socket.socket, nbytes: int):
+        self.sock, self.left = sock, nbytes
+
+    def read(self, n: int) -> bytearray:
+        if n > self.left:
+            raise ProtocolError(f"payload too short: {n} more bytes needed, {self.left} left")
+        self.left -= n
+        return recv_exact(self.sock, n)
+
+    def drain(self) -> None:
+        scratch = bytearray(min(self.left, 1 << 20))
+        while self.left:
+            k = self.sock.recv_into(scratch, min(self.left, len(scratch)))
+            if k == 0:
+                raise ConnectionError("peer closed mid-payload")
+            self.left -= k
 
 
 def check_key(key) -> str:
@@ -155,7 +186,7 @@ def check_arrays(arrays) -> tuple[list, int, bool]:
 class _Entry:
     __slots__ = ("arrays", "data", "has_checkpoint")
 
-    def __init__(self, arrays: list, data: bytes, has_checkpoint: bool):
+    def __init__(self, arrays: list, data: bytearray, has_checkpoint: bool):
         self.arrays, self.data, self.has_checkpoint = arrays, data, has_checkpoint
 
 
@@ -226,20 +257,19 @@ class BlobLRU:
 
 
 # --- the server --------------------------------------------------------------------------------------
-def handle_request(store: BlobLRU, header: dict, payload: bytearray) -> tuple[dict, list]:
-    """One validated request -> (reply header, reply payload buffers). Raises ProtocolError."""
+def handle_request(store: BlobLRU, header: dict, payload: PayloadReader) -> tuple[dict, list]:
+    """One request -> (reply header, reply payload buffers). Raises ProtocolError, possibly with part of
+    the payload unread (the caller drains it)."""
     op = header.get("op")
+    if op != "put_many" and payload.left:
+        raise ProtocolError(f"{op!r} takes no payload")
     if op == "ping":
         return {"ok": True}, []
     if op == "stats":
         return {"ok": True, "stats": store.stats()}, []
     if op == "contains_prefix":
-        if payload:
-            raise ProtocolError("contains_prefix takes no payload")
         return {"ok": True, "n": store.contains_prefix(check_keys(header.get("keys")))}, []
     if op == "get_many":
-        if payload:
-            raise ProtocolError("get_many takes no payload")
         entries = store.get_many(check_keys(header.get("keys")))
         return ({"ok": True, "blobs": [None if e is None else e.arrays for e in entries]},
                 [e.data for e in entries if e is not None])
@@ -256,11 +286,11 @@ def handle_request(store: BlobLRU, header: dict, payload: bytearray) -> tuple[di
             arrays, nbytes, has_ckpt = check_arrays(item.get("arrays"))
             parsed.append((key, arrays, offset, nbytes, has_ckpt))
             offset += nbytes
-        if offset != len(payload):
-            raise ProtocolError(f"payload has {len(payload)} bytes, the descriptors describe {offset}")
-        view = memoryview(payload)
-        stored = [store.put(key, _Entry(arrays, bytes(view[start:start + n]), ck))
-                  for key, arrays, start, n, ck in parsed]
+        if offset != payload.left:
+            raise ProtocolError(f"payload has {payload.left} bytes, the descriptors describe {offset}")
+        data = [payload.read(n) for _, _, _, n, _ in parsed]  # all of it before storing any
+        stored = [store.put(key, _Entry(arrays, blob_bytes, ck))
+                  for (key, arrays, _, _, ck), blob_bytes in zip(parsed, data)]
         return {"ok": True, "stored": stored}, []
     raise ProtocolError(f"unknown op {op!r} (ping, stats, contains_prefix, get_many, put_many)")
 
@@ -286,25 +316,30 @@ class _Handler(socketserver.BaseRequestHandler):
     def _serve(self, server: "PoolServer", sock: socket.socket) -> None:
         while True:
             try:
-                header, payload = recv_frame(sock, MAX_HEADER_BYTES, server.max_request_bytes)
+                header, payload_len = recv_frame_head(sock, MAX_HEADER_BYTES, server.max_request_bytes)
             except ConnectionError:
                 return  # client went away (possibly mid-frame): nothing to answer
-            except BadHeader as e:
-                header, payload = e, bytearray()  # answered below; the stream is still in step
             except (ProtocolError, OSError, struct.error) as e:
                 server.store.count_bad_request()
                 self._try_reply({"ok": False, "error": str(e)}, [])
                 return  # the stream is out of step: close it
+            payload = PayloadReader(sock, payload_len)
             try:
                 if isinstance(header, BadHeader):
                     raise header
                 reply, buffers = handle_request(server.store, header, payload)
+            except ConnectionError:
+                return
             except ProtocolError as e:
                 server.store.count_bad_request()
                 reply, buffers = {"ok": False, "error": str(e)}, []
             except Exception as e:  # a bug must cost one request, not the server
                 log.exception("pool server: request failed")
                 reply, buffers = {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}, []
+            try:
+                payload.drain()  # keep the stream in step after a refused request
+            except (ConnectionError, OSError):
+                return
             if not self._try_reply(reply, buffers):
                 return
 
