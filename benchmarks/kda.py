@@ -116,79 +116,112 @@ def copy_bandwidth(results, trials):
         results["copy_torch_error"] = repr(e)
 
 
-def prefill_case(row, b, t, h, args, fla, deadline, detail):
+def prefill_inputs(b, t, h):
     ks = jax.random.split(jax.random.key(b * 7 + h), 8)
     total = b * t
     q, k, v, z = (jax.random.normal(ks[i], (total, h, D), jnp.bfloat16) for i in range(4))
-    beta = jax.random.normal(ks[4], (total, h), jnp.float32)
-    s0 = 0.1 * jax.random.normal(ks[5], (b, h, D, D), jnp.float32)
-    a_log = 0.5 * jax.random.normal(ks[6], (h,), jnp.float32)
-    dt_bias = jax.random.normal(ks[7], (h * D,), jnp.float32)
-    cu = jnp.arange(b + 1, dtype=jnp.int32) * t
-    kw = dict(a_log=a_log, dt_bias=dt_bias, gate="lower_bound", lower_bound=LB, beta_sigmoid=True, qk_l2norm=True)
-    row["tokens"] = total
-    ours = lambda **extra: kc.kda_chunk(q, k, v, z, beta, s0, cu, interpret=args.interpret, **kw, **extra)
+    return dict(q=q, k=k, v=v, z=z, beta=jax.random.normal(ks[4], (total, h), jnp.float32),
+                s0=0.1 * jax.random.normal(ks[5], (b, h, D, D), jnp.float32),
+                a_log=0.5 * jax.random.normal(ks[6], (h,), jnp.float32),
+                dt_bias=jax.random.normal(ks[7], (h * D,), jnp.float32),
+                cu=jnp.arange(b + 1, dtype=jnp.int32) * t)
+
+
+def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
+    """Ours (both state passes); on the detail case the stages apart and checkpoints; fla; then the sweep."""
+    x = prefill_inputs(b, t, h)
+    kw = dict(a_log=x["a_log"], dt_bias=x["dt_bias"], gate="lower_bound", lower_bound=LB, beta_sigmoid=True,
+              qk_l2norm=True, interpret=args.interpret)
+    ours = lambda **extra: kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], x["s0"], x["cu"], **kw, **extra)
+    row["tokens"] = b * t
     o, final, _ = ours()
     row["ours_ms"] = 1e3 * time_jax(ours, args.trials)
-    o_split, final_split, _ = ours(state_pass="split")
+    o_split, _, _ = ours(state_pass="split")
     row["ours_split_ms"] = 1e3 * time_jax(lambda: ours(state_pass="split"), args.trials)
     row["rel_o_split_vs_fused"] = rel(jnp.asarray(o_split, jnp.float32), jnp.asarray(o, jnp.float32))
+    row["ours_Mtok_s"] = b * t / min(row["ours_ms"], row["ours_split_ms"]) / 1e3
+    save()
+    staged = None
+    if detail:
+        staged = prefill_stages(row, b, t, args, x, ours, save)
     if fla is not None:
-        import torch
+        prefill_fla(row, args, fla, x, o, final, o_split)
+        save()
+    if staged is not None:
+        state_sweep(row, b * t, b, args, deadline, x["s0"], staged, save)
 
-        tq, tk, tv, tz = (to_torch(a).unsqueeze(0) for a in (q, k, v, z))
-        tb, ts0 = to_torch(beta).unsqueeze(0), to_torch(s0).clone()
-        tcu = to_torch(cu).long()
-        call = lambda: fla.chunk_kda(
-            tq, tk, tv, tz, tb, A_log=to_torch(a_log), dt_bias=to_torch(dt_bias), initial_state=ts0,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB, state_v_first=True, cu_seqlens=tcu)
-        with torch.no_grad():
-            fo, ff = call()
-            row["fla_ms"] = 1e3 * time_torch(call, args.trials)
-        fo = np.asarray(fo[0].float().cpu())
-        row["rel_o_vs_fla"] = rel(jnp.asarray(o, jnp.float32), fo)
-        row["rel_state_vs_fla"] = rel(final, np.asarray(ff.float().cpu()))
-        row["rel_o_split_vs_fla"] = rel(jnp.asarray(o_split, jnp.float32), fo)
-        row["ratio"] = row["fla_ms"] / row["ours_ms"]
-        row["ratio_split"] = row["fla_ms"] / row["ours_split_ms"]
-    row["ours_Mtok_s"] = total / min(row["ours_ms"], row["ours_split_ms"]) / 1e3
-    if not detail:
-        return
-    # Stages apart: the XLA intra-chunk stage, then each state pass on its output.
-    n = b
-    num_chunks = total // kc.CHUNK + 2 * n
-    cu32, start, a, bias = kc._preprocess_args(q, z, beta, s0, cu, "lower_bound", a_log, dt_bias, None)
+
+def prefill_fla(row, args, fla, x, o, final, o_split):
+    import torch
+
+    tq, tk, tv, tz = (to_torch(x[n]).unsqueeze(0) for n in ("q", "k", "v", "z"))
+    tb, ts0 = to_torch(x["beta"]).unsqueeze(0), to_torch(x["s0"]).clone()
+    tcu = to_torch(x["cu"]).long()
+    call = lambda: fla.chunk_kda(
+        tq, tk, tv, tz, tb, A_log=to_torch(x["a_log"]), dt_bias=to_torch(x["dt_bias"]), initial_state=ts0,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB, state_v_first=True, cu_seqlens=tcu)
+    with torch.no_grad():
+        fo, ff = call()
+        row["fla_ms"] = 1e3 * time_torch(call, args.trials)
+    fo = np.asarray(fo[0].float().cpu())
+    row["rel_o_vs_fla"] = rel(jnp.asarray(o, jnp.float32), fo)
+    row["rel_state_vs_fla"] = rel(final, np.asarray(ff.float().cpu()))
+    row["rel_o_split_vs_fla"] = rel(jnp.asarray(o_split, jnp.float32), fo)
+    row["ratio"] = row["fla_ms"] / row["ours_ms"]
+    row["ratio_split"] = row["fla_ms"] / row["ours_split_ms"]
+
+
+def prefill_stages(row, b, t, args, x, ours, save):
+    """The XLA intra-chunk stage alone, each state pass (default V-block) on its output, then page-256 and
+    page-64 checkpoint emission vs none. Returns the intra stage's outputs for the sweep."""
+    total = b * t
+    num_chunks = total // kc.CHUNK + 2 * b
+    cu32, start, a, bias = kc._preprocess_args(x["q"], x["z"], x["beta"], x["s0"], x["cu"], "lower_bound",
+                                               x["a_log"], x["dt_bias"], None)
 
     @jax.jit
     def intra():
         first, tok_start, length, ckpt_idx = kc.chunk_table(cu32, start, num_chunks, 0)
         return (first, tok_start, length, ckpt_idx) + kc._intra_stage(
-            tok_start, length, q, k, v, z, beta, a, bias, gate="lower_bound", lower_bound=LB, beta_sigmoid=True,
-            qk_l2norm=True, scale=D**-0.5, bounded=True, stored=jnp.bfloat16)
+            tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a, bias, gate="lower_bound",
+            lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True, stored=jnp.bfloat16)
 
     row["stage_intra_ms"] = 1e3 * time_jax(intra, args.trials)
     staged = intra()
-    for name, fn in (("fused", kc._state_call), ("split", kc._state_split_call)):
-        for bv in [None] + args.block_v:
-            if time.monotonic() > deadline - args.case_limit / 2:
-                row["sweep_cut"] = True
-                break
-            key = f"stage_state_{name}" + (f"_bv{bv}" if bv else "") + "_ms"
-            try:
-                f = jax.jit(lambda *xs, fn=fn, bv=bv: fn(*xs, s0, t=total, n=n, page=0, block_v=bv,
-                                                        out_dtype=jnp.bfloat16, interpret=args.interpret))
-                row[key] = 1e3 * time_jax(lambda f=f: f(*staged), args.trials)
-            except CaseTimeout:
-                raise
-            except Exception as e:  # noqa: BLE001
-                row[key.replace("_ms", "_error")] = repr(e)[:300]
+    for name in ("fused", "split"):
+        row[f"stage_state_{name}_ms"] = time_state(name, None, 4, staged, x["s0"], total, b, args)
+        save()
     for page in (256, 64):
-        if time.monotonic() > deadline - args.case_limit / 2:
-            row["sweep_cut"] = True
-            break
         row[f"ours_ckpt{page}_ms"] = 1e3 * time_jax(lambda page=page: ours(checkpoint_page_size=page), args.trials)
         row[f"ckpt{page}_overhead"] = row[f"ours_ckpt{page}_ms"] / row["ours_ms"] - 1
+        save()
+    return staged
+
+
+def time_state(name, block_v, num_warps, staged, s0, total, n, args):
+    fn = dict(fused=kc._state_call, split=kc._state_split_call)[name]
+    f = jax.jit(lambda *xs: fn(*xs, s0, t=total, n=n, page=0, block_v=block_v, out_dtype=jnp.bfloat16,
+                               interpret=args.interpret, num_warps=num_warps))
+    return 1e3 * time_jax(lambda: f(*staged), args.trials)
+
+
+def state_sweep(row, total, n, args, deadline, s0, staged, save):
+    """The state passes' V-block and warps, while the case has time left."""
+    for name in ("fused", "split"):
+        for bv in args.block_v:
+            for nw in args.state_warps:
+                if time.monotonic() > deadline - 5:
+                    row["sweep_cut"] = True
+                    return
+                key = f"stage_state_{name}_bv{bv}_w{nw}"
+                try:
+                    row[key + "_ms"] = time_state(name, bv, nw, staged, s0, total, n, args)
+                except CaseTimeout:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    row[key + "_error"] = repr(e)[:300]
+                save()
 
 
 def decode_case(row, b, t, h, args, fla, copy_tbps):
@@ -284,7 +317,9 @@ def main(argv=None):
     p.add_argument("--prefill", default="1x32768x32,8x4096x32,1x32768x96", help="BxTxH list (first: stages, sweep)")
     p.add_argument("--decode", default="64x1x96,256x1x96,64x4x96,256x4x96", help="BxTxH list")
     p.add_argument("--order", default="prefill1,decode,prefill", help="prefill1 = the first prefill case")
-    p.add_argument("--block-v", type=lambda s: [int(x) for x in s.split(",") if x], default=[32, 64])
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    p.add_argument("--block-v", type=ints, default=[16, 32, 64], help="state-pass sweep (first prefill case)")
+    p.add_argument("--state-warps", type=ints, default=[4, 8], help="state-pass sweep (first prefill case)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (tiny shapes)")
@@ -305,13 +340,20 @@ def main(argv=None):
                   decode=[("decode", s, False) for s in decode])
     cases = [c for g in args.order.split(",") for c in groups[g]]
     signal.signal(signal.SIGALRM, _alarm)
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=1)
+
     for kind, (b, t, h), detail in cases:
         t0 = time.monotonic()
         signal.alarm(int(args.case_limit))
         row = dict(kind=kind, B=b, T=t, H=h)  # filled in place: a case cut short keeps what it measured
+        results["rows"].append(row)
         try:
             if kind == "prefill":
-                prefill_case(row, b, t, h, args, fla, t0 + args.case_limit, detail)
+                prefill_case(row, b, t, h, args, fla, t0 + args.case_limit, detail, save)
             else:
                 decode_case(row, b, t, h, args, fla, copy_tbps)
         except Exception as e:  # noqa: BLE001 -- CaseTimeout included: keep the other cases' numbers
@@ -320,11 +362,8 @@ def main(argv=None):
         finally:
             signal.alarm(0)
         row["case_s"] = time.monotonic() - t0
-        results["rows"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(results, fh, indent=1)
+        save()
     print_table(results)
 
 
