@@ -114,6 +114,8 @@ class MooncakeStore(CacheStore):
     local_buffer_bytes: this client's staging buffer; a single get/put moves at most this much.
     """
 
+    tier = "shared"  # how the engine labels hits from this store (stats: prefix_hit_tokens_by_tier)
+
     def __init__(self, master: str = "127.0.0.1:50051", *, local_hostname: str = "127.0.0.1",
                  metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp",
                  global_segment_bytes: int = 512 * _MIB, local_buffer_bytes: int = 128 * _MIB,

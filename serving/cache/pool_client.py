@@ -135,6 +135,8 @@ class PoolUnavailable(ConnectionError):
 class PoolStore(CacheStore):
     """The shared pool server as a `CacheStore`. Thread-safe; never raises once constructed (see module doc)."""
 
+    tier = "shared"  # how the engine labels hits from this store (stats: prefix_hit_tokens_by_tier)
+
     def __init__(self, host: str = "127.0.0.1", port: int = 7790, *, connect_timeout_s: float = 0.5,
                  op_timeout_s: float = 10.0, retry_after_s: float = 2.0, max_idle_connections: int = 4,
                  max_batch_bytes: int = 256 << 20, namespace: str = ""):

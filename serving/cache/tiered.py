@@ -190,7 +190,7 @@ def open_cache_pool(url: str | None, **kwargs) -> CacheStore | None:
 
 def make_cache_store(host_cache_gb: float = 0.0, cache_pool: str | None = None) -> CacheStore | None:
     """The store below the device cache: HostStore (host_cache_gb > 0), the shared pool (cache_pool URL),
-    both as TieredStore(["host", "pool"]), or None."""
+    both as TieredStore(["host", "shared"]) (the engine's tier names), or None."""
     from serving.cache.host_tier import HostStore
 
     if not isinstance(host_cache_gb, (int, float)) or host_cache_gb < 0:
@@ -198,5 +198,5 @@ def make_cache_store(host_cache_gb: float = 0.0, cache_pool: str | None = None) 
     host = HostStore(host_cache_gb) if host_cache_gb > 0 else None
     pool = open_cache_pool(cache_pool)
     if host is not None and pool is not None:
-        return TieredStore([host, pool], names=["host", "pool"])
+        return TieredStore([host, pool], names=["host", "shared"])
     return host if host is not None else pool

@@ -120,7 +120,7 @@ def test_constructors_from_urls(pool_server):
     assert isinstance(make_cache_store(host_cache_gb=0.001), HostStore)
     assert isinstance(make_cache_store(cache_pool=f"pool://127.0.0.1:{pool_server.port}"), PoolStore)
     both = make_cache_store(0.001, f"pool://127.0.0.1:{pool_server.port}")
-    assert isinstance(both, TieredStore) and both.names == ["host", "pool"]
+    assert isinstance(both, TieredStore) and both.names == ["host", "shared"]
     with pytest.raises(ValueError, match="host_cache_gb"):
         make_cache_store(-1)
     with pytest.raises(ValueError, match="tiers"):

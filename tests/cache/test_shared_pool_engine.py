@@ -1,0 +1,69 @@
+"""Two `Engine`s (k3-tiny, CPU) sharing one PoolStore, through `Engine(store=...)` with write-through at
+publication: a session's turn 2 on the other engine is served from the shared pool; then the pool server
+dies and the first engine serves turn 2 from its own device cache, with the same greedy output. Both
+engines have the same pool sizes and bucket shapes, so they share one set of compiled programs.
+
+OFF BY DEFAULT (K3JAX_ENGINE_POOL_TEST=1 turns it on): two k3-tiny engines cost ~50 s of CPU, more than
+the cache tests' CI budget; tests/disagg/test_roles.py covers the engine path with a stand-in store in CI.
+
+Run: K3JAX_ENGINE_POOL_TEST=1 python -m pytest -q tests/cache/test_shared_pool_engine.py
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import k3jax
+from serving.cache import PoolStore
+from serving.config import EngineConfig
+from serving.engine import Engine
+from serving.request import SamplingParams
+
+SIZES = dict(page_size=16, num_pages=64, num_slots=12, max_running=1, max_prefill_tokens=16, max_model_len=256,
+             bucket_growth=64)  # one row bucket, one token bucket: every compile counts on 2 CPU cores
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("K3JAX_ENGINE_POOL_TEST") != "1",
+                                                   reason="two k3-tiny engines (~50 s CPU): set K3JAX_ENGINE_POOL_TEST=1")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = k3jax.load_config("k3-tiny")
+    return cfg, k3jax.init_params(cfg, jax.random.key(0))
+
+
+def engine(model, store=None, **kw):
+    cfg, params = model
+    return Engine(EngineConfig(**SIZES, **kw), cfg=cfg, params=params, store=store)
+
+
+def test_turn_two_on_another_engine_hits_the_shared_pool_and_a_dead_pool_degrades(model, pool_server):
+    rng = np.random.default_rng(17)
+    turn1 = rng.integers(0, 256, 150).tolist()
+    shared_a, shared_b = PoolStore("127.0.0.1", pool_server.port), PoolStore("127.0.0.1", pool_server.port)
+    a = engine(model, store=shared_a, store_write_through=True)
+    b = engine(model, store=shared_b, store_write_through=True)
+    out1 = a.generate([turn1], GREEDY, sessions=["s"])[0]
+    assert shared_a.contains_prefix(_hashes(turn1)) == len(turn1) // 16  # published at once, not at eviction
+
+    turn2 = turn1 + out1 + rng.integers(0, 256, 9).tolist()
+    out2_b = b.generate([turn2], GREEDY, sessions=["s"])[0]
+    by_tier = b.stats()["prefix_hit_tokens_by_tier"]
+    assert by_tier["shared"] >= 0.9 * len(turn2) - SIZES["page_size"], (by_tier, len(turn2))
+    assert by_tier["device"] == 0 and shared_b.stats()["hits"] > 0
+
+    # the pool server dies: engine a keeps serving (its device cache holds turn 1) and agrees with b,
+    # which computed turn 2 on pages restored from the pool
+    pool_server.stop()
+    assert a.generate([turn2], GREEDY, sessions=["s"])[0] == out2_b
+    assert not shared_a.available and a.stats()["prefix_hit_tokens_by_tier"]["device"] > 0
+    for e in (a, b):
+        e.check_integrity()
+
+
+def _hashes(tokens):
+    from serving.cache.hashing import prefix_hashes
+
+    return prefix_hashes(tokens, SIZES["page_size"])
