@@ -14,11 +14,14 @@ the routed experts is replicated and runs on the rank's own tokens; the MoE laye
      partial sums, then applies latent_norm / latent_up.
 
 XLA all-to-all buffers are static: each round carries `capacity` rows from every rank to every rank
-(default ceil(B*min(k, n)/n) for B local tokens: n*capacity ~ B*k rows, the most a rank can send).
+(default floor(B*min(k, n)/n) for B local tokens, at least 1: n*capacity <= B*min(k, n) <= B*k rows,
+never more than a rank can send after deduplication, also when B*k is not a multiple of n).
 A destination that needs more rows than that gets them in further rounds (a while loop whose trip
 count is the pmax of what every rank needs), so nothing is dropped and results are exact for any routing.
-One round moves n*capacity rows each way: the published bound of <= 2BK token payloads per rank and
-layer. XLA:CPU has no ragged all-to-all, which would send only the rows used.
+One round moves n*capacity <= B*k rows each way: the published bound of <= 2BK token payloads per rank
+and layer. The one exception is B*min(k, n) < n (a decode step with fewer routed rows than ranks): a
+static all-to-all needs at least one row per rank pair, n > B*k. XLA:CPU has no ragged all-to-all, which
+would send only the rows used.
 """
 
 from __future__ import annotations
@@ -70,26 +73,28 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 
 def default_capacity(local_tokens: int, cfg: ModelConfig, ranks: int) -> int:
-    """Rows per (source, destination) pair and round: n * capacity ~ B * min(k, n), the most one rank
-    can send after deduplication."""
-    return max(1, -(-local_tokens * min(cfg.num_experts_per_tok, ranks) // ranks))
+    """Rows per (source, destination) pair and round: the largest capacity with n * capacity <=
+    B * min(k, n) (the most one rank can send after deduplication), so one round's dispatch + combine
+    buffers stay within 2BK token payloads; routing that needs more rows takes further rounds."""
+    return max(1, local_tokens * min(cfg.num_experts_per_tok, ranks) // ranks)
 
 
 def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, experts: dict, cfg: ModelConfig,
-                   ranks: int, capacity: int, backend_name: str) -> jax.Array:
+                   ranks: int, capacity: int, backend_name: str, axis=AXIS) -> jax.Array:
     """Inside shard_map: sum_i w_i E_i(z) for this rank's tokens z [N, Dl] routed to ids / weights [N, k],
     with the experts spread over the ranks (`experts`: this rank's [El, ...] slice). Tokens with
-    valid=False (padding) are not sent. Returns [N, Dl] in z's dtype."""
+    valid=False (padding) are not sent. `axis`: the mesh axis (or tuple of axes) the experts are split
+    over, ranks its size. Returns [N, Dl] in z's dtype."""
     num_tokens, width = z.shape
     k = ids.shape[1]
     expert_cfg = local_expert_cfg(cfg, ranks)
     local_experts = expert_cfg.num_experts
-    rank = jax.lax.axis_index(AXIS)
+    rank = jax.lax.axis_index(axis)
 
     dest = ids // local_experts  # [N, k] owning rank of each choice
     sends = jnp.any(dest[:, :, None] == jnp.arange(ranks)[None, None, :], axis=1) & valid[:, None]  # [N, n]
     position = jnp.cumsum(sends, axis=0) - 1  # row of token t in the list for destination r
-    rounds = jax.lax.pmax(-(-jnp.max(jnp.sum(sends, axis=0)) // capacity), AXIS)
+    rounds = jax.lax.pmax(-(-jnp.max(jnp.sum(sends, axis=0)) // capacity), axis)
     # one row per sent token: the latent in its own dtype, and the routing as int32 (expert ids | fp32
     # weights bit-cast), so neither ids nor weights are rounded to a bf16 activation dtype
     rows_z = jnp.concatenate([z, jnp.zeros((1, width), z.dtype)])  # row N: an empty slot
@@ -102,8 +107,8 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
         slot = jnp.where(in_round, jnp.arange(ranks)[None, :] * capacity + position - i * capacity, ranks * capacity)
         token_of_slot = jnp.full((ranks * capacity,), sink, jnp.int32).at[slot.reshape(-1)].set(
             jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], slot.shape).reshape(-1), mode="drop")
-        recv_z = jax.lax.all_to_all(rows_z[token_of_slot].reshape(ranks, capacity, width), AXIS, 0, 0)
-        recv_routing = jax.lax.all_to_all(rows_routing[token_of_slot].reshape(ranks, capacity, 2 * k), AXIS, 0, 0)
+        recv_z = jax.lax.all_to_all(rows_z[token_of_slot].reshape(ranks, capacity, width), axis, 0, 0)
+        recv_routing = jax.lax.all_to_all(rows_routing[token_of_slot].reshape(ranks, capacity, 2 * k), axis, 0, 0)
         r_z = recv_z.reshape(ranks * capacity, width)  # [source, slot] rows
         r_ids = recv_routing[..., :k].reshape(ranks * capacity, k)
         r_w = jax.lax.bitcast_convert_type(recv_routing[..., k:], jnp.float32).reshape(ranks * capacity, k)
@@ -111,15 +116,19 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
         partial_sums = backend.get("moe_experts", backend_name)(
             r_z, jnp.where(mine, r_ids - rank * local_experts, 0), jnp.where(mine, r_w, 0.0),
             experts, expert_cfg)
-        back = jax.lax.all_to_all(partial_sums.reshape(ranks, capacity, width), AXIS, 0, 0).reshape(ranks * capacity, width)
+        back = jax.lax.all_to_all(partial_sums.reshape(ranks, capacity, width), axis, 0, 0).reshape(ranks * capacity, width)
         return out.at[token_of_slot].add(back.astype(jnp.float32))
 
     out = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((num_tokens + 1, width), jnp.float32))
     return out[:num_tokens].astype(z.dtype)
 
 
-def _dep_ffn(cfg: ModelConfig, ranks: int, valid: jax.Array, capacity: int | None, backend_name: str):
-    """The DEP feed-forward; valid [B, T] marks real tokens (padding is not dispatched)."""
+def _dep_ffn(cfg: ModelConfig, ranks: int, valid: jax.Array, capacity: int | None, backend_name: str, axis=AXIS,
+             shared_fn=None):
+    """The DEP feed-forward; valid [B, T] marks real tokens (padding is not dispatched). `axis`: the mesh
+    axis (or axes) of the expert split; shared_fn(params, x [N, D]) -> [N, D] replaces the local shared
+    experts (TP subgroups shard them)."""
+    shared_fn = shared_fn or (lambda p, x: mlp(p, x, cfg))
 
     def ffn(l, p, x):
         if "router" not in p:
@@ -129,13 +138,13 @@ def _dep_ffn(cfg: ModelConfig, ranks: int, valid: jax.Array, capacity: int | Non
         ids, weights = route(p["router"], p["router_bias"], xf, cfg)
         z = dense(xf, p["latent_down"]) if cfg.moe_latent_size else xf
         cap = capacity or default_capacity(xf.shape[0], cfg, ranks)
-        y = routed_experts(z, ids, weights, valid.reshape(-1), p["experts"], cfg, ranks, cap, backend_name)
+        y = routed_experts(z, ids, weights, valid.reshape(-1), p["experts"], cfg, ranks, cap, backend_name, axis)
         if cfg.moe_latent_size:
             if cfg.moe_latent_norm:
                 y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)
             y = dense(y, p["latent_up"])
         if cfg.num_shared_experts:
-            y = y + mlp(p["shared"], xf, cfg)
+            y = y + shared_fn(p["shared"], xf)
         return y.reshape(shape)
 
     return ffn

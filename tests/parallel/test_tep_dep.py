@@ -195,3 +195,22 @@ def test_dep_hlo_all_to_all_within_2bk(setup, serving_case, dep_run):
     assert latent_elements == moe_layers * 2 * per_rank_tokens * k * latent  # 2BK token payloads per layer
     small = [c for c in report if c.kind != "all-to-all"]
     assert len(small) == moe_layers and all(c.kind == "all-reduce" and c.payload_bytes == 4 for c in small)
+
+
+def test_dep_capacity_within_2bk_when_bk_not_multiple_of_ranks(setup):
+    """B = 5 local tokens, k = 3: B*k = 15 is not a multiple of 8 ranks. A dispatch round carries
+    capacity = floor(15/8) = 1 row per rank pair (8 <= 15 rows; ceil would give 16 > BK), so one round's
+    dispatch + combine latent buffers are <= 2BK token payloads; routing that needs more rows takes more
+    rounds and stays exact."""
+    cfg, params, mesh, _, dep_params = setup
+    layer, per_rank = 5, 5
+    k, width = cfg.num_experts_per_tok, cfg.moe_latent_size
+    assert (per_rank * k) % RANKS
+    x = jax.random.normal(jax.random.key(4), (RANKS, per_rank, cfg.hidden_size), jnp.float32)
+    compiled = dep.moe_block.lower(dep_params, cfg, layer, x, mesh).compile()
+    want = jax.jit(model_ffn, static_argnums=2)(params["layers"][layer]["mlp"], x, cfg)
+    assert rel_err(compiled(dep_params, x), want) <= RTOL
+    latent_a2a = [c for c in comm.collectives(compiled.as_text()) if c.kind == "all-to-all" and c.shapes[0][1][-1] == width]
+    assert len(latent_a2a) == 2  # dispatch and combine of one round (XLA:CPU spells each as one tuple per peer)
+    rows = sum(int(np.prod(dims[:-1])) for c in latent_a2a for _, dims in c.shapes)
+    assert rows == 2 * RANKS * dep.default_capacity(per_rank, cfg, RANKS) and rows <= 2 * per_rank * k
