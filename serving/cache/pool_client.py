@@ -7,8 +7,8 @@
   whole history in one round trip each (split only past `max_batch_bytes`).
 - Thread-safe: each call borrows a connection from a small pool (a new one when all are busy), so
   threads never interleave frames on one socket.
-- Never raises into the engine once constructed. A dead or unreachable server (refused, reset, timed
-  out, a garbled reply) makes the call answer "absent" (0 / None / False) and marks the pool down for
+- Never raises into the engine once constructed. A dead, hung or unreachable server (refused, reset,
+  no reply within `op_timeout_s`, a garbled reply) makes the call answer "absent" (0 / None / False) and marks the pool down for
   `retry_after_s`: calls in that window answer "absent" at once, without touching the network; the first
   call after it tries one fresh connection (connect timeout `connect_timeout_s`). The outage is logged
   once when it starts and once when the pool is back. An error reply to a request the server did not
@@ -138,7 +138,7 @@ class PoolStore(CacheStore):
     tier = "shared"  # how the engine labels hits from this store (stats: prefix_hit_tokens_by_tier)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 7790, *, connect_timeout_s: float = 0.5,
-                 op_timeout_s: float = 10.0, retry_after_s: float = 2.0, max_idle_connections: int = 4,
+                 op_timeout_s: float = 5.0, retry_after_s: float = 2.0, max_idle_connections: int = 4,
                  max_batch_bytes: int = 256 << 20, namespace: str = ""):
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty str, got {host!r}")

@@ -173,7 +173,8 @@ def check_arrays(arrays) -> tuple[list, int, bool]:
             raise ProtocolError(f"shape must be a list of at most {MAX_NDIM} non-negative ints, got {shape!r}")
         if name == "latents" and len(shape) != 3:
             raise ProtocolError(f"latents must be 3-D [L_mla, page_size, width], got shape {shape}")
-        if not isinstance(nbytes, int) or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype]:
+        if (not isinstance(nbytes, int) or isinstance(nbytes, bool)
+                or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype]):
             raise ProtocolError(f"{name}: nbytes {nbytes!r} != prod({shape}) * itemsize of {dtype}")
         names.append(name)
         total += nbytes

@@ -4,6 +4,7 @@ Run: python -m pytest -q tests/cache/test_pool_store.py
 """
 
 import logging
+import signal
 import socket
 import struct
 import threading
@@ -210,6 +211,27 @@ def test_dead_server_degrades_to_misses_quickly_then_reconnects(pool_process, rn
     assert_same_blob(store.get(chain[0]), blobs[0])
     assert any("reachable again" in r.getMessage() for r in caplog.records)
     restarted.kill()
+
+
+def test_hung_server_times_out_into_misses(pool_process, rng):
+    """A server that accepts but never answers (SIGSTOP): the call in flight gives up after op_timeout_s,
+    later calls answer at once while the pool is marked down; SIGCONT and it serves again."""
+    proc = pool_process()
+    store = client(proc.port, op_timeout_s=0.3, retry_after_s=0.2)
+    blob = random_blob(rng, checkpoint=False)
+    assert store.put("k", blob)
+    proc.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert store.get("k") is None
+        assert 0.25 < time.monotonic() - start < 1.0
+        start = time.monotonic()
+        assert store.contains_prefix(["k"]) == 0 and store.get("k") is None
+        assert time.monotonic() - start < 0.05
+    finally:
+        proc.proc.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: store.get("k") is not None, timeout_s=5)
+    assert_same_blob(store.get("k"), blob)
 
 
 def test_unreachable_server_and_bad_arguments(rng):
