@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="timed steps per batch size (after 2 untimed)")
     p.add_argument("--spec-k", type=int, default=3)
     p.add_argument("--spec-batches", default="32,1")
-    p.add_argument("--spec-fixed", type=int, default=2, help="benchmark-only accepted drafts per step")
+    p.add_argument("--spec-fixed", default="2", help="benchmark-only accepted drafts per step, comma-separated "
+                   "(e.g. 2,3 brackets a measured mean acceptance length of 3.62 tokens/step at k=3)")
     p.add_argument("--spec-deadline-s", type=float, default=330.0, help="skip speculation past this run time")
     p.add_argument("--smoke", action="store_true", help="CPU-sized run (the test suite's smoke test)")
     p.add_argument("--out", default=None, help="write raw results as JSON here")
@@ -179,7 +180,7 @@ def main(argv=None) -> dict:
     else:
         dcfg = DrafterConfig(draft_vocab_size=min(cfg.vocab_size, 32768))
         drafter = (dcfg, init_drafter(cfg, dcfg, jax.random.key(1), target_params=params))
-        for fixed in (None, args.spec_fixed):
+        for fixed in (None, *(int(x) for x in args.spec_fixed.split(",") if x)):
             ecfg = engine_config(args, max(spec_batches), speculative_k=args.spec_k, spec_fixed_accepted=fixed)
             engine = Engine(ecfg, cfg=cfg, params=params, drafter=drafter)
             fill(engine, make_prompts(cfg, max(spec_batches), args.prefix, args.suffix, seed=1), max_tokens)
