@@ -21,6 +21,7 @@ descriptor: [[name, dtype, shape, nbytes], ...] + the arrays' C-order bytes, no 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import urllib.parse
@@ -161,7 +162,7 @@ class PoolStore(CacheStore):
         self.retry_after_s = float(retry_after_s)
         self.max_idle_connections = max_idle_connections
         self.max_batch_bytes = max_batch_bytes
-        self._idle: list = []  # connected sockets nobody is using
+        self._idle: list[socket.socket] = []  # connected sockets nobody is using
         self._lock = threading.Lock()  # guards _idle, _down_until, _down, counters
         self._down_until = 0.0
         self._down = False
@@ -187,12 +188,11 @@ class PoolStore(CacheStore):
         return f"PoolStore(pool://{self.host}:{self.port})"
 
     # --- connection handling ---------------------------------------------------------------------------
-    def _borrow(self):
-        import socket
-
+    def _borrow(self, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """(a connection, whether it is a reused idle one). `fresh`: always a new connection."""
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            if self._idle and not fresh:
+                return self._idle.pop(), True
             if self._down and time.monotonic() < self._down_until:
                 self._counts["skipped_while_down"] += 1
                 raise PoolUnavailable("pool marked down", skipped=True)
@@ -202,7 +202,7 @@ class PoolStore(CacheStore):
             raise PoolUnavailable(f"connect: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self.op_timeout_s)
-        return sock
+        return sock, False
 
     def _give_back(self, sock) -> None:
         with self._lock:
@@ -228,23 +228,30 @@ class PoolStore(CacheStore):
 
     def _call(self, header: dict, buffers: Sequence = ()) -> tuple[dict, bytearray] | None:
         """One request/reply. None (after marking the pool down) if the server cannot be reached or the
-        exchange breaks; None (logged) if the server answers with an error."""
-        try:
-            sock = self._borrow()
-        except PoolUnavailable as e:
-            if not e.skipped:
-                self._mark_down(str(e))
-            return None
-        try:
-            size = sum(len(b) for b in buffers)
-            sock.sendall(wire.pack_frame(header, size))
-            for buf in buffers:
-                sock.sendall(buf)
-            reply, payload = wire.recv_frame(sock, wire.MAX_HEADER_BYTES, _MAX_REPLY_BYTES)
-        except (OSError, wire.ProtocolError, ValueError) as e:
-            sock.close()
-            self._mark_down(f"{type(e).__name__}: {e}")
-            return None
+        exchange breaks; None (logged) if the server answers with an error. A reused idle connection
+        that turns out dead (the server restarted since) is retried once on a fresh one: every op is
+        idempotent (puts of immutable pages), and a restart should not cost a back-off of misses."""
+        fresh = False
+        while True:
+            try:
+                sock, reused = self._borrow(fresh)
+            except PoolUnavailable as e:
+                if not e.skipped:
+                    self._mark_down(str(e))
+                return None
+            try:
+                sock.sendall(wire.pack_frame(header, sum(len(b) for b in buffers)))
+                for buf in buffers:
+                    sock.sendall(buf)
+                reply, payload = wire.recv_frame(sock, wire.MAX_HEADER_BYTES, _MAX_REPLY_BYTES)
+            except (OSError, wire.ProtocolError, ValueError) as e:
+                sock.close()
+                if reused and isinstance(e, ConnectionError):  # reset / closed / EOF, not a timeout
+                    fresh = True
+                    continue
+                self._mark_down(f"{type(e).__name__}: {e}")
+                return None
+            break
         self._give_back(sock)
         if reply.get("ok") is not True:
             with self._lock:

@@ -213,6 +213,20 @@ def test_dead_server_degrades_to_misses_quickly_then_reconnects(pool_process, rn
     restarted.kill()
 
 
+def test_server_restarted_between_calls_costs_no_misses(pool_process, rng):
+    """The pooled connection died with the old server: the next call retries on a fresh connection
+    instead of marking the pool down."""
+    proc = pool_process()
+    store = client(proc.port, retry_after_s=60)
+    blob = random_blob(rng, checkpoint=True)
+    assert store.put("k", blob)
+    proc.kill()
+    pool_process(proc.port)
+    assert store.put("k", blob) and store.available
+    assert_same_blob(store.get("k"), blob)
+    assert store.stats()["skipped_while_down"] == 0
+
+
 def test_hung_server_times_out_into_misses(pool_process, rng):
     """A server that accepts but never answers (SIGSTOP): the call in flight gives up after op_timeout_s,
     later calls answer at once while the pool is marked down; SIGCONT and it serves again."""
