@@ -268,6 +268,10 @@ class MooncakeStore(CacheStore):
                         except ValueError as e:
                             log.error("mooncake object %s is not a page blob: %s", key, e)
                 out = [blobs.get(key) for key in full]
+                if not blobs:  # get_batch reports a dead master as b"" too: tell it from plain misses
+                    flags = self._guard("batch_is_exist", self._store.batch_is_exist, unique[:1])
+                    if flags and flags[0] < 0:
+                        self._mark_down(f"batch_is_exist returned {flags[0]}")
         with self._lock:
             found = sum(b is not None for b in out)
             self._counts["hits"] += found

@@ -244,7 +244,7 @@ class PoolStore(CacheStore):
                 for buf in buffers:
                     sock.sendall(buf)
                 reply, payload = wire.recv_frame(sock, wire.MAX_HEADER_BYTES, _MAX_REPLY_BYTES)
-            except (OSError, wire.ProtocolError, ValueError) as e:
+            except (OSError, wire.ProtocolError, ValueError, MemoryError) as e:  # MemoryError: a garbled length
                 sock.close()
                 if reused and isinstance(e, ConnectionError):  # reset / closed / EOF, not a timeout
                     fresh = True

@@ -142,6 +142,7 @@ def test_dead_master_degrades_to_misses_quickly_then_recovers(rng, caplog):
         master.kill()
         time.sleep(0.3)  # dead, not dying: see the module doc of mooncake_store on the first call
         caplog.set_level(logging.WARNING, logger="serving.cache.mooncake_store")
+        assert store.get(chain[0]) is None and not store.available  # a get alone notices the outage
         start = time.monotonic()
         for _ in range(20):
             assert store.contains_prefix(chain) == 0
