@@ -73,6 +73,9 @@ class ReplayConfig:
     idle_gap_cap_s: float = 10.0
     time_scale: float = 1.0  # multiplies think times (before the cap)
     seed: int = 0  # session order and start points
+    # lanes take sessions in a seeded random order; False: in trace order (lane i starts session i, as AIPerf's
+    # sequential sampler does; used to replay exactly what AIPerf replays)
+    shuffle_sessions: bool = True
     random_start: bool = True
     # the random start turn is drawn from this fraction range of each root chain (AIPerf's
     # --trajectory-start-min/max-ratio)
@@ -409,7 +412,8 @@ class Replay:
 
         cfg = self.cfg
         self._order = list(range(len(self.sessions)))
-        self._rng.shuffle(self._order)
+        if cfg.shuffle_sessions:
+            self._rng.shuffle(self._order)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout_s) as client:
             if self.model is None:

@@ -128,6 +128,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      cwd=root, start_new_session=True)
         ready = threading.Event()
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w") if self.log_path else None
 
         def read():
