@@ -1,5 +1,5 @@
 """Helpers for the cache-tier tests (tests/cache): random page blobs of odd shapes, bit-exact comparison,
-hash chains, a pool server in its own process, a free TCP port. A uniquely named module (not conftest) so
+hash chains, a pool server in its own process, a mooncake_master, a free TCP port. A uniquely named module (not conftest) so
 that `from cache_helpers import ...` cannot pick up another directory's conftest in a full-suite run."""
 
 import os
@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from serving.cache.hashing import prefix_hashes
+from serving.cache.mooncake_store import mooncake_env, mooncake_master_command
 from serving.cache.store import PageBlob
 
 POOL_SERVER_PY = os.path.join(os.path.dirname(__file__), "..", "..", "serving", "cache", "pool_server.py")
@@ -77,3 +78,28 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+class Master:
+    """A mooncake_master on free loopback ports; `kill()` ends it."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        cmd = mooncake_master_command() + [
+            "-rpc_address=127.0.0.1", f"-rpc_port={self.port}", "-metrics_host=127.0.0.1",
+            f"-metrics_port={free_port()}", "-default_kv_lease_ttl=50", "-rpc_thread_num=2"]
+        self.proc = subprocess.Popen(cmd, env=mooncake_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:  # ready once the RPC port accepts
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("mooncake_master did not start")
+                time.sleep(0.05)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)

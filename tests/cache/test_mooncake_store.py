@@ -5,16 +5,15 @@ Run: python -m pytest -q tests/cache/test_mooncake_store.py
 """
 
 import logging
-import socket
-import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from cache_helpers import assert_same_blob, free_port, hash_chain, random_blob, wait_until
-from serving.cache.mooncake_store import MooncakeStore, import_mooncake_store, mooncake_env, mooncake_master_command
+from cache_helpers import Master, assert_same_blob, hash_chain, random_blob, wait_until
+from serving.cache.mooncake_store import MooncakeStore, import_mooncake_store, mooncake_master_command
+from serving.cache.store import PageBlob
 
 try:
     import_mooncake_store()
@@ -24,31 +23,6 @@ except ImportError as e:
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 
 _MIB = 1 << 20
-
-
-class Master:
-    """A mooncake_master on free loopback ports; `kill()` ends it."""
-
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
-        cmd = mooncake_master_command() + [
-            "-rpc_address=127.0.0.1", f"-rpc_port={self.port}", "-metrics_host=127.0.0.1",
-            f"-metrics_port={free_port()}", "-default_kv_lease_ttl=50", "-rpc_thread_num=2"]
-        self.proc = subprocess.Popen(cmd, env=mooncake_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:  # ready once the RPC port accepts
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("mooncake_master did not start")
-                time.sleep(0.05)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +91,9 @@ def test_concurrent_threads(store, rng):
 
 
 def test_a_put_larger_than_the_buffer_is_refused_not_raised(store):
-    big = PageBlobOf(24 * _MIB)  # larger than the 16 MiB local buffer
+    big = PageBlob(latents=np.ones((1, 12 * _MIB, 1), np.uint16))  # 24 MiB: more than the 16 MiB local buffer
     assert store.put("too-big", big) is False
     assert store.get("too-big") is None and store.available
-
-
-def PageBlobOf(nbytes):
-    from serving.cache.store import PageBlob
-
-    return PageBlob(latents=np.ones((1, nbytes // 2, 1), np.uint16))
 
 
 def test_dead_master_degrades_to_misses_quickly_then_recovers(rng, caplog):

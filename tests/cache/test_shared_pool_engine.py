@@ -1,10 +1,11 @@
-"""Two `Engine`s (k3-tiny, CPU) sharing one PoolStore, through `Engine(store=...)` with write-through at
-publication: a session's turn 2 on the other engine is served from the shared pool; then the pool server
-dies and the first engine serves turn 2 from its own device cache, with the same greedy output. Both
-engines have the same pool sizes and bucket shapes, so they share one set of compiled programs.
+"""Two `Engine`s (k3-tiny, CPU) sharing one pool, through `Engine(store=...)` with write-through at
+publication, for each backend (the embedded pool server; Mooncake with a real mooncake_master): a
+session's turn 2 on the other engine is served from the shared pool; then the pool dies and the first
+engine serves turn 2 from its own device cache, with the same greedy output. All engines have the same
+pool sizes and bucket shapes, so they share one set of compiled programs.
 
-OFF BY DEFAULT (K3JAX_ENGINE_POOL_TEST=1 turns it on): two k3-tiny engines cost ~50 s of CPU, more than
-the cache tests' CI budget; tests/disagg/test_roles.py covers the engine path with a stand-in store in CI.
+OFF BY DEFAULT (K3JAX_ENGINE_POOL_TEST=1 turns it on): k3-tiny engines cost ~50 s of CPU per backend, more
+than the cache tests' CI budget; tests/disagg/test_roles.py covers the engine path with a stand-in store.
 
 Run: K3JAX_ENGINE_POOL_TEST=1 python -m pytest -q tests/cache/test_shared_pool_engine.py
 """
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 
 import k3jax
-from serving.cache import PoolStore
+from cache_helpers import Master
+from serving.cache import MooncakeStore, PoolStore
+from serving.cache.mooncake_store import import_mooncake_store
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
@@ -39,10 +42,35 @@ def engine(model, store=None, **kw):
     return Engine(EngineConfig(**SIZES, **kw), cfg=cfg, params=params, store=store)
 
 
-def test_turn_two_on_another_engine_hits_the_shared_pool_and_a_dead_pool_degrades(model, pool_server):
+@pytest.fixture(params=["pool", "mooncake"])
+def backend(request, pool_server):
+    """(make a store client, kill the pool)."""
+    if request.param == "pool":
+        yield (lambda: PoolStore("127.0.0.1", pool_server.port)), pool_server.stop
+        return
+    try:
+        import_mooncake_store()
+    except ImportError as e:
+        pytest.skip(f"Mooncake not installed: {e}")
+    master = Master()
+    clients = []
+
+    def make():
+        clients.append(MooncakeStore(f"127.0.0.1:{master.port}", global_segment_bytes=32 << 20,
+                                     local_buffer_bytes=16 << 20))
+        return clients[-1]
+
+    yield make, master.kill
+    master.kill()
+    for c in clients:
+        c.close()
+
+
+def test_turn_two_on_another_engine_hits_the_shared_pool_and_a_dead_pool_degrades(model, backend):
+    make_store, kill_pool = backend
     rng = np.random.default_rng(17)
     turn1 = rng.integers(0, 256, 150).tolist()
-    shared_a, shared_b = PoolStore("127.0.0.1", pool_server.port), PoolStore("127.0.0.1", pool_server.port)
+    shared_a, shared_b = make_store(), make_store()
     a = engine(model, store=shared_a, store_write_through=True)
     b = engine(model, store=shared_b, store_write_through=True)
     out1 = a.generate([turn1], GREEDY, sessions=["s"])[0]
@@ -56,7 +84,7 @@ def test_turn_two_on_another_engine_hits_the_shared_pool_and_a_dead_pool_degrade
 
     # the pool server dies: engine a keeps serving (its device cache holds turn 1) and agrees with b,
     # which computed turn 2 on pages restored from the pool
-    pool_server.stop()
+    kill_pool()
     assert a.generate([turn2], GREEDY, sessions=["s"])[0] == out2_b
     assert not shared_a.available and a.stats()["prefix_hit_tokens_by_tier"]["device"] > 0
     for e in (a, b):
