@@ -1,5 +1,5 @@
-"""Chunked KDA prefill (chunk 64) as two Pallas kernels: a parallel intra-chunk pass and a sequential
-state pass. Packed variable-length batches, V-first fp32 states, optional page-boundary checkpoints.
+"""Chunked KDA prefill (chunk 64): parallel intra-chunk stages (XLA), then a sequential Pallas state pass.
+Packed variable-length batches, V-first fp32 states, optional page-boundary checkpoints.
 
 Math (k3-model.md §3.1; k3jax/kda.py `kda_chunked_reference`), per head, chunk of C = 64 tokens, state S
 at the chunk start (V-first [V, K]), G = cumsum(g) inside the chunk:
@@ -8,35 +8,50 @@ at the chunk start (V-first [V, K]), G = cumsum(g) inside the chunk:
     W = A diag(beta) (e^G * K)      U = A diag(beta) V      Aqk[i,j] = sum_d q_i e^(G_i - G_j) k_j  (j <= i)
     V' = U - W S^T      O = (e^G * Q) S^T + Aqk V'      S <- S * e^(G_C) + V'^T (e^(G_C - G) * K)
 
-Kernel 1 (`_intra_kernel`, grid = chunks x heads, all independent) fuses the K3 gate (lower-bound or
-softplus form from the raw f_b output + A_log + dt_bias), beta = sigmoid(b), q/k L2 norm and the q scale,
-then forms L and Aqk in 16x16 blocks and the inverse in 16x16 blocks: each diagonal block by the exact
-nilpotent product (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) (four matmul rounds instead of 16
-dependent row substitutions), the off-diagonal blocks by A_ij = -A_ii sum_{j<=m<i} L_im A_mj. It writes
-W, U, e^G Q, e^(G_C - G) K, Aqk and e^(G_C) in a chunk-padded layout.
-Kernel 2 (`_state_kernel`, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
-the state block in registers, writes O straight into the packed output, the final state, and the state
-after every chunk that ends on a multiple of `checkpoint_page_size` (absolute positions: chunks are
-aligned to multiples of 64 of `start_positions`, so every page boundary is a chunk boundary).
+Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass / output):
+1. `_intra_stage` (XLA, every chunk and head at once): one gather puts the packed tokens into the
+   chunk layout [H, NC, C, D] and fuses the K3 gate (lower-bound or softplus form from the raw f_b output +
+   A_log + dt_bias), beta = sigmoid(b), the q/k L2 norm, the q scale and the in-chunk cumsum; L and Aqk are
+   batched einsums on the tensor cores, each 16-row sub-block i against all 64 columns with its own decay
+   reference P_i (G just before the block); the inverse goes in 16x16 blocks in IEEE fp32 (diagonal blocks
+   by the exact nilpotent product (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8), off-diagonal ones by
+   A_ij = -A_ii sum_{j<=m<i} L_im A_mj); W and U are batched einsums. It returns W, U, e^G Q,
+   e^(G_C - G) K, Aqk and e^(G_C).
+2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
+   the state block in registers and writes the final state and the state after every chunk that ends on a
+   multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of
+   `start_positions`, so every page boundary is a chunk boundary). "fused" (`_state_kernel`, the default)
+   also forms O in the walk and stores it into the packed output; "split" (`_state_h_kernel`, fla's
+   layout) stores every chunk's starting state and V', and O follows as one parallel einsum + gather.
 
-Exponent safety: decays are only ever formed as exp(x) with x <= 0, except on diagonal 16x16 blocks with
-a bounded gate (g >= lb, -16 lb <= 80), where exp(P - G_j) <= e^80 < fp32 max; for an unbounded gate
-(softplus, or a precomputed g) the diagonal blocks take the pairwise exp(G_i - G_j) of masked differences.
+Exponent safety: the factor e^(G_r - P_i) is <= 1; e^(P_i - G_s) is <= 1 for columns before block i, and
+<= e^(16 |lb|) <= e^80 (finite in fp32 and bf16) inside it when the gate is bounded (lower-bound form with
+-16 lb <= 80); columns after the block are masked and their factor is capped at e^80 to stay finite.
+Factors that underflow drop terms below 1e-38. For an unbounded gate (softplus, or a precomputed g) the
+diagonal blocks take the pairwise exp(G_r - G_s) of masked (non-positive) differences instead.
 g must be <= 0 (a log decay), as both gate forms guarantee.
 
-Backend: Pallas Triton lowering, chosen because it expresses everything here (dynamic chunk tables as
-ordinary int32 inputs, masked loads/stores at dynamic token offsets, cumsum, while loops with per-sequence
-trip counts) and runs in CPU CI with interpret=True; Mosaic GPU was not tried. Measured on the H200
-(benchmarks/kda.py, docs/results/kda_h200_2026-11-29.json): correct (bf16 output within 5e-3 of fla-core
-0.6.0 `chunk_kda`) but 13x slower than it at B1 T32768 H32 (49 ms vs 3.8 ms; B8 T4096 the same), and
-Triton takes minutes to compile `_intra_kernel`. The likely cause is `_intra_kernel` keeping all four
-16-row sub-blocks' q/k/v/G/decay tensors (~30 [16, K] fp32 values) live at once: far past the register
-file, so it spills; and its 16x16 IEEE-fp32 dots run on CUDA cores. The next step is fla's split: a
-grid over (chunk, head, sub-block) for L / Aqk, then the solve, then W / U as bf16 tensor-core dots.
+Why XLA for stage 1 and Pallas (Triton lowering) for stage 2, measured on the H200 (benchmarks/kda.py,
+docs/results/kda_h200_2026-11-30.json), B1 T32768 H32 D128 bf16: the previous all-Pallas version
+(one intra-chunk kernel holding ~30 [16, K] fp32 tiles, its 16x16 dots in IEEE fp32 on CUDA cores) took
+49 ms, and minutes to compile; with stage 1 in XLA the whole prefill takes 7.9 ms (fused state pass;
+split 8.2 ms), B8 T4096 H32 7.4 ms, B1 T32768 H96 21.8 ms: 6x faster, but still ~2x slower than
+fla-core 0.6.0 `chunk_kda` (3.8 / 3.9 / 10.9 ms on the same machine and inputs, 2026-11-29; this
+session's fla runs were cut short by its first-call autotuning). Stages apart at B1 T32768 H32: stage 1
+6.26 ms, fused state pass 1.80 ms (default V-block 16, 4 warps), split state pass 1.97 ms + its output
+einsum (split total 8.15 ms vs fused 7.84 ms, so "fused" is the default). Stage 1 is therefore the
+bottleneck: the next step is a Pallas kernel for L / Aqk (the 4x column-factor tensor that the einsums
+read is ~1 GB of bf16 traffic here) and for the solve + W / U, measured against these XLA numbers.
+Checkpoints: page 256 +0% (-0.8%, noise), page 64 +2.5% over no checkpoints.
+The state pass is Pallas because a sequential walk with the state in registers, per-sequence dynamic
+trip counts and masked checkpoint stores would otherwise be a lax.scan of one small XLA step per chunk.
+Mosaic GPU was not tried.
 
-Precision: with bf16 inputs (the model's activations) the intermediates W, U, e^G Q, e^(G_C-G) K, Aqk are
-stored in bf16 and the big matmuls take bf16 operands with fp32 accumulation (as fla does); L and the
-inverse are always fp32 (IEEE). With fp32 inputs every stored value and every dot is fp32.
+Precision: with bf16 inputs (the model's activations) the einsum operands of L, Aqk, W and U are bf16
+(tensor cores, fp32 accumulation), and W, U, e^G Q, e^(G_C-G) K, Aqk are stored in bf16, as fla does
+(fla forms L and Aqk in tf32); L itself, the inverse and all states are fp32. Measured: bf16 output
+within 5e-3 relative of fla and within 4e-3 of the fp32 reference at D128 (GPU test). With fp32 inputs
+every stored value and every dot is IEEE fp32 (precision HIGHEST): within 2e-6 of the reference.
 """
 
 from __future__ import annotations

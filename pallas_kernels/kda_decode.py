@@ -21,9 +21,14 @@ in registers across the T positions; the state is read once and written once (de
 (verify), which is the whole memory floor. Slot indices are ordinary int32 inputs (Triton has no scalar
 prefetch) used in the kernel's own pointer arithmetic; the pools are aliased to the outputs. The products
 S k and S q are vector-matrix, so they are broadcast-multiply-reduce on CUDA cores, not tensor-core dots.
-benchmarks/kda.py times it against fla-core 0.6.0 `fused_recurrent_kda`; the first H200 run ended before
-its decode cases (docs/results/kda_h200_2026-11-29.json), so no decode speed is measured yet, and Mosaic
-GPU was not tried.
+Measured on the H200 (benchmarks/kda.py, docs/results/kda_h200_2026-11-30.json, H96, fp32 state, in one
+run with fla-core 0.6.0 `fused_recurrent_kda`, which does less: no conv, no output norm, final state
+only): decode B64 0.417 ms vs fla 0.280 ms (0.67x), B256 1.62 vs 1.19 ms (0.73x): 1.93-1.99 TB/s of state
+traffic, 46-48% of the 4.15 TB/s copy bandwidth (fla 2.7-2.9 TB/s); verify T4 B64 1.12 vs 0.57 ms, B256
+4.37 vs 2.22 ms (0.51x), 1.80-1.84 TB/s counting the T state writes. Not yet diagnosed; the likely
+cause is each program holding the whole 128x128 fp32 state (64 KB of registers: low occupancy, few loads
+in flight), where fla's programs hold V-blocks of it. The next step to try is V-blocked programs with the
+gated RMSNorm finished across blocks. Mosaic GPU was not tried.
 """
 
 from __future__ import annotations
