@@ -240,9 +240,7 @@ class PoolStore(CacheStore):
                     self._mark_down(str(e))
                 return None
             try:
-                sock.sendall(wire.pack_frame(header, sum(len(b) for b in buffers)))
-                for buf in buffers:
-                    sock.sendall(buf)
+                wire.send_frame(sock, header, buffers)
                 reply, payload = wire.recv_frame(sock, wire.MAX_HEADER_BYTES, _MAX_REPLY_BYTES)
             except (OSError, wire.ProtocolError, ValueError, MemoryError) as e:  # MemoryError: a garbled length
                 sock.close()
