@@ -47,6 +47,23 @@ def test_round_trip_of_random_blobs(pool_server, rng):
     assert_same_blob(blob_from_bytes(blob_to_bytes(blobs[0])), blobs[0])
 
 
+def test_large_batches_survive_partial_sends(rng):
+    """Pages of a few MiB, batched past the socket buffers (sendmsg sends them in parts, the reader
+    gets them in parts) and split into several requests by max_batch_bytes: every byte comes back."""
+    server = wire.PoolServer("127.0.0.1", 0, capacity_bytes=64 << 20)
+    server.start_in_thread()
+    try:
+        store = client(server, max_batch_bytes=5 << 20)
+        items = [(f"big-{i}", PageBlob(latents=rng.integers(0, 1 << 16, (3, 1000 + i, 701), dtype=np.uint16)))
+                 for i in range(5)]  # ~4 MiB each: 5 requests of one page
+        items += [(f"small-{i}", random_blob(rng, checkpoint=True)) for i in range(300)]  # > 512 buffers
+        assert store.put_many(items) == [True] * len(items)
+        for (key, blob), got in zip(items, store.get_many([k for k, _ in items])):
+            assert_same_blob(got, blob)
+    finally:
+        server.stop()
+
+
 def test_contains_prefix_counts_the_leading_run(pool_server, rng):
     store = client(pool_server)
     chain = hash_chain(rng, 9)
