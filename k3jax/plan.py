@@ -211,11 +211,29 @@ def weights_per_gpu(cfg: ModelConfig, dep: Deployment) -> dict[str, float]:
     return out
 
 
-def cache_bytes_per_request(cfg: ModelConfig, dep: Deployment) -> float:
-    """Cache of one request at `dep.context` tokens: target + drafter MLA latents and the KDA checkpoints."""
+def cache_parts_per_request(cfg: ModelConfig, dep: Deployment) -> tuple[float, float]:
+    """(MLA latent bytes, KDA state bytes) of one request at `dep.context` tokens: target + drafter latents,
+    and `kda_checkpoints` copies of the recurrent + conv states."""
     latent = (cfg.num_mla_layers + dep.drafter_kv_layers) * cfg.latent_cache_dim * KV_FORMAT_BYTES[dep.kv_format]
     kda_state = cfg.num_kda_layers * (cfg.kda_num_heads * cfg.kda_head_dim**2 + (cfg.kda_conv_kernel - 1) * cfg.conv_channels)
-    return dep.context * latent + dep.kda_checkpoints * kda_state * KV_FORMAT_BYTES[dep.kda_state_format]
+    return dep.context * latent, dep.kda_checkpoints * kda_state * KV_FORMAT_BYTES[dep.kda_state_format]
+
+
+def cache_bytes_per_request(cfg: ModelConfig, dep: Deployment) -> float:
+    """Cache of one request at `dep.context` tokens: target + drafter MLA latents and the KDA checkpoints."""
+    return sum(cache_parts_per_request(cfg, dep))
+
+
+def cache_bytes_per_request_per_gpu(cfg: ModelConfig, dep: Deployment) -> float:
+    """What one GPU holds of a request, as k3jax.parallel lays it out: DEP / DWDP keep a request on its
+    rank; DCP splits its MLA pages over the n ranks (KDA states replicated); TEP splits the KDA states by
+    head (MLA latents replicated: every rank writes the shared latent)."""
+    latent, state = cache_parts_per_request(cfg, dep)
+    if dep.strategy == "dcp":
+        return latent / dep.gpus + state
+    if dep.strategy == "tep":
+        return latent + state / dep.gpus
+    return latent + state
 
 
 def comm_per_layer(cfg: ModelConfig, dep: Deployment) -> dict[str, float]:
@@ -254,7 +272,7 @@ def plan(cfg: ModelConfig, dep: Deployment) -> Budget:
     weights = sum(by_class.values())
     free = dep.hbm_gb * GB - weights - dep.drafter_gb * GB - dep.workspace_gb * GB
     per_request = cache_bytes_per_request(cfg, dep)
-    per_gpu = per_request / dep.gpus if dep.strategy == "dcp" else per_request  # DCP splits a request's pages
+    per_gpu = cache_bytes_per_request_per_gpu(cfg, dep)
     return Budget(
         weights_by_class_gb={c: v / GB for c, v in by_class.items()},
         weights_gb=weights / GB,

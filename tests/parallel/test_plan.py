@@ -13,7 +13,7 @@ import pytest
 
 from k3jax import cli
 from k3jax.config import load_config
-from k3jax.plan import Deployment, Formats, histories_in_pool, plan, weights_per_gpu
+from k3jax.plan import Deployment, Formats, cache_parts_per_request, histories_in_pool, plan, weights_per_gpu
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_shared_pool_histories(k3):
 def test_formats_and_strategies_scale_as_expected(k3):
     """MXFP4 experts are smaller than NVFP4 by exactly the scale overhead (1/32 vs 1/16 B per param);
     TEP splits attention by the GPU count; DWDP adds two buffers of one layer's remote experts; DCP splits
-    a request's cache over the GPUs."""
+    a request's MLA latents over the GPUs (its KDA states stay replicated)."""
     nv = weights_per_gpu(k3, Deployment())
     mx = weights_per_gpu(k3, Deployment(formats=Formats(routed_experts="mxfp4")))
     assert mx["routed_experts"] / nv["routed_experts"] == pytest.approx((0.5 + 1 / 32) / (0.5 + 1 / 16))
@@ -56,7 +56,8 @@ def test_formats_and_strategies_scale_as_expected(k3):
     layer_experts = nv["routed_experts"] * 16 / sum(k3.is_moe(l) for l in range(k3.num_layers))
     assert dwdp["routed_experts"] - nv["routed_experts"] == pytest.approx(2 * 15 / 16 * layer_experts)
     dcp = plan(k3, Deployment(strategy="dcp"))
-    assert dcp.cache_per_request_per_gpu_gb == pytest.approx(dcp.cache_per_request_gb / 16)
+    latent, state = cache_parts_per_request(k3, Deployment(strategy="dcp"))
+    assert dcp.cache_per_request_per_gpu_gb * 1e9 == pytest.approx(latent / 16 + state)
     with pytest.raises(ValueError, match="divide"):
         Deployment(gpus=16, tp=3)
     with pytest.raises(ValueError, match="strategy"):

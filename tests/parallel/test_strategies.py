@@ -32,11 +32,9 @@ def rel_err(got, want) -> float:
 
 
 def cut_model():
-    """k3-tiny's layers 5 (KDA + MoE) and 7 (MLA + MoE) as a 2-layer model."""
-    full = k3_tiny()
-    cfg = full.replace(num_layers=2, mla_layers=(1,), first_k_dense_replace=0)
-    params = init_params(full, jax.random.key(21))
-    return cfg, dict(params, layers=[params["layers"][i] for i in (5, 7)])
+    """k3-tiny cut to two layers: KDA + MoE, then MLA + MoE (k3-tiny's sizes, no dense layer)."""
+    cfg = k3_tiny().replace(num_layers=2, mla_layers=(1,), first_k_dense_replace=0)
+    return cfg, init_params(cfg, jax.random.key(21))
 
 
 def serving_case(cfg, params, ranks, rows, seed):
