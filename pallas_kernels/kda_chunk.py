@@ -133,8 +133,84 @@ def _block_inverse(lower):
     return jnp.concatenate(rows, axis=-2)
 
 
+def _solve_kernel(q_ref, k_ref, g_ref, b_ref, abeta_ref, aqk_ref, *, block_k):
+    # q_ref, k_ref: [C, K] normalised q (scaled) and k (stored dtype); g_ref: [C, K] fp32 in-chunk cumsum G
+    # b_ref: [C] fp32 beta (0 on padding); abeta_ref, aqk_ref: [C, C] (stored dtype), blocks of [H, NC, C, C]
+    # Bounded gate only (e^(P_i - G_s) <= e^80 on diagonal blocks). Accumulates the 10 lower 16x16 blocks
+    # of L and of Aqk over K in slices of block_k (bounded register use), then inverts in 16x16 blocks.
+    f32 = jnp.float32
+    stored = q_ref.dtype
+    prec = _HI if stored == f32 else None
+    dk = q_ref.shape[-1]
+    lkk = {(i, j): jnp.zeros((SUB, SUB), f32) for i in range(NSUB) for j in range(i + 1)}
+    aqk = dict(lkk)
+    for kb in range(dk // block_k):
+        ks = pl.ds(kb * block_k, block_k)
+        rows = lambda ref, i: ref[pl.ds(i * SUB, SUB), ks].astype(f32)  # [SUB, BK]
+        q4 = [rows(q_ref, i) for i in range(NSUB)]
+        k4 = [rows(k_ref, i) for i in range(NSUB)]
+        g4 = [rows(g_ref, i) for i in range(NSUB)]
+        for i in range(NSUB):
+            ref_g = g_ref[pl.ds(i * SUB - 1, 1), ks] if i else jnp.zeros((1, block_k), f32)  # P_i [1, BK]
+            row_f = jnp.exp(g4[i] - ref_g)  # <= 1
+            kr, qr = (k4[i] * row_f).astype(stored), (q4[i] * row_f).astype(stored)
+            for j in range(i + 1):
+                kc = (k4[j] * jnp.exp(ref_g - g4[j])).astype(stored)  # <= 1 (j < i), <= e^80 (j == i)
+                lkk[i, j] = lkk[i, j] + _dot(kr, kc, tb=True, precision=prec)
+                aqk[i, j] = aqk[i, j] + _dot(qr, kc, tb=True, precision=prec)
+    r = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    c = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    beta = [b_ref[pl.ds(i * SUB, SUB)].astype(f32) for i in range(NSUB)]
+    low = {}
+    for i in range(NSUB):
+        for j in range(i + 1):
+            blk = beta[i][:, None] * lkk[i, j]
+            low[i, j] = jnp.where(r > c, blk, 0.0) if i == j else blk
+            a = jnp.where(r >= c, aqk[i, j], 0.0) if i == j else aqk[i, j]
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = a.astype(aqk_ref.dtype)
+        for j in range(i + 1, NSUB):
+            zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = zero
+            abeta_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = zero
+    mm = lambda a, b: _dot(a, b, precision=_HI)
+    eye = _identity(SUB)
+    inv = {}
+    for i in range(NSUB):  # as _block_inverse, in registers
+        l1 = low[i, i]
+        l2 = mm(l1, l1)
+        l4 = mm(l2, l2)
+        x = eye - l1
+        x = x + mm(x, l2)
+        x = x + mm(x, l4)
+        inv[i, i] = x + mm(x, mm(l4, l4))
+        for j in range(i - 1, -1, -1):
+            acc = mm(low[i, j], inv[j, j])
+            for m in range(j + 1, i):
+                acc = acc + mm(low[i, m], inv[m, j])
+            inv[i, j] = -mm(inv[i, i], acc)
+        for j in range(i + 1):
+            abeta_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = (inv[i, j] * beta[j][None, :]).astype(abeta_ref.dtype)
+
+
+def _solve_call(qn, kn, cum, bc, *, interpret, num_warps=4, block_k=32):
+    """Pallas L / Aqk + 16x16-block inverse, grid = heads x chunks: returns A diag(beta) and Aqk [H, NC, C, C]."""
+    h, num_chunks, _, dk = qn.shape
+    block_k = min(block_k, dk)
+    tile = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda hh, cc: (hh, cc, 0, 0))
+    out = jax.ShapeDtypeStruct((h, num_chunks, CHUNK, CHUNK), qn.dtype)
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+    return pl.pallas_call(
+        functools.partial(_solve_kernel, block_k=block_k),
+        grid=(h, num_chunks),
+        in_specs=[tile(dk), tile(dk), tile(dk), pl.BlockSpec((None, None, CHUNK), lambda hh, cc: (hh, cc, 0))],
+        out_specs=[tile(CHUNK), tile(CHUNK)],
+        out_shape=[out, out],
+        interpret=interpret, name="kda_chunk_solve", **params,
+    )(qn, kn, cum, bc)
+
+
 def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, lower_bound, beta_sigmoid,
-                 qk_l2norm, scale, bounded, stored):
+                 qk_l2norm, scale, bounded, stored, solve="xla", interpret=False):
     """Every chunk's W, U, e^G Q, e^(G_C - G) K, Aqk and e^(G_C), all chunks and heads at once (XLA).
 
     Inputs packed [T, H, D]; outputs in the chunk layout [H, NC, C, D] (Aqk [H, NC, C, C], e^(G_C) [H, NC, K]
@@ -157,30 +233,33 @@ def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, l
     cum = jnp.cumsum(gl, axis=2)  # G [H, NC, C, K], non-increasing along C
     g_last = cum[:, :, -1, :]  # G_C
     sub = lambda x: x.reshape(x.shape[:2] + (NSUB, SUB) + x.shape[3:])
-    cum4, q4, k4 = sub(cum), sub(qc), sub(kc)
-    prev = cum4[:, :, :, 0, :] - sub(gl)[:, :, :, 0, :]  # P_i: G just before sub-block i [H, NC, NSUB, K]
-    # Row i, column s: e^(G_r - G_s) = e^(G_r - P_i) e^(P_i - G_s). The first factor is <= 1; the second is
-    # <= 1 for s before sub-block i, <= e^(16 |lb|) <= e^80 inside it when the gate is bounded, and only
-    # masked entries (s after the block) exceed that, so it is capped there to stay finite.
-    row_f = jnp.exp(cum4 - prev[:, :, :, None, :])  # [H, NC, NSUB, SUB, K]
-    col_f = jnp.exp(jnp.minimum(prev[:, :, :, None, :] - cum[:, :, None, :, :], _MAX_DIAG_EXPONENT))  # [H,NC,NSUB,C,K]
-    kcol = (kc[:, :, None] * col_f).astype(stored)
-    lkk = _bdot("hcirk,hcisk->hcirs", (k4 * row_f).astype(stored), kcol, prec).reshape(cum.shape[:2] + (CHUNK, CHUNK))
-    aqk = _bdot("hcirk,hcisk->hcirs", (q4 * row_f).astype(stored), kcol, prec).reshape(lkk.shape)
-    if not bounded:  # diagonal blocks from pairwise e^(G_r - G_s) of masked (non-positive) differences
-        incl4 = rows[:SUB, None] >= rows[None, :SUB]
-        decay = jnp.exp(jnp.where(incl4[:, :, None], cum4[..., :, None, :] - cum4[..., None, :, :], -jnp.inf))
-        lii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", k4, k4, decay, precision=_HI)
-        aii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", q4, k4, decay, precision=_HI)
-        eye4 = jnp.eye(NSUB, dtype=bool)[:, None, :, None]  # [NSUB, 1, NSUB, 1]: diagonal sub-blocks
-        expand = lambda d: (d[:, :, :, :, None, :] * eye4).reshape(lkk.shape)
-        on_diag = jnp.broadcast_to(eye4, (NSUB, SUB, NSUB, SUB)).reshape(CHUNK, CHUNK)
-        lkk = jnp.where(on_diag, expand(lii), lkk)
-        aqk = jnp.where(on_diag, expand(aii), aqk)
-    strict = rows[:, None] > rows[None, :]
-    lkk = jnp.where(strict, bc[..., :, None] * lkk, 0.0)
-    aqk = jnp.where(strict | (rows[:, None] == rows[None, :]), aqk, 0.0)
-    a_beta = (_block_inverse(lkk) * bc[:, :, None, :]).astype(stored)  # A diag(beta)
+    if solve == "pallas" and bounded:
+        a_beta, aqk = _solve_call(qc.astype(stored), kc.astype(stored), cum, bc, interpret=interpret)
+    else:
+        cum4, q4, k4 = sub(cum), sub(qc), sub(kc)
+        prev = cum4[:, :, :, 0, :] - sub(gl)[:, :, :, 0, :]  # P_i: G just before sub-block i [H, NC, NSUB, K]
+        # Row i, column s: e^(G_r - G_s) = e^(G_r - P_i) e^(P_i - G_s). The first factor is <= 1; the second is
+        # <= 1 for s before sub-block i, <= e^(16 |lb|) <= e^80 inside it when the gate is bounded, and only
+        # masked entries (s after the block) exceed that, so it is capped there to stay finite.
+        row_f = jnp.exp(cum4 - prev[:, :, :, None, :])  # [H, NC, NSUB, SUB, K]
+        col_f = jnp.exp(jnp.minimum(prev[:, :, :, None, :] - cum[:, :, None, :, :], _MAX_DIAG_EXPONENT))  # [H,NC,NSUB,C,K]
+        kcol = (kc[:, :, None] * col_f).astype(stored)
+        lkk = _bdot("hcirk,hcisk->hcirs", (k4 * row_f).astype(stored), kcol, prec).reshape(cum.shape[:2] + (CHUNK, CHUNK))
+        aqk = _bdot("hcirk,hcisk->hcirs", (q4 * row_f).astype(stored), kcol, prec).reshape(lkk.shape)
+        if not bounded:  # diagonal blocks from pairwise e^(G_r - G_s) of masked (non-positive) differences
+            incl4 = rows[:SUB, None] >= rows[None, :SUB]
+            decay = jnp.exp(jnp.where(incl4[:, :, None], cum4[..., :, None, :] - cum4[..., None, :, :], -jnp.inf))
+            lii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", k4, k4, decay, precision=_HI)
+            aii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", q4, k4, decay, precision=_HI)
+            eye4 = jnp.eye(NSUB, dtype=bool)[:, None, :, None]  # [NSUB, 1, NSUB, 1]: diagonal sub-blocks
+            expand = lambda d: (d[:, :, :, :, None, :] * eye4).reshape(lkk.shape)
+            on_diag = jnp.broadcast_to(eye4, (NSUB, SUB, NSUB, SUB)).reshape(CHUNK, CHUNK)
+            lkk = jnp.where(on_diag, expand(lii), lkk)
+            aqk = jnp.where(on_diag, expand(aii), aqk)
+        strict = rows[:, None] > rows[None, :]
+        lkk = jnp.where(strict, bc[..., :, None] * lkk, 0.0)
+        aqk = jnp.where(strict | (rows[:, None] == rows[None, :]), aqk, 0.0)
+        a_beta = (_block_inverse(lkk) * bc[:, :, None, :]).astype(stored)  # A diag(beta)
     w = _bdot("hcij,hcjk->hcik", a_beta, (kc * jnp.exp(cum)).astype(stored), prec).astype(stored)
     u = _bdot("hcij,hcjv->hciv", a_beta, vc.astype(stored), prec).astype(stored)
     qg = (qc * jnp.exp(cum)).astype(stored)
@@ -410,11 +489,11 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
 
 @functools.partial(jax.jit, static_argnames=(
     "gate", "lower_bound", "beta_sigmoid", "qk_l2norm", "scale", "checkpoint_page_size", "interpret",
-    "block_v", "num_warps", "state_pass"))
+    "block_v", "num_warps", "state_pass", "solve"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
               seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4,
-              state_pass="fused"):
+              state_pass="fused", solve="xla"):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -436,6 +515,9 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       block_v, num_warps: the state pass's V-block and warps (None: picked from N x H);
       state_pass: "fused" (the sequential walk also writes O) or "split" (it stores every chunk's state,
         O follows as one parallel einsum); same results up to rounding.
+      solve: "xla" (default, measured) or "pallas": L / Aqk and the block inverse in one Pallas kernel per
+        (head, chunk) (`_solve_kernel`; bounded gate only, else XLA). Same math and operand precisions;
+        not yet timed on the GPU.
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
@@ -444,6 +526,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     _check(q, k, v, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, checkpoint_page_size)
     if state_pass not in ("fused", "split"):
         raise ValueError(f"state_pass must be 'fused' or 'split'; got {state_pass!r}")
+    if solve not in ("xla", "pallas"):
+        raise ValueError(f"solve must be 'xla' or 'pallas'; got {solve!r}")
     t, h, dk = q.shape
     n = cu_seqlens.shape[0] - 1
     cu, start, a, b = _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions)
@@ -456,7 +540,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     scale = dk**-0.5 if scale is None else scale
     w, u, qg, kg, aqk, gc = _intra_stage(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
                                          lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-                                         scale=scale, bounded=bounded, stored=stored)
+                                         scale=scale, bounded=bounded, stored=stored, solve=solve,
+                                         interpret=interpret)
     state_pass = {"fused": _state_call, "split": _state_split_call}[state_pass]
     return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, t=t, n=n,
                       page=page, block_v=block_v, out_dtype=v.dtype, interpret=interpret, num_warps=num_warps)

@@ -38,19 +38,20 @@ def packed_inputs(seed, lens, h, dk, dv, dtype=np.float32):
     return x, s0, jnp.asarray(cu), a_log, dt_bias
 
 
-@pytest.mark.parametrize("gate,state_pass", [("lower_bound", "fused"), ("softplus", "split")])
-def test_ragged_lengths_fused_gate_checkpoints(gate, state_pass):
+@pytest.mark.parametrize("gate,state_pass,solve", [("lower_bound", "fused", "pallas"), ("softplus", "split", "xla")])
+def test_ragged_lengths_fused_gate_checkpoints(gate, state_pass, solve):
     """Issue lengths 1, 63, 64, 65, 1000 in one packed batch (one empty row too), non-zero initial states,
     the gate, beta sigmoid and L2 norm fused, checkpoints every 128 tokens from unaligned start positions.
-    Both state passes (fused output / split output einsum); the bounded gate takes the factored diagonal
-    blocks, softplus the pairwise ones."""
+    Both state passes (fused output / split output einsum) and both L / Aqk / inverse stages (the Pallas
+    kernel takes bounded gates only; the XLA one's bounded path is covered by the bf16 test and
+    test_kda_model); the bounded gate takes the factored diagonal blocks, softplus the pairwise ones."""
     lens = [1, 63, 0, 64, 65, 1000]
     x, s0, cu, a_log, dt_bias = packed_inputs(1, lens, h=2, dk=16, dv=16)
     start = jnp.asarray([0, 5, 9, 64, 100, 37], jnp.int32)  # absolute positions: pages are absolute too
     kw = dict(a_log=a_log, dt_bias=dt_bias, gate=gate, beta_sigmoid=True, qk_l2norm=True, start_positions=start,
               checkpoint_page_size=128)
     o, final, ckpt = kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, interpret=True,
-                               state_pass=state_pass, **kw)
+                               state_pass=state_pass, solve=solve, **kw)
     ro, rfinal, rckpt = kda_chunk_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, **kw)
     assert rel(o, ro) < 2e-5
     for i in range(len(lens)):  # per sequence, so a wrong state in a short one cannot hide
@@ -111,6 +112,8 @@ def test_bad_arguments_raise():
         kda_chunk(*args, s0.transpose(0, 1, 3, 2)[:, :, :8], cu, interpret=True)
     with pytest.raises(ValueError, match="multiple of 64"):
         kda_chunk(*args, s0, cu, checkpoint_page_size=100, interpret=True)
+    with pytest.raises(ValueError, match="solve must be"):
+        kda_chunk(*args, s0, cu, solve="triton", interpret=True)
     with pytest.raises(ValueError, match="needs a_log"):
         kda_chunk(*args, s0, cu, gate="softplus", interpret=True)
     with pytest.raises(ValueError, match="power of two"):
