@@ -4,8 +4,9 @@
 
 Shapes (issue 3), bf16 activations, fp32 V-first states, D = 128, K3's gate (lower bound -5), gate / beta
 sigmoid / q-k L2 norm fused on both sides:
-  prefill  packed (cu_seqlens) B1 T32768 / B8 T4096 at H32 and H96: ours `kda_chunk` (both state passes)
-           vs fla `chunk_kda` (safe_gate, state_v_first); throughput = tokens / time. On the first case
+  prefill  packed (cu_seqlens) B1 T32768 / B8 T4096 at H32 and H96: ours `kda_chunk` (both state passes,
+           and the opt-in solve="pallas") vs fla `chunk_kda` (safe_gate, state_v_first); throughput =
+           tokens / time. On the first case
            also: our stages apart (XLA intra-chunk stage, Pallas state pass), the state pass's V-block
            sweep, and page-64 / page-256 checkpoint emission vs none.
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import signal
@@ -152,6 +154,17 @@ def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
     if "fla_ms" in row:
         row["ratio_split"] = row["fla_ms"] / row["ours_split_ms"]
     save()
+    try:  # the opt-in Pallas L / Aqk / inverse kernel (solve="pallas")
+        o_pallas, _, _ = ours(solve="pallas")
+        row["ours_solve_pallas_ms"] = 1e3 * time_jax(lambda: ours(solve="pallas"), args.trials)
+        row["rel_o_solve_pallas_vs_xla"] = rel(jnp.asarray(o_pallas, jnp.float32), jnp.asarray(o, jnp.float32))
+        if "fla_ms" in row:
+            row["ratio_solve_pallas"] = row["fla_ms"] / row["ours_solve_pallas_ms"]
+    except CaseTimeout:
+        raise
+    except Exception as e:  # noqa: BLE001 -- not yet run on a GPU: keep the case's other numbers
+        row["ours_solve_pallas_error"] = repr(e)[:500]
+    save()
     if detail:
         staged = prefill_stages(row, b, t, args, x, ours, save)
         state_sweep(row, b * t, b, args, deadline, x["s0"], staged, save)
@@ -193,14 +206,17 @@ def prefill_stages(row, b, t, args, x, ours, save):
     cu32, start, a, bias = kc._preprocess_args(x["q"], x["z"], x["beta"], x["s0"], x["cu"], "lower_bound",
                                                x["a_log"], x["dt_bias"], None)
 
-    @jax.jit
-    def intra():
+    @functools.partial(jax.jit, static_argnames="solve")
+    def intra(solve="xla"):
         first, tok_start, length, ckpt_idx = kc.chunk_table(cu32, start, num_chunks, 0)
         return (first, tok_start, length, ckpt_idx) + kc._intra_stage(
             tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a, bias, gate="lower_bound",
-            lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True, stored=jnp.bfloat16)
+            lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True, stored=jnp.bfloat16,
+            solve=solve, interpret=args.interpret)
 
     row["stage_intra_ms"] = 1e3 * time_jax(intra, args.trials)
+    if "ours_solve_pallas_ms" in row:
+        row["stage_intra_solve_pallas_ms"] = 1e3 * time_jax(lambda: intra(solve="pallas"), args.trials)
     staged = intra()
     for name in ("fused", "split"):
         row[f"stage_state_{name}_ms"] = time_state(name, None, 4, staged, x["s0"], total, b, args)
@@ -308,6 +324,8 @@ def print_table(results):
         if r["kind"] == "prefill":
             best = max((r[k] for k in ("ratio", "ratio_split") if k in r), default=nan)
             extra = f"{r['ours_Mtok_s']:.2f} Mtok/s"
+            if "ours_solve_pallas_ms" in r:
+                extra += f"; solve=pallas {r['ours_solve_pallas_ms']:.3f} ms"
             stages = {k[len("stage_"):-3]: v for k, v in r.items() if k.startswith("stage_") and k.endswith("_ms")}
             if stages:
                 extra += "; stages ms " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
