@@ -16,7 +16,10 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    reference P_i (G just before the block); the inverse goes in 16x16 blocks in IEEE fp32 (diagonal blocks
    by the exact nilpotent product (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8), off-diagonal ones by
    A_ij = -A_ii sum_{j<=m<i} L_im A_mj); W and U are batched einsums. It returns W, U, e^G Q,
-   e^(G_C - G) K, Aqk and e^(G_C).
+   e^(G_C - G) K, Aqk and e^(G_C). Opt-in `solve="pallas"` replaces the L / Aqk einsums and the inverse
+   by one Pallas kernel per (head, chunk) (`_solve_kernel`, fla's inter+solve layout: the 10 lower 16x16
+   blocks of L and Aqk accumulated over K in 32-wide slices, then the inverse in registers), which reads
+   q, k, G once instead of a 4x column-factor tensor; interpret-tested, not yet timed on the GPU.
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
    multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of
