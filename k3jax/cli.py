@@ -2,6 +2,8 @@
 
     k3jax generate --model k3-tiny --prompt-tokens 1,2,3 --max-tokens 16
     k3jax serve --model k3-tiny [--http-port 8000] [--grpc-port 50051] [--role both] [--api-key KEY]
+    k3jax serve --deployment configs/deploy/pd-1p1d.yaml     # workers + router, one command
+    k3jax router --prefill 127.0.0.1:50061 8998 --decode 127.0.0.1:50062 [--port 8080]
 
 `serve` runs the OpenAI-compatible HTTP server and/or the SGLang-scheduler gRPC worker (for the SMG
 gateway) on 127.0.0.1 by default, until Ctrl-C, which drains running requests and exits. Its flags are
@@ -311,6 +313,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     from serving.api.server import ServerConfig, ServerState, serve
     from serving.config import EngineConfig
 
+    if ns.deployment is not None:  # a whole P/D (or colocated) deployment: serving.disagg.deploy
+        from serving.disagg.deploy import load_deployment, run_deployment
+
+        try:
+            dep = load_deployment(ns.deployment)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return run_deployment(dep)
+
     try:
         ecfg = EngineConfig(**{name: getattr(ns, name) for name in ns._engine_fields})
         scfg = ServerConfig(**{name: getattr(ns, name) for name in ns._server_fields})
@@ -338,9 +349,52 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        description="Serve a model: OpenAI-compatible HTTP (--http-port), the SGLang scheduler gRPC "
                                    "service for the SMG gateway (--grpc-port), Prometheus /metrics. Ctrl-C drains "
                                    "running requests and exits. Ports take 'none' to turn a server off.")
+    p.add_argument("--deployment", default=None, metavar="YAML",
+                   help="start a whole deployment instead (workers, pool, router; configs/deploy/*.yaml)")
     engine_fields = _dataclass_flags(p.add_argument_group("engine (EngineConfig)"), EngineConfig, _SERVE_SKIP)
-    server_fields = _dataclass_flags(p.add_argument_group("server (ServerConfig)"), ServerConfig)
+    # the P/D role is EngineConfig.role (--role); ServerConfig.role follows it
+    server_fields = _dataclass_flags(p.add_argument_group("server (ServerConfig)"), ServerConfig, {"role"})
     p.set_defaults(_run=run_serve, _engine_fields=engine_fields, _server_fields=server_fields)
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    from serving.disagg.router import RouterConfig
+
+    d = RouterConfig
+    p = sub.add_parser("router", help="OpenAI HTTP router in front of prefill and decode gRPC workers",
+                       description="Routes each request to a prefill worker (least estimated outstanding prefill "
+                                   "work) and a decode worker (least load) with one bootstrap room; streams the "
+                                   "decode leg back.")
+    p.add_argument("--prefill", nargs=2, action="append", required=True, metavar=("HOST:PORT", "BOOTSTRAP_PORT"),
+                   help="a prefill worker's gRPC address and KV bootstrap port (repeatable)")
+    p.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
+                   help="a decode worker's gRPC address (repeatable)")
+    p.add_argument("--host", default=d.host, help=f"(default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"(default {d.port})")
+    p.add_argument("--model-name", default=d.model_name, help=f"(default {d.model_name})")
+    p.add_argument("--tokenizer", default=d.tokenizer, help="the workers' tokenizer (default: the bundled one)")
+    p.add_argument("--page-size", type=int, default=d.page_size, help=f"the workers' page size (default {d.page_size})")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help=f"(default {d.max_model_len})")
+    p.set_defaults(_run=run_router)
+
+
+def run_router(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from serving.disagg.router import RouterConfig, run_router as serve_router
+
+    try:
+        prefill = tuple((t, int(b)) for t, b in ns.prefill)
+        cfg = RouterConfig(prefill=prefill, decode=tuple(ns.decode), host=ns.host, port=ns.port,
+                           model_name=ns.model_name, tokenizer=ns.tokenizer, page_size=ns.page_size,
+                           max_model_len=ns.max_model_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        asyncio.run(serve_router(cfg))
+    except OSError as e:  # port in use
+        raise UsageError(str(e)) from None
+    return 0
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -413,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
+    _add_router(sub)
     _add_bench(sub)  # later: plan -- one _add_<name>(sub) each
     from k3jax.plan import add_parser as _add_plan  # the capacity planner owns its flags
 

@@ -22,6 +22,11 @@ Timing. Each request records arrival, scheduling (first step it was RUNNING afte
 chunk, and finish times (time.monotonic); `listeners` get a `RequestRecord` on the engine thread when a
 request ends, which is where metrics are observed. `stats()` returns the latest `Engine.stats()`
 snapshot taken on the engine thread (never read the engine's state from another thread).
+
+Disaggregated roles (serving.disagg): `context["disaggregation"]` (bootstrap host/port/room, set by the
+gRPC front end) pairs a request's legs. A prefill engine keeps stepping while it holds finished
+prompts for their decode partners (no request is live then), woken when a partner's pull arrives; a
+request whose KV transfer fails ends with EngineError.
 """
 
 from __future__ import annotations
@@ -197,6 +202,9 @@ class AsyncEngine:
     def start(self) -> AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine already started")
+        disagg = getattr(self.engine, "disagg", None)
+        if disagg is not None and hasattr(disagg, "wake"):
+            disagg.wake = lambda: self._post(("wake", None))  # a decode partner's pull is waiting
         self._stats = self.engine.stats()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
@@ -338,7 +346,8 @@ class AsyncEngine:
         while not self._stopping:
             if self._live_ids():
                 wait = 0.0  # work to do: only pick up what is queued
-            elif self._idle_calls:
+            elif self._idle_calls or self._background_work():
+                wait = 0.05  # nothing to step, but idle calls may time out
                 wait = 0.05  # nothing to step, but idle calls may time out
             else:
                 wait = None  # idle: sleep until a command arrives
@@ -356,7 +365,7 @@ class AsyncEngine:
                 break
             self._run_idle_calls()
             outputs: list = []
-            if self._live_ids():
+            if self._live_ids() or self._background_work():
                 try:
                     outputs = engine.step()
                 except Exception as e:  # an engine bug: fail the live requests, keep serving
@@ -368,6 +377,11 @@ class AsyncEngine:
             self._after_step(outputs)
         self._fail_all(EngineStopped("the engine stopped"))
         self._after_step([])
+
+    def _background_work(self) -> bool:
+        """P/D: held prefills waiting for their decode partner (expiry, pulls) need step boundaries."""
+        disagg = getattr(self.engine, "disagg", None)
+        return disagg is not None and disagg.has_work
 
     def _live_ids(self) -> list[str]:
         with self._lock:
@@ -381,7 +395,8 @@ class AsyncEngine:
             self.last_receive_time = time.time()
             try:
                 engine.add_request(handle.prompt_ids, handle.sampling, request_id=handle.request_id,
-                                   session=handle.session, cache_boundaries=getattr(handle, "cache_boundaries", ()))
+                                   session=handle.session, cache_boundaries=getattr(handle, "cache_boundaries", ()),
+                                   bootstrap=_bootstrap(handle.context.get("disaggregation")))
             except Exception as e:  # ValueError for a bad request; anything else is reported the same way
                 with self._lock:
                     self._handles.pop(handle.request_id, None)
@@ -438,6 +453,9 @@ class AsyncEngine:
                     handle.timing.first_token = now
             if req is not None:
                 handle.cached_tokens = req.num_cached_tokens
+            if getattr(out, "error", None):
+                self._fail_one(handle, EngineError(out.error))
+                continue
             if out.finished:
                 self._finish(handle, out.finish_reason or "stop", new_tokens=list(out.new_tokens))
             else:
@@ -470,6 +488,24 @@ class AsyncEngine:
         handle._send(self._chunk(handle, new_tokens or [], True, reason))
         record = RequestRecord(handle.request_id, len(handle.prompt_ids), list(handle.output_ids), reason,
                                handle.cached_tokens, handle.timing, preemptions)
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.error("request listener failed:\n%s", traceback.format_exc())
+
+    def _fail_one(self, handle: RequestHandle, error: BaseException) -> None:
+        """One request failed (its KV transfer): its iterator raises `error`; listeners see an abort."""
+        handle._done = True
+        handle.finish_reason = "abort"
+        handle.timing.finish = time.monotonic()
+        self.engine.requests.pop(handle.request_id, None)
+        with self._lock:
+            self._handles.pop(handle.request_id, None)
+        handle._resolve(error)
+        handle._send(error)
+        record = RequestRecord(handle.request_id, len(handle.prompt_ids), list(handle.output_ids), "abort",
+                               handle.cached_tokens, handle.timing)
         for listener in self.listeners:
             try:
                 listener(record)
@@ -509,6 +545,15 @@ class AsyncEngine:
                 hook(self.engine, outputs)
             except Exception:
                 log.error("step hook failed:\n%s", traceback.format_exc())
+
+
+def _bootstrap(disaggregation):
+    """serving.disagg.roles.Bootstrap from the API layer's disaggregation params (None: not paired)."""
+    if disaggregation is None:
+        return None
+    from serving.disagg.roles import Bootstrap
+
+    return Bootstrap(disaggregation.bootstrap_host, disaggregation.bootstrap_port, disaggregation.bootstrap_room)
 
 
 def _run_call(fn, fut: concurrent.futures.Future, engine) -> None:

@@ -27,6 +27,7 @@ class EngineConfig:
     preemption: str = "recompute"  # "recompute": drop private state, recompute from a prefix hit; "swap": park it on the host
     prefix_cache: bool = True
     host_cache_gb: float = 0.0  # host L2 tier for evicted pages + checkpoints; 0 = off
+    cache_pool: str | None = None  # shared cache pool below the host L2: "pool://host:port" (serving.cache.pool_server) or "mooncake://..."
     session_ttl_s: float = 600.0  # a waiting agent session counts as stale after this
     bucket_growth: int = 2  # shape buckets (rows, tokens, pages) grow by this factor; larger = fewer compiles
     speculative_k: int = 0  # draft tokens per decode step (EAGLE-3 drafter); 0 = off
@@ -38,7 +39,7 @@ class EngineConfig:
     disagg_transport: str = "tcp"  # "tcp" between processes, "inprocess" when both roles share one process
     handoff_max_held: int = 16  # prefill: finished prompts held for their decode partner before admission stops
     handoff_timeout_s: float = 60.0  # prefill: a held request nobody pulls is freed after this
-    transfer_timeout_s: float = 60.0  # decode: a pull that has not completed by then fails its request
+    transfer_timeout_s: float = 600.0  # decode: a pull not completed by then (prefill queue + compute + copy) fails its request
     pd_admission: str = "independent"  # prefill admission: "independent", or "decode_first" (wait for the partner)
     store_write_through: bool = False  # copy published pages + checkpoints to the store at once (always on for P/D roles)
 

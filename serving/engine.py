@@ -77,7 +77,11 @@ class Engine:
         draft_dim = drafter[0].layer_config(self.cfg).latent_cache_dim if drafter else 0
         num_pages, num_slots = pool_sizes(self.cfg, ecfg, jax.devices()[0], draft_dim)
         self.runner = ModelRunner(self.cfg, ecfg, params, num_pages, num_slots, drafter=drafter)
-        if store is None and ecfg.host_cache_gb > 0:
+        if store is None and ecfg.cache_pool:
+            from serving.cache.tiered import make_cache_store
+
+            store = make_cache_store(ecfg.host_cache_gb, ecfg.cache_pool)  # host L2 in front of the shared pool
+        elif store is None and ecfg.host_cache_gb > 0:
             store = HostStore(ecfg.host_cache_gb)
         self.kv = KVManager(self.runner, ecfg.page_size, ecfg.prefix_cache, store=store, session_ttl_s=ecfg.session_ttl_s,
                             write_through=ecfg.store_write_through or ecfg.role != "both")
@@ -389,12 +393,10 @@ class Engine:
         }
 
     def _hits_by_tier(self) -> dict[str, int]:
-        """Prefix-hit tokens by the tier they came from: device, or the store's tier ("host" for the host
-        L2; a store shared by workers names itself with a `tier` attribute, e.g. "shared")."""
-        by_tier = {"device": self.kv.hit_tokens - self.kv.store_hit_tokens, "host": 0}
-        tier = getattr(self.kv.store, "tier", "host")
-        by_tier[tier] = by_tier.get(tier, 0) + self.kv.store_hit_tokens
-        return by_tier
+        """Prefix-hit tokens by the tier they came from: device, or a store tier (KVManager._count_tiers:
+        "host" for the host L2, a shared pool's name from a tiered store or a store's `tier` attribute).
+        Store tiers count the pages restored from them (a restore can exceed what admission then uses)."""
+        return {"device": self.kv.hit_tokens - self.kv.store_hit_tokens, "host": 0, **self.kv.store_tokens_by_tier}
 
     def _disagg_stats(self) -> dict:
         d = self.disagg

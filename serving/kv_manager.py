@@ -64,6 +64,7 @@ class KVManager:
         self.swapped_bytes = 0  # host memory held by swap-preempted requests
         self.hit_tokens = 0  # all tiers
         self.store_hit_tokens = 0  # the part of hit_tokens that came back from the store
+        self.store_tokens_by_tier: dict[str, int] = {}  # tokens restored from the store, by the tier that had them
         self.query_tokens = 0
 
     # --- the store tier ---------------------------------------------------------------------
@@ -80,6 +81,7 @@ class KVManager:
         deepest one with a checkpoint, so that the following `match` sees the longer hit."""
         hashes = prefix_hashes(tokens[: (len(tokens) - 1) // self.page_size * self.page_size], self.page_size)
         walk, blobs, target = [], {}, 0
+        tiers_before = _tier_hits(self.store)
         for i, h in enumerate(hashes):
             entry = self.prefix.entry(h)
             if entry is not None:
@@ -103,6 +105,7 @@ class KVManager:
         new_pages = self.pages.allocate(len(missing))
         for i, page in zip(missing, new_pages):
             walk[i] = page
+        self._count_tiers(len(missing), tiers_before)
         self.runner.write_pages(new_pages, np.stack([blobs[i].latents for i in missing], axis=1))
         ckpt = None
         if need_slot:
@@ -127,6 +130,23 @@ class KVManager:
             self.store.put(hashes[i], PageBlob(latents=latents[:, i - have], kda=kda if last else None,
                                                conv=conv if last else None))
         self.written_through_pages += len(pages) - have
+
+    def _count_tiers(self, restored_pages: int, tiers_before: dict[str, int] | None) -> None:
+        """Attributes restored pages to store tiers: a tiered store (host L2 in front of a shared pool)
+        reports per-tier hits in stats()["hits_by_tier"]; a single store names itself with a `tier`
+        attribute (default "host")."""
+        after = _tier_hits(self.store)
+        if tiers_before is not None and after is not None:
+            diff = {tier: n - tiers_before.get(tier, 0) for tier, n in after.items() if n > tiers_before.get(tier, 0)}
+            total = sum(diff.values())
+            # the walk also read pages past the deepest checkpoint, which are not restored: scale to those that are
+            scale = min(1.0, restored_pages / total) if total else 0.0
+            for tier, pages in diff.items():
+                self.store_tokens_by_tier[tier] = (self.store_tokens_by_tier.get(tier, 0)
+                                                   + round(pages * scale) * self.page_size)
+        elif restored_pages:
+            tier = getattr(self.store, "tier", "host")
+            self.store_tokens_by_tier[tier] = self.store_tokens_by_tier.get(tier, 0) + restored_pages * self.page_size
 
     def prefetch(self, req: Request) -> None:
         """While req waits: copy the part of its prefix that only the store has back to the device
@@ -305,6 +325,14 @@ class KVManager:
 
     def usage(self) -> float:
         return self.pages.num_used / max(1, self.runner.num_pages)
+
+
+def _tier_hits(store) -> dict[str, int] | None:
+    stats = getattr(store, "stats", None)
+    if stats is None:
+        return None
+    by_tier = stats().get("hits_by_tier")
+    return dict(by_tier) if isinstance(by_tier, dict) else None
 
 
 __all__ = ["KVManager", "OutOfPages", "PrefixHit"]

@@ -11,10 +11,13 @@ RESOURCE_EXHAUSTED when the engine is full, UNAVAILABLE while draining, INTERNAL
 proto3 zeros are not semantic defaults: top_p 0 means 1, top_k 0 or -1 means off, repetition_penalty 0
 means 1, an unset max_new_tokens means the rest of the context.
 
-DisaggregatedParams: bootstrap_host/port/room are validated and kept on the request
-(`handle.context["disaggregation"]`) for the P/D issue to act on; until then every role computes the
-whole request locally, except that a `prefill` worker stops after the first token (its output is the KV
-it computed, which a decode worker will pull).
+DisaggregatedParams (SMG's SGLang PD mode sends the same GenerateRequest to both legs): bootstrap
+host/port/room are validated and passed to the engine (`handle.context["disaggregation"]`). A
+`prefill` worker computes the prompt, answers with the first token (finish_reason "length" unless it
+stopped) and holds the KV for the decode worker that pulls the room from its bootstrap port
+(serving.disagg); a `decode` worker pulls it and streams the output, the first token included. Without
+bootstrap fields a decode worker serves the request whole and a prefill worker stops after one token.
+max_new_tokens is validated as asked on both legs.
 """
 
 from __future__ import annotations
@@ -64,8 +67,6 @@ def sampling_from_proto(sp, prompt_len: int, max_model_len: int, *, role: str) -
         max_tokens = max_model_len - prompt_len
         if max_tokens < 1:
             raise ValueError(f"the prompt ({prompt_len} tokens) fills the maximum context length {max_model_len}")
-    if role == "prefill":
-        max_tokens = 1
     if max_tokens < 1:
         raise ValueError(f"sampling_params.max_new_tokens={max_tokens} is invalid: must be >= 1")
     return SamplingParams(
@@ -162,7 +163,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "model_path": state.model_path, "served_model_name": state.model_name, "tokenizer_path": state.tokenizer.path,
             "tp_size": 1, "dp_size": 1, "page_size": ecfg.page_size, "max_running_requests": ecfg.max_running,
             "context_length": ecfg.max_model_len, "chunked_prefill_size": ecfg.max_prefill_tokens,
-            "disaggregation_mode": "null" if state.config.role == "both" else state.config.role,
+            "disaggregation_mode": "null" if ecfg.role == "both" else ecfg.role,
+            "disaggregation_bootstrap_port": (self.engine.stats().get("disagg") or {}).get("bootstrap_port", 0),
             "enable_cache_report": True, "kv_events": True,
         })
         scheduler_info = struct_pb2.Struct()

@@ -8,12 +8,19 @@ Every series carries `model_name`. Two sources:
   inter-token latency, e2e, queue / prefill / decode / inference time, prompt and generation lengths,
   and request_success_total{finished_reason}.
 Plus `http_requests_total{handler,method,status}` from the HTTP middleware.
+
+Disaggregated prefill/decode (serving.disagg), from the same snapshot: prefix-cache hits by tier
+(`vllm:prefix_cache_hits_by_tier{tier=device|host|shared}`), KV transfer bytes
+(`vllm:kv_transfer_bytes{direction=sent|received}`), transfers by outcome, transfer latency (decode:
+reservation to installed state) and decode queue time (arrival to reservation) as summaries, and the
+hand-off queues (prefill: finished prompts held for their decode partner; decode: requests awaiting
+memory or their KV). On a prefill worker `vllm:request_queue_time_seconds` is the prefill queue time.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from serving.async_engine import RequestRecord
 
@@ -127,11 +134,52 @@ class _EngineCollector:
         by_source.add_metric([*m, "external_kv_transfer"], float(host_hits))
         yield by_source
         yield counter("vllm:num_preemptions", "Requests preempted.", s.get("preemptions", 0))
+        by_tier = CounterMetricFamily("vllm:prefix_cache_hits_by_tier", "Prompt tokens found in the prefix cache, by tier.",
+                                      labels=["model_name", "tier"])
+        for tier, tokens in (s.get("prefix_hit_tokens_by_tier") or {"device": device_hits}).items():
+            by_tier.add_metric([*m, tier], float(tokens))
+        yield by_tier
+        d = s.get("disagg") or {}
+        if d:
+            yield from _disagg_metrics(m, d)
         if s.get("spec_verifies"):
             yield counter("vllm:spec_decode_num_drafts", "Speculative verify steps.", s["spec_verifies"])
             yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.get("spec_draft_tokens", 0))
             yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                           s.get("spec_accepted_tokens", 0))
+
+
+def _disagg_metrics(m: list[str], d: dict):
+    """P/D families from Engine.stats()["disagg"] (a prefill or a decode worker's)."""
+    sent, received = d.get("kv_transfer_bytes_sent", 0), d.get("kv_transfer_bytes_received", 0)
+    nbytes = CounterMetricFamily("vllm:kv_transfer_bytes", "KV-transfer payload bytes.", labels=["model_name", "direction"])
+    nbytes.add_metric([*m, "sent"], float(sent))
+    nbytes.add_metric([*m, "received"], float(received))
+    yield nbytes
+    outcomes = CounterMetricFamily("vllm:kv_transfers", "KV transfers by outcome.", labels=["model_name", "outcome"])
+    if "handoff_sent" in d:  # prefill side
+        outcomes.add_metric([*m, "sent"], float(d["handoff_sent"]))
+        outcomes.add_metric([*m, "expired"], float(d.get("handoff_expired", 0)))
+        held = GaugeMetricFamily("vllm:num_requests_held_for_decode",
+                                 "Finished prompts whose KV waits for the decode worker.", labels=["model_name"])
+        held.add_metric(m, float(d.get("held", 0)))
+        yield held
+    else:  # decode side
+        outcomes.add_metric([*m, "received"], float(d.get("kv_transfers", 0)))
+        outcomes.add_metric([*m, "failed"], float(d.get("kv_transfer_failures", 0)))
+        waiting = GaugeMetricFamily("vllm:num_requests_awaiting_kv",
+                                    "Requests waiting for decode memory or for their KV transfer.", labels=["model_name"])
+        waiting.add_metric(m, float(d.get("awaiting", 0) + d.get("transferring", 0)))
+        yield waiting
+        latency = SummaryMetricFamily("vllm:kv_transfer_latency_seconds", "Reservation to installed KV, per transfer.",
+                                      labels=["model_name"])
+        latency.add_metric(m, count_value=float(d.get("kv_transfers", 0)), sum_value=float(d.get("kv_transfer_seconds_sum", 0.0)))
+        yield latency
+        queue = SummaryMetricFamily("vllm:request_decode_queue_time_seconds",
+                                    "Arrival to decode memory reserved (P/D decode worker).", labels=["model_name"])
+        queue.add_metric(m, count_value=float(d.get("decode_queue_count", 0)), sum_value=float(d.get("decode_queue_seconds_sum", 0.0)))
+        yield queue
+    yield outcomes
 
 
 __all__ = ["CONTENT_TYPE", "Metrics"]

@@ -34,7 +34,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     http_port: int | None = 8000  # None: no HTTP server
     grpc_port: int | None = None  # None: no gRPC server
-    role: str = "both"  # P/D role reported to the gateway: both (colocated), prefill or decode
+    role: str = "both"  # P/D role; EngineConfig.role (`k3jax serve --role`) is the one that counts (they must agree)
     api_key: str | None = None  # HTTP: require "Authorization: Bearer <key>" on /v1 and admin routes
     served_model_name: str | None = None  # default: the model argument
     tokenizer: str | None = None  # HF tokenizer dir or tiktoken file; None: the bundled byte tokenizer
@@ -96,6 +96,15 @@ class ServerState:
         """Loads the tokenizer, builds (or takes) the Engine, checks they agree, starts the engine thread."""
         from serving.engine import Engine
 
+        # the P/D role lives in EngineConfig.role; ServerConfig.role (older callers) must agree with it
+        role = engine.ecfg.role if engine is not None else ecfg.role
+        if config.role != role:
+            if role == "both" and engine is None:
+                ecfg = ecfg.replace(role=config.role)
+            elif config.role == "both":
+                config = config.replace(role=role)
+            else:
+                raise ValueError(f"ServerConfig.role {config.role!r} disagrees with EngineConfig.role {role!r}")
         tokenizer = load_tokenizer(config.tokenizer)
         if engine is None:
             engine = Engine(ecfg, detokenize=tokenizer.decode)
@@ -146,6 +155,9 @@ async def serve(state: ServerState, *, ready: asyncio.Event | None = None, stop:
         if http_task.done():
             http_task.result()  # raises the bind error
         print(f"k3jax serve: HTTP listening on http://{cfg.host}:{cfg.http_port}", flush=True)
+    disagg = state.engine.stats().get("disagg") or {}
+    if "bootstrap_port" in disagg:
+        print(f"k3jax serve: KV bootstrap listening on 127.0.0.1:{disagg['bootstrap_port']}", flush=True)
     print(f"k3jax serve: ready ({state.model_name}, role {cfg.role})", flush=True)
     if ready is not None:
         ready.set()
@@ -157,6 +169,7 @@ async def serve(state: ServerState, *, ready: asyncio.Event | None = None, stop:
         await http_task
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
+    state.engine.engine.close()
     print("k3jax serve: stopped", flush=True)
 
 

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from serving.disagg.transfer import KVPayload, TransferError, make_transport
@@ -62,6 +62,7 @@ class PrefillHandoff:
         self.decode_first = ecfg.pd_admission == "decode_first"
         self.held: dict[int, tuple[Request, float]] = {}  # room -> (request, time its prompt finished)
         self._pulls: list[_Pull] = []  # guarded by _lock
+        self._expired: OrderedDict[int, None] = OrderedDict()  # rooms freed unpulled (recent ones); guarded by _lock
         self._lock = threading.Lock()
         self.wake = lambda: None  # AsyncEngine sets this: a pull arrived, run a step boundary soon
         self.transport = make_transport(ecfg.disagg_transport, ecfg.transfer_timeout_s)
@@ -76,6 +77,9 @@ class PrefillHandoff:
     def _on_pull(self, room: int, deadline: float) -> KVPayload:
         pull = _Pull(room, deadline)
         with self._lock:
+            if room in self._expired:
+                raise TransferError(f"room {room}: its prefill finished but nobody pulled it within "
+                                    f"{self.timeout_s:.0f} s; its state was freed")
             self._pulls.append(pull)
         self.wake()
         pull.event.wait(max(0.0, deadline - time.monotonic()))
@@ -136,6 +140,10 @@ class PrefillHandoff:
                 del self.held[room]
                 self._release(req)
                 self.stats["handoff_expired"] += 1
+                with self._lock:
+                    self._expired[room] = None
+                    while len(self._expired) > 4096:
+                        self._expired.popitem(last=False)
 
     def _release(self, req: Request) -> None:
         self.engine.kv.release(req, cache=True)

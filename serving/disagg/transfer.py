@@ -84,7 +84,7 @@ def encode_frame(header: dict, arrays: dict[str, np.ndarray] | None = None) -> l
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
         listed.append([name, a.dtype.name, list(a.shape)])
-        buffers.append(memoryview(a).cast("B"))
+        buffers.append(memoryview(a.reshape(-1).view(np.uint8)))  # bytes view: works for ml_dtypes too
     head = msgpack.packb({**header, "arrays": listed}, use_bin_type=True)
     return [_HEAD.pack(MAGIC, len(head)) + head, *buffers]
 
@@ -200,6 +200,10 @@ class _TcpListener(Listener):
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in the listener thread
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:

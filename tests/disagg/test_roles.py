@@ -4,13 +4,15 @@ bootstrap room, driven step by step on this thread, against a colocated Engine w
 Covers: greedy equality over both transports (tcp loopback and in-process), independent admission
 (decode saturated: prefill keeps computing and holds finished prompts; backpressure at the bound),
 an unpaired prefill freed after its timeout, a failed pull ending its request with an error, and a
-second turn on another prefill worker hitting the shared store (write-through at publication).
+second turn on another prefill worker hitting the shared pool server (write-through at publication).
 Every engine has the same pool sizes and bucket shapes, so they share one set of compiled programs.
 
 Run: python -m pytest -q tests/disagg/test_roles.py
 """
 
 import itertools
+import subprocess
+import sys
 import time
 
 import jax
@@ -18,7 +20,6 @@ import numpy as np
 import pytest
 
 import k3jax
-from serving.cache.host_tier import HostStore
 from serving.config import EngineConfig
 from serving.disagg.roles import Bootstrap
 from serving.engine import Engine
@@ -31,7 +32,7 @@ _rooms = itertools.count(1000)
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(shared_compile_cache):
     cfg = k3jax.load_config("k3-tiny")
     return cfg, k3jax.init_params(cfg, jax.random.key(0))
 
@@ -151,13 +152,29 @@ def test_failed_pull_ends_request_with_error(model):
     decode.check_integrity()
 
 
-def test_turn_two_on_another_prefill_worker_hits_the_shared_store(model, colocated):
-    class SharedPool(HostStore):  # stands in for the pool server: one store, two prefill workers
-        tier = "shared"
+@pytest.fixture(scope="module")
+def pool_server():
+    """The embedded pool server (serving.cache.pool_server) in its own process, as a deployment runs it."""
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cache.pool_server", "--port", "0", "--capacity-gb", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not lines or "pool-server listening on" not in lines[-1]:  # (runpy may warn first)
+            lines.append(proc.stdout.readline())
+            assert lines[-1] or proc.poll() is None, lines
+        yield "pool://" + lines[-1].split("listening on ")[1].split()[0]
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
-    pool = SharedPool(capacity_bytes=1 << 30)
-    p0, p1 = (engine(model, role="prefill", store=pool) for _ in range(2))
-    decode = engine(model, role="decode", store=pool)
+
+def test_turn_two_on_another_prefill_worker_hits_the_shared_pool(model, colocated, pool_server):
+    """Each prefill worker has its own PoolStore client of one pool server; turn 1 runs on p0, turn 2
+    (turn 1 + its answer + a new message) on p1, whose device cache has never seen the session."""
+    from serving.cache.pool_client import PoolStore
+
+    p0, p1 = (engine(model, role="prefill", store=PoolStore.from_url(pool_server)) for _ in range(2))
+    decode = engine(model, role="decode", store=PoolStore.from_url(pool_server))
     turn1 = prompts(5, 1, 300, 301)[0]
     [r1] = [submit(p0, decode, turn1)]
     drive([p0, decode], [r1], decode)

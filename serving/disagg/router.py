@@ -1,0 +1,398 @@
+"""`k3jax router`: an OpenAI HTTP front for prefill and decode workers (SMG's SGLang PD protocol, over gRPC).
+
+    cfg = RouterConfig(prefill=(("127.0.0.1:50051", 8998),), decode=("127.0.0.1:50052",), page_size=16)
+    asyncio.run(run_router(cfg))
+
+Per request: tokenize (the workers' tokenizer), pick a prefill worker by the least estimated
+outstanding prefill work and a decode worker by the fewest in-flight requests (then tokens), mint one
+bootstrap room, and send the same GenerateRequest to both legs at once (the prefill leg unstreamed, the
+decode leg streamed), as SMG does. The decode leg's stream is what the client gets (SSE or one JSON).
+No conversation affinity: any prefill worker can serve any turn (the shared cache pool has the history).
+
+Outstanding prefill work is the router's own estimate, not asked of the pool: per worker, the sum
+over its in-flight prefill legs of (prompt tokens - tokens the pool probably has). The pool's
+content is estimated from what was routed: every prompt's full pages up to its last page boundary
+are published to the pool by whichever prefill worker computed them (write-through), so the router
+remembers those chained page hashes (a bounded LRU) and counts a new prompt's longest remembered
+prefix as cached. Eviction in the pool makes this an overestimate of hits, never of work.
+
+A failed prefill leg cancels the decode leg and fails the request; a decode leg that breaks mid-stream
+(its worker died) ends the stream with an error event (HTTP 502 when not streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pb_grpc
+
+from serving.api.protocol import APIError, chat_messages, check_unsupported, completion_prompt, sampling_params, stream_options
+from serving.api.tokenizer import TextStream, load_tokenizer
+from serving.cache.hashing import prefix_hashes
+
+log = logging.getLogger("k3jax.router")
+MAX_REMEMBERED_PAGES = 1 << 20
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """prefill: (gRPC target "host:port", bootstrap port) per prefill worker; decode: gRPC targets."""
+
+    prefill: tuple[tuple[str, int], ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_name: str = "k3-tiny"
+    tokenizer: str | None = None  # the workers' tokenizer (None: the bundled byte tokenizer)
+    page_size: int = 16
+    max_model_len: int = 4096
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        problems = []
+        if not self.prefill or not self.decode:
+            problems.append("a router needs at least one prefill and one decode worker")
+        for target, bport in self.prefill:
+            if ":" not in target or not 0 < int(bport) <= 65535:
+                problems.append(f"prefill worker {target!r} needs host:port and a bootstrap port, got {bport!r}")
+        for target in self.decode:
+            if ":" not in target:
+                problems.append(f"decode worker {target!r} must be host:port")
+        if self.page_size < 1 or self.max_model_len < 2:
+            problems.append("page_size must be >= 1 and max_model_len >= 2")
+        if problems:
+            raise ValueError("invalid RouterConfig: " + "; ".join(problems))
+
+
+@dataclass
+class _Worker:
+    target: str
+    bootstrap_port: int = 0
+    stub: object = None
+    inflight: int = 0
+    outstanding_tokens: int = 0  # prefill: estimated tokens left to compute; decode: tokens still to generate
+    failures: int = 0
+
+
+@dataclass
+class _Estimate:
+    """The router's model of the shared pool's content: chained page hashes, LRU-bounded."""
+
+    page_size: int
+    pages: OrderedDict = field(default_factory=OrderedDict)
+
+    def cached_tokens(self, ids: list[int]) -> int:
+        n = 0
+        for h in prefix_hashes(ids[: (len(ids) - 1) // self.page_size * self.page_size], self.page_size):
+            if h not in self.pages:
+                break
+            self.pages.move_to_end(h)
+            n += self.page_size
+        return n
+
+    def published(self, ids: list[int]) -> None:
+        for h in prefix_hashes(ids[: (len(ids) - 1) // self.page_size * self.page_size], self.page_size):
+            self.pages[h] = None
+            self.pages.move_to_end(h)
+        while len(self.pages) > MAX_REMEMBERED_PAGES:
+            self.pages.popitem(last=False)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.prefill = [_Worker(t, int(b)) for t, b in cfg.prefill]
+        self.decode = [_Worker(t) for t in cfg.decode]
+        self.estimate = _Estimate(cfg.page_size)
+        self.counters = {"requests": 0, "failed": 0, "estimated_cached_tokens": 0, "prompt_tokens": 0}
+        self._channels = []
+
+    async def start(self) -> None:
+        for w in [*self.prefill, *self.decode]:
+            channel = grpc.aio.insecure_channel(w.target, options=[("grpc.max_receive_message_length", 64 << 20)])
+            self._channels.append(channel)
+            w.stub = pb_grpc.SglangSchedulerStub(channel)
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    # --- policy ------------------------------------------------------------------------------
+    def pick(self, ids: list[int], max_tokens: int) -> tuple[_Worker, _Worker, int]:
+        """(prefill worker, decode worker, estimated tokens to compute)."""
+        cached = self.estimate.cached_tokens(ids)
+        work = len(ids) - cached
+        # ties go to the lower index (deterministic); a worker that failed goes last until it is the only one
+        prefill = min(self.prefill, key=lambda w: (w.failures > 0, w.outstanding_tokens, w.inflight))
+        decode = min(self.decode, key=lambda w: (w.failures > 0, w.inflight, w.outstanding_tokens))
+        self.counters["estimated_cached_tokens"] += cached
+        self.counters["prompt_tokens"] += len(ids)
+        return prefill, decode, work
+
+    # --- one request -------------------------------------------------------------------------
+    async def generate(self, ids: list[int], sp: pb.SamplingParams, max_tokens: int, request_id: str):
+        """Yields the decode leg's GenerateResponses; raises APIError (prefill failure) or grpc.RpcError."""
+        prefill, decode, work = self.pick(ids, max_tokens)
+        room = random.randrange(0, 2**31 - 1)
+        self.counters["requests"] += 1
+        boot = pb.DisaggregatedParams(bootstrap_host=prefill.target.rsplit(":", 1)[0],
+                                      bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
+        base = dict(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids), sampling_params=sp,
+                    disaggregated_params=boot)
+        timeout = self.cfg.request_timeout_s
+        prefill.inflight += 1
+        prefill.outstanding_tokens += work
+        decode.inflight += 1
+        decode.outstanding_tokens += max_tokens
+
+        async def prefill_leg():
+            try:
+                return [r async for r in prefill.stub.Generate(pb.GenerateRequest(**base, stream=False), timeout=timeout)]
+            finally:
+                prefill.inflight -= 1
+                prefill.outstanding_tokens -= work
+
+        prefill_task = asyncio.ensure_future(prefill_leg())
+        call = decode.stub.Generate(pb.GenerateRequest(**base, stream=True), timeout=timeout)
+        try:
+            stream = call.__aiter__()
+            while True:
+                next_item = asyncio.ensure_future(stream.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({next_item, prefill_task} if not prefill_task.done() else {next_item},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if prefill_task in done and prefill_task.exception() is not None:
+                        next_item.cancel()
+                        call.cancel()
+                        err = prefill_task.exception()
+                        prefill.failures += not _is_client_error(err)
+                        raise _api_error(err, "prefill")
+                    if next_item in done:
+                        break
+                try:
+                    item = next_item.result()
+                except StopAsyncIteration:
+                    break
+                yield item
+            self.estimate.published(ids)
+            await prefill_task
+        except grpc.RpcError as e:
+            decode.failures += not _is_client_error(e)
+            raise _api_error(e, "decode") from None
+        finally:
+            decode.inflight -= 1
+            decode.outstanding_tokens -= max_tokens
+            if not prefill_task.done():
+                prefill_task.cancel()
+            call.cancel()
+
+    def stats(self) -> dict:
+        return {**self.counters,
+                "prefill": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
+                             "failures": w.failures} for w in self.prefill],
+                "decode": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
+                            "failures": w.failures} for w in self.decode]}
+
+
+def _is_client_error(e) -> bool:
+    return isinstance(e, grpc.RpcError) and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                                         grpc.StatusCode.CANCELLED)
+
+
+def _api_error(e: BaseException, leg: str) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, grpc.RpcError):
+        code = e.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return APIError(e.details() or "invalid request")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return APIError(f"{leg} worker overloaded: {e.details()}", status=503, type="server_error")
+        return APIError(f"{leg} worker failed: {code.name}: {e.details()}", status=502, type="server_error")
+    return APIError(f"{leg} worker failed: {type(e).__name__}: {e}", status=502, type="server_error")
+
+
+def _proto_sampling(s) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                             max_new_tokens=s.max_tokens, min_new_tokens=s.min_tokens, stop=list(s.stop),
+                             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="k3jax router", docs_url=None, redoc_url=None, openapi_url=None)
+    cfg, tok = router.cfg, router.tokenizer
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "prefill": len(router.prefill), "decode": len(router.decode)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "owned_by": "k3jax",
+                                            "max_model_len": cfg.max_model_len}]}
+
+    @app.get("/router/stats")
+    async def stats():
+        return router.stats()
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError("request body must be a JSON object", code="invalid_json")
+        check_unsupported(body)
+        stream, include_usage, _ = stream_options(body)
+        if chat:
+            try:
+                text = tok.apply_chat_template(chat_messages(body), add_generation_prompt=body.get("add_generation_prompt", True),
+                                               tools=body.get("tools"))
+            except ValueError as e:
+                raise APIError(str(e), param="messages") from None
+            ids = tok.encode(text)
+        else:
+            ids, _ = completion_prompt(body, tok)
+        sampling = sampling_params(body, len(ids), cfg.max_model_len, chat=chat, default_max_tokens=None if chat else 16)
+        rid = uuid.uuid4().hex[:24]
+        kind = "chat.completion" if chat else "text_completion"
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": kind, "created": int(time.time()),
+                "model": cfg.model_name}
+        text_out = TextStream(tok, sampling.stop)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        responses = router.generate(ids, _proto_sampling(sampling), sampling.max_tokens, rid)
+
+        def choice(piece, reason):
+            if chat:
+                return {"index": 0, "delta" if stream else "message":
+                        ({"content": piece} if piece else {}) if stream else {"role": "assistant", "content": piece},
+                        "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+
+        def account(r):
+            part = r.chunk if r.HasField("chunk") else r.complete
+            usage["completion_tokens"] = part.completion_tokens
+            usage["total_tokens"] = len(ids) + part.completion_tokens
+            usage["prompt_tokens_details"]["cached_tokens"] = part.cached_tokens
+
+        if not stream:
+            reason, output_ids = None, []
+            async for r in responses:
+                account(r)
+                # streamed: the chunks carry every id (the GenerateComplete repeats the last step's)
+                ids_now = list(r.chunk.token_ids) if r.HasField("chunk") else []
+                output_ids += ids_now
+                text_out.push(ids_now)
+                if r.HasField("complete"):
+                    reason = r.complete.finish_reason
+            text_out.push([])
+            out = choice(text_out.text + text_out.finish(), reason)
+            if body.get("return_token_ids"):  # vLLM's extension: the output ids as well as the text
+                out["token_ids"] = output_ids
+            return {**base, "choices": [out], "usage": usage}
+
+        first = await _first(responses)  # errors before the first token become HTTP errors
+
+        async def events():
+            chunk_base = {**base, "object": "chat.completion.chunk"} if chat else base
+            try:
+                if chat:
+                    yield {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]}
+                async for r in _chain(first, responses):
+                    account(r)
+                    if r.HasField("chunk"):
+                        piece = text_out.push(list(r.chunk.token_ids))
+                        if piece:
+                            yield {**chunk_base, "choices": [choice(piece, None)]}
+                    else:
+                        piece = text_out.push([]) + text_out.finish()
+                        yield {**chunk_base, "choices": [choice(piece, r.complete.finish_reason)]}
+                if include_usage:
+                    yield {**chunk_base, "choices": [], "usage": usage}
+                yield "[DONE]"
+            except APIError as e:
+                yield e.body()
+
+        async def sse():
+            async for event in events():
+                yield f"data: {event if isinstance(event, str) else json.dumps(event, separators=(',', ':'))}\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+async def _first(responses):
+    try:
+        return await responses.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(first, responses):
+    if first is not None:
+        yield first
+        async for r in responses:
+            yield r
+
+
+async def run_router(cfg: RouterConfig, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serves until SIGINT/SIGTERM (or `stop`)."""
+    import signal
+
+    import uvicorn
+
+    router = Router(cfg)
+    await router.start()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    server = uvicorn.Server(uvicorn.Config(build_app(router), host=cfg.host, port=cfg.port, log_level="warning",
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=3))
+    server.install_signal_handlers = lambda: None
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if task.done():
+        task.result()
+    print(f"k3jax router: ready on http://{cfg.host}:{cfg.port} ({len(cfg.prefill)} prefill, {len(cfg.decode)} decode)",
+          flush=True)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    server.should_exit = True
+    await task
+    await router.close()
+    print("k3jax router: stopped", flush=True)
+
+
+__all__ = ["Router", "RouterConfig", "build_app", "run_router"]
