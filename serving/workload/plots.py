@@ -52,7 +52,7 @@ def plot_pareto(sweeps: Sequence[dict], path: str | Path, throughput_key: str = 
     ax.set_xlabel("P90 interactivity = 1 / P90 inter-token latency (tokens/s per user)")
     ax.set_ylabel(_THROUGHPUT_LABELS.get(throughput_key, throughput_key))
     ax.set_title(title or "AgentX replay: throughput vs interactivity (c = concurrent sessions)")
-    ax.set_xlim(left=0)
+    ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.08)  # room for the last point's label
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(title="deployment")

@@ -193,10 +193,11 @@ def parse_concurrency(text: str) -> list[int]:
 
 def run_sweep(sessions: Sequence[Session], base: ReplayConfig, concurrencies: Sequence[int], out_dir: str | Path,
               label: str = "k3jax", timeline_bin_s: float = 60.0, plots: bool = True,
-              extra: dict | None = None) -> dict:
+              extra: dict | None = None, append_to: dict | None = None) -> dict:
     """Replays `sessions` once per concurrency level (base's other settings, a fresh salt each level) and
     writes the per-level reports, sweep.json, sweep.csv and (plots=True) both PNGs under out_dir.
-    Returns the sweep dict (sweep.json's content, plus "files")."""
+    `append_to`: an earlier sweep (load_sweep) whose levels are kept (one measured again is replaced), for
+    sweeps split over several commands. Returns the sweep dict (sweep.json's content, plus "files")."""
     if not concurrencies or min(concurrencies) < 1:
         raise ValueError(f"need concurrency levels >= 1, got {list(concurrencies)}")
     if base.salt is not None and len(concurrencies) > 1:
@@ -205,8 +206,12 @@ def run_sweep(sessions: Sequence[Session], base: ReplayConfig, concurrencies: Se
     out.mkdir(parents=True, exist_ok=True)
     sweep = {"label": label, "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
              "num_gpus": base.num_gpus, "timeline_bin_s": timeline_bin_s, "sessions": len(sessions),
-             "replay_config": {k: v for k, v in dataclasses.asdict(base).items() if k not in ("concurrency", "api_key", "salt")},
+             "replay_config": {k: v for k, v in dataclasses.asdict(base).items()
+                               if k not in ("concurrency", "api_key", "salt")},
              **(extra or {}), "levels": []}
+    if append_to is not None:
+        sweep["levels"] = [lv for lv in append_to["levels"] if lv["concurrency"] not in concurrencies]
+        sweep["earlier_commands"] = [*append_to.get("earlier_commands", []), append_to.get("command")]
     for c in concurrencies:
         cfg = dataclasses.replace(base, concurrency=c)
         replay = Replay(sessions, cfg)
@@ -218,6 +223,7 @@ def run_sweep(sessions: Sequence[Session], base: ReplayConfig, concurrencies: Se
                  "timeline": throughput_timeline(replay.records, timeline_bin_s, cfg.num_gpus,
                                                  t_end=report["window"]["end_s"])}
         sweep["levels"].append(level)
+        sweep["levels"].sort(key=lambda lv: lv["concurrency"])
         _write_sweep(sweep, out)  # after every level, so an interrupted sweep keeps what it measured
     files = {"json": out / "sweep.json", "csv": out / "sweep.csv"}
     if plots:
@@ -375,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.csv, the PNGs and c<N>/ reports")
     p.add_argument("--label", default=None, help="deployment name on plots and in compare (default: the model)")
     p.add_argument("--timeline-bin-s", type=float, default=60.0, help="bin width of the throughput-over-time plot")
+    p.add_argument("--append", action="store_true",
+                   help="keep the levels of an existing <out>/sweep.json and add these (a sweep split over commands)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running OpenAI-compatible server")
     where.add_argument("--serve-args", help="start `python -m k3jax serve <these args>` for the sweep "
@@ -390,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     extra = {"command": ["k3jax", "bench", "sweep", *(sys.argv[1:] if argv is None else argv)],
              "source": {"preset": a.preset, "trace": a.trace, "num_sessions": a.num_sessions}}
+    append_to = load_sweep(out) if a.append and (out / "sweep.json").is_file() else None
     if a.serve_args is not None:
         import shlex
 
@@ -397,10 +406,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with ServerProcess(serve_args, log_path=out / "server.log") as server:
             extra["serve_args"] = serve_args
             sweep = run_sweep(sessions, config_from_args(a, url=server.url, concurrency=levels[0]), levels, out,
-                              label=a.label or a.model or "k3jax", timeline_bin_s=a.timeline_bin_s, extra=extra)
+                              label=a.label or a.model or "k3jax", timeline_bin_s=a.timeline_bin_s, extra=extra,
+                              append_to=append_to)
     else:
         sweep = run_sweep(sessions, config_from_args(a, url=a.url, concurrency=levels[0]), levels, out,
-                          label=a.label or a.model or "k3jax", timeline_bin_s=a.timeline_bin_s, extra=extra)
+                          label=a.label or a.model or "k3jax", timeline_bin_s=a.timeline_bin_s, extra=extra,
+                              append_to=append_to)
     print(format_levels(sweep))
     print("wrote " + ", ".join(sweep["files"].values()))
     return 0

@@ -40,8 +40,8 @@ def _png_ok(path, min_bytes: int = 15_000):
 
 
 def test_full_sweep_of_three_levels_writes_report_and_plots(server, tmp_path, capsys):
-    """`k3jax bench sweep` at concurrency 1,2,3 (short preset, k3-tiny, one CPU worker): three level
-    reports, sweep.json/csv with the headline numbers, both PNGs, and a timeline that accounts for every
+    """`k3jax bench sweep` at concurrency 1,2 then 3 (--append) (short preset, k3-tiny, one CPU worker):
+    three level reports, sweep.json/csv with the headline numbers, both PNGs, and a timeline that accounts for every
     generated token.
 
     The worker runs one request at a time and a cold ~1k-token prefill takes 3-8 s on a loaded 2-core
@@ -49,17 +49,20 @@ def test_full_sweep_of_three_levels_writes_report_and_plots(server, tmp_path, ca
     at least the first turns that start at t=0; the 40 s grace is an upper bound (a level ends as soon as
     its in-flight requests finish)."""
     out = tmp_path / "sweep"
-    rc = cli.main(["bench", "sweep", "--url", server, "--preset", "short", "--num-sessions", "3",
-                   "--concurrency", "1,2,3", "--warmup-s", "0", "--duration-s", "10", "--grace-s", "40",
-                   "--idle-gap-cap-s", "0.3", "--no-random-start", "--seed", "4", "--timeline-bin-s", "2",
-                   "--label", "k3-tiny cpu", "--out", str(out), "--no-progress"])
-    assert rc == 0
+    common = ["bench", "sweep", "--url", server, "--preset", "short", "--num-sessions", "3", "--warmup-s", "0",
+              "--duration-s", "10", "--grace-s", "40", "--idle-gap-cap-s", "0.3", "--no-random-start", "--seed", "4",
+              "--timeline-bin-s", "2", "--label", "k3-tiny cpu", "--out", str(out), "--no-progress"]
+    # split over two commands as on a machine with a per-command time limit: the second appends level 3
+    assert cli.main([*common, "--concurrency", "1,2"]) == 0
+    assert [lv["concurrency"] for lv in load_sweep(out)["levels"]] == [1, 2]
+    assert cli.main([*common, "--concurrency", "3", "--append"]) == 0
     printed = capsys.readouterr().out
     assert "[k3-tiny cpu]" in printed and "pareto.png" in printed
 
     sweep = load_sweep(out)
     assert [lv["concurrency"] for lv in sweep["levels"]] == [1, 2, 3]
     assert sweep["label"] == "k3-tiny cpu" and sweep["num_gpus"] == 1
+    assert sweep["earlier_commands"][0][-1] == "1,2"
     salts = set()
     for lv in sweep["levels"]:
         req = lv["requests"]
@@ -83,7 +86,8 @@ def test_full_sweep_of_three_levels_writes_report_and_plots(server, tmp_path, ca
     with open(out / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["concurrency"]) for r in rows] == [1, 2, 3]
-    assert float(rows[2]["output_tokens_per_s_per_gpu"]) == pytest.approx(sweep["levels"][2]["output_tokens_per_s_per_gpu"])
+    want = sweep["levels"][2]["output_tokens_per_s_per_gpu"]
+    assert float(rows[2]["output_tokens_per_s_per_gpu"]) == pytest.approx(want)
     assert rows[0]["label"] == "k3-tiny cpu"
     _png_ok(out / "pareto.png")
     _png_ok(out / "throughput_over_time.png")
