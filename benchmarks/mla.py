@@ -19,6 +19,16 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             splits (same total work items, and 16 splits), aggregate time ratio; and equal-length controls
             (the same batches with every history at the batch mean).
   prefill:  mla_prefill of a 2k-token chunk after a 16k prefix hit, TFLOP/s of its absorbed-form FLOPs.
+  --explore (2026-11-30, one call): only B64 x 32k: kernel tilings / value_groups at q_len 1 and 4, the
+            kernel's loop with stages left out (page gathers only; + scores; P @ C only), and split-KV decode
+            in plain XLA (contiguous history: cuBLAS batched GEMMs; paged: an XLA gather first).
+  --backends: A/B of kernel variants in one process, each first checked against mla_decode_reference on
+            histories 1/63/513/4097 in the shared pool, then timed at B64 x 32k q_len 1 and 4: the
+            committed kernel when benchmarks/_mla_decode_head.py exists
+            (`git show HEAD:pallas_kernels/mla_decode.py > benchmarks/_mla_decode_head.py`, never committed),
+            this tree's Triton kernel, the experimental Mosaic GPU kernel (--variants picks by substring).
+  --backend mosaic: the decode table with the Mosaic GPU kernel.
+A case whose single timed call times --reps x --inner exceeds --case-limit-s is timed once (the case's limit).
 Sections stop starting once --budget-s has passed (the rest is reported as skipped). Prints a table last
 and writes the raw numbers as JSON to --out after every section.
 """
@@ -39,6 +49,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from k3jax.mla import paged_attention_reference  # noqa: E402
@@ -58,6 +70,13 @@ def parse_args(argv=None):
     p.add_argument("--inner", type=int, default=10)
     p.add_argument("--pool-tokens", type=int, default=5_000_000, help="tokens in the shared page pool")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    p.add_argument("--explore", action="store_true",
+                   help="only the profile at B64 x 32k (kernel variants, stages left out, XLA split-KV), then stop")
+    p.add_argument("--backends", action="store_true", help="only the kernel-variant A/B (see run_backends), then stop")
+    p.add_argument("--backend", default="triton", choices=("triton", "mosaic"), help="kernel of the decode table")
+    p.add_argument("--variants", default="", help="comma-separated substrings selecting run_backends variants")
+    p.add_argument("--case-limit-s", type=float, default=20.0,
+                   help="a case whose first timed call takes longer is timed once, not --reps x --inner times")
     p.add_argument("--quick", action="store_true",
                    help="no tiling sweep (the defaults), bf16 decode at 4 shapes, no reference path, one shipped variant")
     return p.parse_args(argv)
@@ -92,7 +111,11 @@ class Bench:
 
     def time_ms(self, fn) -> float:
         jax.block_until_ready(fn())  # compile
+        t = time.perf_counter()
         jax.block_until_ready(fn())
+        once = time.perf_counter() - t
+        if once * self.args.reps * self.args.inner > self.args.case_limit_s:  # the case's time limit
+            return once * 1e3
         times = []
         for _ in range(self.args.reps):
             t = time.perf_counter()
@@ -194,11 +217,244 @@ def run_decode(bench, pool, lens, q_len, kv_dtype, cfg, plan_fn, case=None):
     plan_us = (time.perf_counter() - t) * 1e6
     plan_dev = mla_plan.plan_to_device(plan)
     kw = dict(kv_lora_rank=C, scale=SCALE, kv_scales=scales, block_kv=cfg["block_kv"], block_rows=cfg["block_rows"],
-              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=bench.interpret)
+              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], value_groups=cfg.get("value_groups", 1),
+              backend=cfg.get("backend", "triton"), interpret=bench.interpret)
     fn = lambda: md.mla_decode(q_latent, q_pe, kv, table, positions, plan_dev, **kw)
     ms = bench.time_ms(fn)
     return {"ms": ms, "plan_host_us": plan_us, "work_items": int((plan.work_request >= 0).sum()),
             "max_splits": int(plan.request_num_work.max())}, fn
+
+
+# ------------------------------------------------------------------------------------------- explore
+def _diag_kernel(work_request_ref, work_start_ref, work_end_ref, q_ref, page_table_ref, kv_ref, out_ref, *, mode,
+                 block_rows, block_kv, page_size):
+    """Where the time goes: the decode kernel's loop with stages left out. work_*_ref [W] int32 (plan),
+    q_ref [B, M_pad, C+R] bf16, page_table_ref [B, max_pages] int32, kv_ref [P, page_size, C+R] bf16,
+    out_ref [block_rows, C] fp32 (block of [W, M_pad, C]).
+    mode "read": gather the KV tiles only (column sums keep the loads live); "qk": + scores and online
+    softmax statistics, no P @ C; "pv": loads + P @ C with P from a cheap function of the tile (no scores)."""
+    row_block, item = pl.program_id(0), pl.program_id(1)
+    b = work_request_ref[item]
+
+    @pl.when(b >= 0)
+    def _():
+        rows = pl.ds(row_block * block_rows, block_rows)
+        q_c = q_ref[b, rows, pl.ds(0, C)]  # [block_rows, C]
+        q_r = q_ref[b, rows, pl.ds(C, R)]  # [block_rows, R]
+        ppb = block_kv // page_size
+
+        def body(blk, carry):
+            acc, m_prev, l_prev = carry
+            pages = page_table_ref[b, pl.ds(blk * ppb, ppb)]  # [ppb]
+            kv_c = kv_ref[pages, :, pl.ds(0, C)].reshape(block_kv, C)  # [block_kv, C]
+            kv_r = kv_ref[pages, :, pl.ds(C, R)].reshape(block_kv, R)  # [block_kv, R]
+            if mode == "read":
+                col = jnp.sum(kv_c.astype(jnp.float32), axis=0) + jnp.sum(kv_r.astype(jnp.float32))
+                return acc + col[None, :], m_prev, l_prev
+            if mode == "pv":
+                p = jnp.broadcast_to(kv_r[:, 0].astype(jnp.float32)[None, :], (block_rows, block_kv))
+                return acc + jnp.dot(p.astype(kv_c.dtype), kv_c, preferred_element_type=jnp.float32), m_prev, l_prev
+            s = jnp.dot(q_c, kv_c.T, preferred_element_type=jnp.float32)
+            s += jnp.dot(q_r, kv_r.T, preferred_element_type=jnp.float32)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            p = jnp.exp2(s - m_next[:, None])
+            return acc, m_next, l_prev * jnp.exp2(m_prev - m_next) + jnp.sum(p, axis=1)
+
+        init = (jnp.zeros((block_rows, C), jnp.float32), jnp.full((block_rows,), -1e30, jnp.float32),
+                jnp.zeros((block_rows,), jnp.float32))
+        acc, m, l = jax.lax.fori_loop(work_start_ref[item], work_end_ref[item], body, init)
+        out_ref[...] = acc + (m + l)[:, None]
+
+
+def diag_call(mode, q_latent, q_pe, kv, table, plan, *, block_rows, block_kv, num_warps, num_stages, interpret):
+    q, _, m_pad = md._row_layout(q_latent, q_pe, jnp.zeros(q_latent.shape[:2], jnp.int32), block_rows)
+    table = md._pad_page_table(table, block_kv // PAGE)
+    n_rb = 1 if mode == "read" else m_pad // block_rows
+    w = plan.work_request.shape[0]
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    inputs = [plan.work_request, plan.work_block_start, plan.work_block_end, q, table, kv]
+    return pl.pallas_call(
+        functools.partial(_diag_kernel, mode=mode, block_rows=block_rows, block_kv=block_kv, page_size=PAGE),
+        grid=(n_rb, w), in_specs=[full(x) for x in inputs],
+        out_specs=pl.BlockSpec((None, block_rows, C), lambda r, i: (i, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((w, m_pad, C), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages), name=f"mla_diag_{mode}",
+        interpret=interpret,
+    )(*inputs)
+
+
+def xla_split_decode(q_latent, q_pe, kv, splits: int):
+    """Split-KV absorbed MLA decode in plain XLA over a contiguous history kv [B, S, C+R] (no page gather, no
+    causal mask): per split, scores -> max / exp / sum -> P @ C, then a log-sum-exp merge. [B, T, H, C] fp32."""
+    b, t, h, _ = q_latent.shape
+    q = jnp.concatenate([q_latent, q_pe], axis=-1).reshape(b, t * h, C + R)
+    kv = kv.reshape(b, splits, -1, C + R)
+    s = jnp.einsum("bmd,bnsd->bnms", q, kv, preferred_element_type=jnp.float32) * SCALE
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1)  # [B, n, M]
+    o = jnp.einsum("bnms,bnsc->bnmc", p.astype(kv.dtype), kv[..., :C], preferred_element_type=jnp.float32)
+    m = m[..., 0]
+    m_all = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp(m - m_all)  # [B, n, M]
+    out = jnp.sum(o * w[..., None], axis=1) / jnp.sum(l * w, axis=1)[..., None]
+    return out.reshape(b, t, h, C)
+
+
+def run_explore(bench, pool, copy_gbps) -> dict:
+    """One-call profile at B64 x 32k: tilings and column groups of the kernel (q_len 1 and 4), the kernel's
+    loop with stages left out, and split-KV decode in plain XLA (contiguous and paged history)."""
+    smoke = bench.args.smoke
+    b, ctx = (4, 2048) if smoke else (64, 32768)
+    lens = np.full(b, ctx)
+    out = {"shape": f"B{b} x {ctx}", "configs": [], "diag": [], "xla": []}
+    nbytes = kv_bytes(lens, "bf16")
+    flops1 = 2 * b * HEADS * ctx * (C + R + C)
+    configs = [  # (q_len, block_rows, block_kv, warps, stages, value_groups)
+        (1, 64, 64, 8, 2, 1), (1, 64, 64, 8, 2, 2), (1, 64, 64, 4, 2, 2), (1, 64, 32, 8, 3, 1), (1, 64, 128, 8, 1, 1),
+        (1, 128, 32, 16, 1, 1), (1, 128, 64, 16, 1, 2), (1, 64, 32, 4, 3, 2),
+        (4, 64, 64, 8, 2, 1), (4, 64, 64, 8, 2, 2), (4, 128, 32, 16, 1, 1),
+    ]
+    if smoke:
+        configs = [(1, 64, 64, 8, 2, 1), (1, 64, 64, 4, 2, 2), (4, 64, 64, 8, 2, 1)]
+    cases = {q: decode_case(pool, bench.rng, lens, q) for q in (1, 4)}
+    for q_len, br, bk, nw, ns, vg in configs:
+        cfg = dict(block_rows=br, block_kv=bk, num_warps=nw, num_stages=ns, value_groups=vg)
+        if bench.over_budget(f"explore q{q_len} {cfg}"):
+            break
+        try:
+            r, _ = run_decode(bench, pool, lens, q_len, "bf16", cfg,
+                              lambda l: mla_plan.plan_balanced(l, block_kv=bk, num_parts=132), cases[q_len])
+            r.update(cfg, q_len=q_len, gbps=nbytes / r["ms"] / 1e6, ratio_to_copy=nbytes / r["ms"] / 1e6 / copy_gbps,
+                     tflops=q_len * flops1 / r["ms"] / 1e9)
+        except Exception as e:
+            r = dict(cfg, q_len=q_len, error=f"{type(e).__name__}: {str(e)[:300]}")
+        print("explore", r, flush=True)
+        out["configs"].append(r)
+        bench.save()
+    q_latent, q_pe, table, _ = cases[1]
+    plan = mla_plan.plan_to_device(mla_plan.plan_balanced(lens, block_kv=64, num_parts=132))
+    for mode in ("read", "qk", "pv"):
+        if bench.over_budget(f"diag {mode}"):
+            break
+        try:
+            f = jax.jit(functools.partial(diag_call, mode, block_rows=64, block_kv=64, num_warps=8, num_stages=2,
+                                          interpret=smoke))
+            ms = bench.time_ms(lambda: f(q_latent, q_pe, pool.bf16, table, plan))
+            r = dict(mode=mode, ms=ms, gbps=nbytes / ms / 1e6, ratio_to_copy=nbytes / ms / 1e6 / copy_gbps)
+        except Exception as e:
+            r = dict(mode=mode, error=f"{type(e).__name__}: {str(e)[:300]}")
+        print("diag", r, flush=True)
+        out["diag"].append(r)
+        bench.save()
+    hist = None
+    for q_len, splits, paged in ((1, 16, False), (4, 16, False), (1, 16, True)):
+        if bench.over_budget(f"xla q{q_len} splits {splits} paged {paged}"):
+            break
+        q_latent, q_pe, table, _ = cases[q_len]
+        try:
+            if paged:
+                f = jax.jit(lambda ql, qp, pages, tab: xla_split_decode(ql, qp, pages[tab].reshape(b, ctx, C + R),
+                                                                        splits))
+                ms = bench.time_ms(lambda: f(q_latent, q_pe, pool.bf16, table))
+            else:
+                if hist is None:
+                    hist = jax.jit(lambda pages, tab: pages[tab].reshape(b, ctx, C + R))(pool.bf16, table)
+                f = jax.jit(functools.partial(xla_split_decode, splits=splits))
+                ms = bench.time_ms(lambda: f(q_latent, q_pe, hist))
+            r = dict(q_len=q_len, splits=splits, paged=paged, ms=ms, gbps=nbytes / ms / 1e6,
+                     ratio_to_copy=nbytes / ms / 1e6 / copy_gbps, tflops=q_len * flops1 / ms / 1e9)
+        except Exception as e:
+            r = dict(q_len=q_len, splits=splits, paged=paged, error=f"{type(e).__name__}: {str(e)[:300]}")
+        print("xla", r, flush=True)
+        out["xla"].append(r)
+        bench.save()
+    del hist
+    return out
+
+
+def print_explore(ex):
+    print(f"\nexplore {ex['shape']} (bf16): kernel variants")
+    print(f"{'q':>2} {'rows':>4} {'kv':>4} {'warps':>5} {'stg':>3} {'vg':>2} {'ms':>8} {'GB/s':>6} {'/copy':>6} "
+          f"{'TFLOP/s':>7}")
+    for r in ex["configs"]:
+        if "error" in r:
+            print(r)
+            continue
+        print(f"{r['q_len']:>2} {r['block_rows']:>4} {r['block_kv']:>4} {r['num_warps']:>5} {r['num_stages']:>3} "
+              f"{r['value_groups']:>2} {r['ms']:>8.3f} {r['gbps']:>6.0f} {r['ratio_to_copy']:>6.2f} "
+              f"{r['tflops']:>7.0f}")
+    for r in ex["diag"] + ex["xla"]:
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def warm_clocks(seconds: float = 1.5):
+    """Keeps the GPU busy for a while so its clocks are up before the first timed case."""
+    x = jnp.ones((8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    t = time.time()
+    while time.time() - t < seconds:
+        jax.block_until_ready(f(x))
+
+
+def run_backends(bench, pool, copy_gbps) -> list:
+    """Kernel variants A/B in one process: the committed Triton kernel (benchmarks/_mla_decode_head.py when
+    present), this tree's Triton kernel, the Mosaic GPU kernel; each checked against the reference on the
+    issue's ragged histories (1, 63, 513, 4097) first, then timed at B64 x 32k, q_len 1 and 4."""
+    smoke = bench.args.smoke
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _mla_decode_head as head  # noqa: PLC0415
+    except ImportError:
+        head = None
+    variants = []
+    if head is not None:
+        variants.append(("triton HEAD 64/64/8/2", head.mla_decode,
+                         dict(block_kv=64, block_rows=64, num_warps=8, num_stages=2)))
+    variants += [
+        ("triton 64/64/8/2", md.mla_decode, dict(block_kv=64, block_rows=64, num_warps=8, num_stages=2)),
+        ("triton 64/64/8/1 vg2", md.mla_decode,
+         dict(block_kv=64, block_rows=64, num_warps=8, num_stages=1, value_groups=2)),
+        ("mosaic kv32 x3", md.mla_decode, dict(block_kv=32, num_stages=3, backend="mosaic")),
+        ("mosaic kv16 x6", md.mla_decode, dict(block_kv=16, num_stages=6, backend="mosaic")),
+    ]
+    if bench.args.variants:
+        variants = [v for v in variants if any(w in v[0] for w in bench.args.variants.split(","))]
+    b, ctx = (4, 2048) if smoke else (64, 32768)
+    lens = np.full(b, ctx)
+    nbytes = kv_bytes(lens, "bf16")
+    flops1 = 2 * b * HEADS * ctx * (C + R + C)
+    cases = {q: decode_case(pool, bench.rng, lens, q) for q in (1, 4)}
+    hist = np.array([1, 63, 513, 4097])
+    rows = []
+    for name, fn, kw in variants:
+        if bench.over_budget(f"backend {name}"):
+            break
+        if smoke and "mosaic" in name:
+            continue
+        kw = dict(kw, kv_lora_rank=C, scale=SCALE, interpret=bench.interpret)
+        entry = {"variant": name}
+        try:
+            for q_len in (1, 4):  # correctness first: a wrong kernel's speed means nothing
+                ql, qp, table, positions = decode_case(pool, bench.rng, hist + q_len, q_len)
+                got = fn(ql, qp, pool.bf16, table, positions, None, **kw)
+                want = md.mla_decode_reference(ql, qp, pool.bf16, table, positions, kv_lora_rank=C, scale=SCALE)
+                err = [float(jnp.linalg.norm(got[i] - want[i]) / jnp.linalg.norm(want[i])) for i in range(len(hist))]
+                entry[f"max_rel_err_q{q_len}"] = max(err)
+            for q_len in (1, 4):
+                ql, qp, table, positions = cases[q_len]
+                plan = mla_plan.plan_to_device(mla_plan.plan_balanced(lens, block_kv=kw["block_kv"], num_parts=132))
+                ms = bench.time_ms(lambda: fn(ql, qp, pool.bf16, table, positions, plan, **kw))
+                entry[f"q{q_len}_ms"] = ms
+                entry[f"q{q_len}_ratio_to_copy"] = nbytes / ms / 1e6 / copy_gbps
+                entry[f"q{q_len}_tflops"] = q_len * flops1 / ms / 1e9
+        except Exception as e:
+            entry["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        print("backend", entry, flush=True)
+        rows.append(entry)
+        bench.result["backends"] = rows
+        bench.save()
+    return rows
 
 
 # ------------------------------------------------------------------------------------------- sections
@@ -257,10 +513,27 @@ def main(argv=None) -> dict:
     bench.save()
     pool = Pool(bench, 40_000 if smoke else args.pool_tokens)
     bw = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9
+    if args.backends:
+        if not smoke:
+            warm_clocks()
+        res["backends"] = run_backends(bench, pool, copy_gbps)
+        res["elapsed_s"] = time.time() - bench.t0
+        bench.save()
+        for r in res["backends"]:
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+        return res
+    if args.explore:
+        res["explore"] = run_explore(bench, pool, copy_gbps)
+        res["elapsed_s"] = time.time() - bench.t0
+        bench.save()
+        print_explore(res["explore"])
+        return res
 
     # --- sweep
     base_b, base_ctx = (4, 2048) if smoke else (64, 32768)
     configs = [dict(block_rows=64, block_kv=64, num_warps=8, num_stages=2)]
+    if args.backend == "mosaic":
+        configs = [dict(block_rows=64, block_kv=32, num_warps=8, num_stages=3, backend="mosaic")]
     if not smoke and not args.quick:  # run 1 (2026-11-29) measured 32/64/4/2 8.1 ms, 64/64/4/2 6.8, 64/64/8/2 3.30, 32/32/4/3 8.0,
         # 16/64/4/2 10.3, 64/32/4/3 11.6 at B64 x 32k; num_parts 66 / 132 / 264 / 528: 3.28 / 3.25 / 3.36 / 3.44
         configs += [dict(block_rows=64, block_kv=64, num_warps=16, num_stages=2),
@@ -282,7 +555,7 @@ def main(argv=None) -> dict:
         sweep.append(r)
     ok = [s for s in sweep if "ms" in s]
     best = min(ok, key=lambda s: s["ms"]) if ok else configs[0]
-    cfg = {k: best[k] for k in ("block_rows", "block_kv", "num_warps", "num_stages")}
+    cfg = {k: best[k] for k in ("block_rows", "block_kv", "num_warps", "num_stages", "backend") if k in best}
     parts_results = []
     for parts in []:  # flat in run 1 (see above); not repeated
         if bench.over_budget(f"num_parts {parts}"):

@@ -23,16 +23,36 @@ kernel converts fp8 to the query dtype for the MMA and applies scales to the [ro
 
 Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why: it indexes pages with
 in-kernel gathers and runs data-dependent loop bounds (what a split plan needs, without scalar prefetch),
-runs under `interpret=True` in CPU CI, and shared/design/gpu.md measured it at 540 TFLOP/s on a tiled
-matmul. Measured here (benchmarks/mla.py, H200, 2026-11-29, docs/results/mla_h200_2026-11-29.json): B64 x
-32k, q_len 1, bf16: 3.25-3.5 ms = 0.69-0.74 TB/s of KV bytes = 16-17.5% of the 4.19-4.26 TB/s copy
-bandwidth, 2.0x the XLA reference path. That is 125 TFLOP/s of useful MMA work (167 with the 96 -> 128
-row padding); 96-head MLA decode needs 181 FLOP per KV byte, so the memory limit asks for ~750 TFLOP/s and
-the kernel is most likely bound by how the Triton lowering handles 64 x 512 fp32 accumulators (not
-profiled: no device time left). The tiling sweep: 8 warps 2.1x 4 warps; 16 warps, 32-key blocks and
-32/16-row blocks slower; 128 rows overflow shared memory. Reaching the memory limit needs what FlashMLA
-does (wgmma from shared memory, the accumulator split over two warpgroups, a TMA pipeline): the Mosaic GPU
-backend; not built here."""
+and runs under `interpret=True` in CPU CI.
+
+Measured (benchmarks/mla.py, one H200, docs/results/mla_h200_2026-11-30.json; K3 MLA, 96 heads, bf16
+pages; copy bandwidth 4.19-4.27 TB/s in the same runs):
+  B64 x 32k q_len 1: 6.2-6.25 ms = 0.39 TB/s = 9% of copy (70 TFLOP/s); q_len 4: 12.1 ms (144 TFLOP/s);
+  B128 x 4k: 3.7 ms (4%); B8 x 128k: 5.2 ms (5%). The committed kernel (HEAD) times the same in the same
+  run (6.25 / 12.1 ms). On 2026-11-29 the kernel before the stacked-pool change (76f8bf3) measured 3.45 ms
+  at B64 x 32k; that was not re-measured (not bisected). OPEN: on the H200 both this and the committed
+  kernel differ from mla_decode_reference by up to 0.087 (q_len 1) / 0.041 (q_len 4) relative per request
+  at histories 1/63/513/4097 in a 5M-token pool (0.13 / 0.15 in a 2.4M-token pool), while interpret mode
+  agrees to 1e-3 on the same harness (benchmarks/mla.py --backends): do not trust GPU numbers from this
+  kernel until tests/gpu/test_mla_gpu.py passes on a large pool.
+Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop with stages left out):
+  page gathers alone 1.03 ms (2.36 TB/s: one program per SM, two stages in flight cap the loads at 56% of
+  copy), + scores and softmax statistics 2.37 ms, + P @ C with the 64 x 512 fp32 rescale 6.2 ms. Split-KV
+  decode in plain XLA (cuBLAS batched GEMMs, 16 splits) over a contiguous history takes 2.27 ms (193
+  TFLOP/s, 25% of copy; q_len 4 6.27 ms), over pages (an XLA gather first) 5.3 ms. Tilings: 32-key blocks
+  (3 stages) 7.75 ms; value_groups=2 (each program owns 256 output columns and recomputes the scores: half
+  the accumulator, 1.5x the MMA work) 9.0-10.5 ms where it fits shared memory (at 64 x 64 x 2 stages it
+  needs 272 KiB); 128-row blocks and 128-key blocks overflow shared memory. The Triton lowering here is
+  latency-bound (one 150-220 KiB program per SM, no warp specialisation), not bandwidth-bound.
+The memory limit needs FlashMLA's structure: `backend="mosaic"` (_mgpu_decode_kernel below) is a first
+Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two compute warpgroups owning
+256 value columns each). EXPERIMENTAL, not wired into the model: on the H200 it fails to lower
+("Vector element type must match ShapedArray dtype, got: vector<64x64xf32> != bf16"); the interpreter
+matches the reference (3.8e-4) for one-step work items, and rejects longer ones because the memory
+warpgroup never waits for the last `stages` phases of the consumed barriers (waiting for them, it hung).
+Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
+useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
+bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
 
 from __future__ import annotations
 
@@ -42,6 +62,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla_plan import SplitPlan, plan_balanced
@@ -60,13 +81,18 @@ def _is_pow2(n: int) -> bool:
 # Shared inner loop (also used by mla_prefill): online softmax over KV blocks [blk_start, blk_end).
 # --------------------------------------------------------------------------------------------------
 def attend_kv_blocks(q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, layer, blk_start, blk_end, *,
-                     kv_lora_rank: int, block_kv: int, page_size: int, softmax_scale: float):
+                     kv_lora_rank: int, block_kv: int, page_size: int, softmax_scale: float, value_start=None,
+                     value_width: int | None = None):
     """Runs inside a kernel. q_c [rows, C], q_r [rows, R] (query dtype), row_pos [rows] int32; reads request
     b's pages through page_table_ref [B, max_pages] from layer `layer` of kv_ref [L, P, page_size, C+R]
-    (kv_scale_ref [L, P, page_size] or None). Returns (acc [rows, C] fp32 un-normalised, m [rows] base-2 running max,
-    l [rows] sum of exp2) over keys at positions in blocks [blk_start, blk_end) that each row may see."""
+    (kv_scale_ref [L, P, page_size] or None). Returns (acc [rows, Vw] fp32 un-normalised, m [rows] base-2 running max,
+    l [rows] sum of exp2) over keys at positions in blocks [blk_start, blk_end) that each row may see.
+    value_start / value_width (default 0 / C): the value columns [value_start, value_start + Vw) of c this call
+    accumulates (a program owning a column group of the output; the scores always use all C + R channels)."""
     rows = q_c.shape[0]
     c_dim, r_dim = kv_lora_rank, kv_ref.shape[-1] - kv_lora_rank
+    value_width = c_dim if value_width is None else value_width
+    whole_value = value_width == c_dim
     pages_per_block = block_kv // page_size
     compute_dtype = q_c.dtype
     key_offsets = jnp.arange(block_kv, dtype=jnp.int32)
@@ -92,11 +118,16 @@ def attend_kv_blocks(q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref,
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
         if kv_scale_ref is not None:
             p = p * token_scale
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(compute_dtype), kv_c, preferred_element_type=jnp.float32)
+        if whole_value:
+            kv_v = kv_c
+        else:  # a second gather of this group's columns (in L1/L2 after the score load)
+            kv_v = kv_ref[layer, pages, :, pl.ds(value_start, value_width)].reshape(block_kv, value_width)
+            kv_v = kv_v.astype(compute_dtype)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(compute_dtype), kv_v, preferred_element_type=jnp.float32)
         return acc, m_next, l_next
 
     init = (
-        jnp.zeros((rows, c_dim), jnp.float32),
+        jnp.zeros((rows, value_width), jnp.float32),
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
@@ -126,9 +157,11 @@ def _decode_kernel(
     kv_ref,  # [L, P, page_size, C+R] latent pages
     *rest,  # kv_scale_ref [L, P, page_size] fp32 (fp8 caches), then outputs:
     # out_ref [B, M_pad, C] fp32 final output (single-item requests);
-    # part_o_ref [block_rows, C] fp32 (block of [W, M_pad, C]); part_lse_ref [block_rows] (block of [W, M_pad])
+    # part_o_ref [block_rows, C / value_groups] fp32 (block of [W, M_pad, C]); part_lse_ref [block_rows] (block of
+    # [W, M_pad]; every column group writes the same values)
     has_scales: bool,
     kv_lora_rank: int,
+    value_groups: int,
     block_rows: int,
     block_kv: int,
     page_size: int,
@@ -136,8 +169,9 @@ def _decode_kernel(
 ):
     kv_scale_ref = rest[0] if has_scales else None
     out_ref, part_o_ref, part_lse_ref = rest[1:] if has_scales else rest
-    row_block, item = pl.program_id(0), pl.program_id(1)
+    row_block, group, item = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b = work_request_ref[item]
+    value_width = kv_lora_rank // value_groups
 
     @pl.when(b >= 0)
     def _():
@@ -150,13 +184,14 @@ def _decode_kernel(
             q_c, q_r, row_pos, page_table_ref, b, kv_ref, kv_scale_ref, layer_ref[0], work_start_ref[item],
             work_end_ref[item],
             kv_lora_rank=kv_lora_rank, block_kv=block_kv, page_size=page_size, softmax_scale=softmax_scale,
+            value_start=group * value_width, value_width=value_width,
         )
         out, lse = normalise(acc, m, l)
         single = request_num_work_ref[b] == 1
 
         @pl.when(single)
         def _():
-            out_ref[b, rows, :] = out
+            out_ref[b, rows, pl.ds(group * value_width, value_width)] = out
 
         @pl.when(jnp.logical_not(single))
         def _():
@@ -200,6 +235,241 @@ def _combine_kernel(
         )
         acc, _, l = jax.lax.fori_loop(0, num_items, body, init)
         out_ref[...] = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Mosaic GPU kernel (Hopper: TMA page copies, wgmma, a memory warpgroup and two compute warpgroups).
+# EXPERIMENTAL (see the module docstring): fails to lower on the H200, not used by the model.
+# Program = (64-row block, work item). Warpgroup 2 copies each KV block's pages (TMA, `stages` slots deep);
+# warpgroups 0 and 1 both compute the [64, block_kv] scores and softmax (duplicated: 1.5x the MMA work of
+# one score pass, but no exchange between them) and each accumulates its own 256 of the 512 value columns.
+# Every item writes a normalised partial + lse; merge_partials combines them in XLA.
+# --------------------------------------------------------------------------------------------------
+MGPU_ROWS = 64  # one wgmma M tile: the query rows (t, h) of a program
+MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value columns (its accumulator: 64 x 256 fp32)
+MGPU_OUT_COLS = 64  # the output leaves through shared memory 64 columns at a time (a 16 KiB buffer per warpgroup)
+_MGPU_INTERPRET_KW = {}
+
+
+def _mgpu_decode_kernel(
+    work_request_ref,  # [W] int32 GMEM, -1 = padding item
+    work_start_ref,  # [W] int32 GMEM first KV block
+    work_end_ref,  # [W] int32 GMEM one past the last KV block
+    q_ref,  # [B, M_pad, C+R] bf16 GMEM queries, rows (t, h) t-major
+    row_pos_ref,  # [B, M_pad] int32 GMEM position of each row (-1 padding)
+    page_table_ref,  # [B, max_pages_padded] int32 GMEM
+    layer_ref,  # [1] int32 GMEM
+    kv_ref,  # [L, P, page_size, C+R] bf16 GMEM
+    part_o_ref,  # [W, M_pad, C] fp32 GMEM normalised partial outputs
+    part_lse_ref,  # [W, M_pad] fp32 GMEM base-2 log-sum-exp of each partial
+    q_c_smem,  # [2, 64, 256] bf16: q_latent halves
+    q_r_smem,  # [64, R] bf16
+    pos_smem,  # [64] int32 row positions
+    c_smem,  # [stages, 2, block_kv, 256] bf16: the latent halves of each KV block
+    r_smem,  # [stages, block_kv, R] bf16: k_pe of each KV block
+    o_smem,  # [2, 64, 64] fp32: one output chunk per compute warpgroup
+    lse_smem,  # [64] fp32
+    p_smem,  # [2, 64, block_kv] bf16: probabilities as a shared-memory wgmma operand (interpret mode only)
+    q_barrier,  # 1 barrier, 4 TMA arrivals (two q halves, q_pe, positions)
+    kv_barriers,  # [stages] barriers, 3 TMA arrivals per page
+    consumed_barriers,  # [stages] barriers, one arrival per compute warpgroup
+    *,
+    block_kv: int,
+    page_size: int,
+    stages: int,
+    softmax_scale: float,
+    interpret: bool,
+):
+    row_block, item, wg = jax.lax.axis_index("rows"), jax.lax.axis_index("items"), jax.lax.axis_index("wg")
+    b_raw = work_request_ref[item]
+    valid = b_raw >= 0
+    b = jnp.maximum(b_raw, 0)
+    blk_start = work_start_ref[item]
+    num_steps = jnp.where(valid, work_end_ref[item] - blk_start, 0)
+    rows = pl.ds(row_block * MGPU_ROWS, MGPU_ROWS)
+    layer = layer_ref[0]
+    c_half, r_dim = MGPU_VALUE_HALF, r_smem.shape[-1]
+    pages_per_block = block_kv // page_size
+
+    @pl.when(wg == 2)
+    def _memory_warpgroup():
+        plmgpu.set_max_registers(40, action="decrease")
+
+        def issue(step, slot):
+            for i in range(pages_per_block):
+                page = page_table_ref[b, (blk_start + step) * pages_per_block + i]
+                dst_rows = pl.ds(i * page_size, page_size)
+                for half in range(2):
+                    plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(half * c_half, c_half)],
+                                            c_smem.at[slot, half, dst_rows], kv_barriers.at[slot])
+                plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(2 * c_half, r_dim)],
+                                        r_smem.at[slot, dst_rows], kv_barriers.at[slot])
+
+        for first in range(stages):
+            pl.when(first < num_steps)(functools.partial(issue, first, first))
+
+        @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+        def _refill(step):
+            slot = jax.lax.rem(step, stages)
+            plmgpu.barrier_wait(consumed_barriers.at[slot])  # both compute warpgroups are done with it
+            issue(step + stages, slot)
+
+    @pl.when(wg < 2)
+    def _compute_warpgroup():
+        plmgpu.set_max_registers(232, action="increase")
+
+        @pl.when(wg == 0)
+        def _():
+            for half in range(2):
+                plmgpu.copy_gmem_to_smem(q_ref.at[b, rows, pl.ds(half * c_half, c_half)], q_c_smem.at[half], q_barrier)
+            plmgpu.copy_gmem_to_smem(q_ref.at[b, rows, pl.ds(2 * c_half, r_dim)], q_r_smem, q_barrier)
+            plmgpu.copy_gmem_to_smem(row_pos_ref.at[b, rows], pos_smem, q_barrier)
+
+        plmgpu.barrier_wait(q_barrier)
+        row_pos = plmgpu.load(pos_smem, (), layout=plmgpu.Layout.WGMMA.reduce(1), optimized=False)
+        row_layout = plmgpu.Layout.WGMMA.reduce(1)
+        m_i = plmgpu.layout_cast(jnp.full((MGPU_ROWS,), -jnp.inf, jnp.float32), row_layout)
+        l_i = plmgpu.layout_cast(jnp.full((MGPU_ROWS,), 0.0, jnp.float32), row_layout)
+        n_chunks = c_half // MGPU_OUT_COLS
+        accs = tuple(plmgpu.layout_cast(jnp.full((MGPU_ROWS, MGPU_OUT_COLS), 0.0, jnp.float32), plmgpu.Layout.WGMMA)
+                     for _ in range(n_chunks))
+        key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, block_kv), 1, layout=plmgpu.Layout.WGMMA)
+
+        def kv_step(step, carry):
+            accs, m_prev, l_prev = carry
+            slot = jax.lax.rem(step, stages)
+            plmgpu.barrier_wait(kv_barriers.at[slot])
+
+            def scores(acc_ref):  # both warpgroups compute the whole [64, block_kv] score tile
+                for half in range(2):
+                    plmgpu.wgmma(acc_ref, q_c_smem.at[half], c_smem.at[slot, half].transpose((1, 0)))
+                plmgpu.wgmma(acc_ref, q_r_smem, r_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plmgpu.ACC((MGPU_ROWS, block_kv), jnp.float32))
+            s = s * (softmax_scale * LOG2E)
+            key_pos = (blk_start + step) * block_kv + key_offsets
+            visible = key_pos <= jax.lax.broadcast_in_dim(row_pos, (MGPU_ROWS, block_kv), [0])
+            s = jnp.where(visible, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            alpha = jnp.exp2(m_prev - m_safe)
+            l_next = l_prev * alpha + p.sum(axis=1)
+            p16 = p.astype(q_c_smem.dtype)
+            values = c_smem.at[slot, wg]  # [block_kv, 256]: this warpgroup's value columns
+
+            if interpret:  # the interpreter takes wgmma operands from shared memory only
+                p_smem.at[wg][...] = p16
+                plmgpu.commit_smem()
+                p_operand = p_smem.at[wg]
+            else:
+                p_operand = p16
+
+            def pv(acc_refs):
+                for j, acc_ref in enumerate(acc_refs):
+                    plmgpu.wgmma(acc_ref, p_operand, values.at[:, pl.ds(j * MGPU_OUT_COLS, MGPU_OUT_COLS)])
+                return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+            rescale = lambda a: a * jax.lax.broadcast_in_dim(alpha, a.shape, [0])
+            if interpret:  # the interpreter cannot run wgmma into an initialised accumulator (run_state): add
+                fresh = pl.run_scoped(lambda *refs: pv(refs),
+                                      *[plmgpu.ACC((MGPU_ROWS, MGPU_OUT_COLS), jnp.float32)] * len(accs))
+                accs = tuple(rescale(a) + d for a, d in zip(accs, fresh))
+            else:  # on the GPU the accumulators stay in place (64 x 256 fp32 = 128 registers a thread)
+                accs = pl.run_state(pv)(tuple(plmgpu.ACC.init(rescale(a)) for a in accs))
+            plmgpu.barrier_arrive(consumed_barriers.at[slot])
+            return accs, m_next, l_next
+
+        accs, m_i, l_i = jax.lax.fori_loop(0, num_steps, kv_step, (accs, m_i, l_i))
+
+        @pl.when(valid)
+        def _write():
+            seen = l_i > 0
+            inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+            out_smem = o_smem.at[wg]
+            for j, acc in enumerate(accs):
+                out_smem[...] = acc * jax.lax.broadcast_in_dim(inv_l, acc.shape, [0])
+                plmgpu.commit_smem()
+                cols = pl.ds(wg * c_half + j * MGPU_OUT_COLS, MGPU_OUT_COLS)
+                plmgpu.copy_smem_to_gmem(out_smem, part_o_ref.at[item, rows, cols])
+                plmgpu.wait_smem_to_gmem(0)  # the buffer is reused by the next chunk
+
+            @pl.when(wg == 0)
+            def _():
+                lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+                plmgpu.commit_smem()
+                plmgpu.copy_smem_to_gmem(lse_smem, part_lse_ref.at[item, rows])
+                plmgpu.wait_smem_to_gmem(0)
+
+
+def mgpu_supported(c_dim: int, r_dim: int, page_size: int, kv_dtype, block_kv: int) -> bool:
+    """Sizes the Mosaic GPU kernel takes: C = 512 (two 256-column halves), R a multiple of 64, bf16 pages of
+    a power-of-two size dividing block_kv (a multiple of 16)."""
+    return (c_dim == 2 * MGPU_VALUE_HALF and r_dim % 64 == 0 and jnp.dtype(kv_dtype) == jnp.bfloat16
+            and _is_pow2(page_size) and block_kv % page_size == 0 and block_kv % 16 == 0 and page_size % 8 == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "interpret"))
+def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan, layer, *, kv_lora_rank, scale,
+                     block_kv, stages, interpret):
+    mgpu = plmgpu
+    b, t, h, c_dim = q_latent.shape
+    page_size, r_dim = kv_pages.shape[-2], kv_pages.shape[-1] - kv_lora_rank
+    work_request, work_start, work_end, _, _ = plan
+    num_items = work_request.shape[0]
+    q, row_pos, m_pad = _row_layout(q_latent, q_pe, query_positions, MGPU_ROWS)
+    page_table = _pad_page_table(page_table, block_kv // page_size)
+    dtype = kv_pages.dtype
+    swizzled = lambda shape, dt=dtype: mgpu.SMEM(shape, dt, transforms=(mgpu.TilingTransform((8, 64)),
+                                                                        mgpu.SwizzleTransform(128)))
+    pages_per_block = block_kv // page_size
+    scratch = dict(
+        q_c_smem=swizzled((2, MGPU_ROWS, MGPU_VALUE_HALF)),
+        q_r_smem=swizzled((MGPU_ROWS, r_dim)),
+        pos_smem=mgpu.SMEM((MGPU_ROWS,), jnp.int32),
+        c_smem=swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)),
+        r_smem=swizzled((stages, block_kv, r_dim)),
+        o_smem=mgpu.SMEM((2, MGPU_ROWS, MGPU_OUT_COLS), jnp.float32),
+        lse_smem=mgpu.SMEM((MGPU_ROWS,), jnp.float32),
+        p_smem=mgpu.SMEM((2, MGPU_ROWS, block_kv), dtype, transforms=(
+            mgpu.TilingTransform((8, min(64, block_kv))), mgpu.SwizzleTransform(min(128, 2 * block_kv)))),
+        q_barrier=mgpu.Barrier(num_arrivals=4),
+        kv_barriers=mgpu.Barrier(num_arrivals=3 * pages_per_block, num_barriers=stages),
+        consumed_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    )
+    kernel = mgpu.kernel(
+        functools.partial(_mgpu_decode_kernel, block_kv=block_kv, page_size=page_size, stages=stages,
+                          softmax_scale=scale, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((num_items, m_pad, c_dim), jnp.float32),
+                  jax.ShapeDtypeStruct((num_items, m_pad), jnp.float32)),
+        scratch_types=list(scratch.values()),
+        grid=(m_pad // MGPU_ROWS, num_items),
+        grid_names=("rows", "items"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=mgpu.CompilerParams(approx_math=True),
+        interpret=mgpu.InterpretGPUParams(**_MGPU_INTERPRET_KW) if interpret else None,
+    )
+    part_o, part_lse = kernel(work_request, work_start, work_end, q, row_pos, page_table, layer, kv_pages)
+    out = merge_partials(part_o, part_lse, work_request, b)
+    return out[:, : t * h].reshape(b, t, h, c_dim)
+
+
+def merge_partials(part_o, part_lse, work_request, batch: int):
+    """Log-sum-exp merge of normalised partials part_o [W, M, C] (base-2 lse [W, M]) into [B, M, C] (plain
+    XLA: one pass over the partials); padding items (request -1) and empty partials (lse -inf) weigh 0."""
+    seg = jnp.where(work_request >= 0, work_request, batch)
+    lse = jnp.where((work_request >= 0)[:, None], part_lse, -jnp.inf)
+    top = jax.ops.segment_max(lse, seg, num_segments=batch + 1)  # [B+1, M]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp2(lse - top[seg])  # [W, M]
+    weight = jnp.where(jnp.isfinite(lse), weight, 0.0)
+    # where, not a product: a padding item's partial is never written (may hold NaN)
+    num = jax.ops.segment_sum(jnp.where(weight[..., None] > 0, part_o * weight[..., None], 0.0), seg,
+                              num_segments=batch + 1)[:batch]
+    den = jax.ops.segment_sum(weight, seg, num_segments=batch + 1)[:batch]
+    return jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,6 +584,8 @@ def mla_decode(
     block_rows: int | None = None,
     num_warps: int = 8,
     num_stages: int | None = None,
+    value_groups: int = 1,
+    backend: str = "triton",
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed MLA decode over a paged latent cache (the cache already holds this step's tokens).
@@ -330,7 +602,12 @@ def mla_decode(
       kv_scales: kv_pages.shape[:-1] fp32 per-token dequantisation scales (fp8 caches); None = 1.
       layer: the layer of a stacked pool (int or int32 scalar array).
       block_kv: KV tokens per inner step (power of two, multiple of page_size; None = max(64, page_size));
-        block_rows: query rows (t, h) per program (None = T*H rounded up to a power of two, at most 32); num_warps / num_stages: Triton launch parameters.
+        block_rows: query rows (t, h) per program (None = T*H rounded up to a power of two, at most 64);
+        num_warps / num_stages: Triton launch parameters.
+      value_groups: programs sharing one (row block, work item), each accumulating C / value_groups of the output
+        columns (scores recomputed by each: a smaller accumulator for more score FLOPs; measured slower).
+      backend: "triton" (default) or "mosaic" (EXPERIMENTAL Mosaic GPU kernel: bf16 pages, C = 512, block_kv
+        and num_stages as its KV block and pipeline depth; does not lower on the H200 yet).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -344,21 +621,34 @@ def mla_decode(
                   layer)
     if t > MAX_Q_LEN:
         raise ValueError(f"mla_decode takes q_len <= {MAX_Q_LEN} per request, got {t}; use mla_prefill")
+    if value_groups < 1 or c_dim % value_groups or not _is_pow2(c_dim // value_groups) or c_dim // value_groups < 16:
+        raise ValueError(f"value_groups must split kv_lora_rank {c_dim} into power-of-two groups >= 16, "
+                         f"got {value_groups}")
     if plan is None:
         kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
         plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=num_parts, xp=jnp)
     if plan.request_num_work.shape != (b,):
         raise ValueError(f"plan is for batch {plan.request_num_work.shape}, queries for {b}")
     kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)
+    if backend == "mosaic":
+        if kv_scales is not None or not mgpu_supported(c_dim, q_pe.shape[-1], page_size, kv_pages.dtype, block_kv):
+            raise ValueError("the Mosaic GPU kernel takes bf16 pages, kv_lora_rank 512, a rope dim that is a multiple "
+                             f"of 64 and pages of >= 8 tokens dividing block_kv; got C={c_dim}, R={q_pe.shape[-1]}, "
+                             f"page_size={page_size}, {kv_pages.dtype}, block_kv={block_kv}")
+        return _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), layer,
+                                kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv,
+                                stages=num_stages, interpret=interpret)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
     return _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), kv_scales, layer,
                        kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv, block_rows=block_rows,
-                       num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                       num_warps=num_warps, num_stages=num_stages, value_groups=value_groups, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "block_rows", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "value_groups", "interpret"))
 def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_scales, layer, *, kv_lora_rank, scale,
-                block_kv, block_rows, num_warps, num_stages, interpret):
+                block_kv, block_rows, num_warps, num_stages, value_groups, interpret):
     b, t, h, c_dim = q_latent.shape
     page_size = kv_pages.shape[-2]
     work_request, work_start, work_end, request_first_work, request_num_work = plan
@@ -374,14 +664,16 @@ def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     out_shape = jax.ShapeDtypeStruct((b, m_pad, c_dim), jnp.float32)
     out, part_o, part_lse = pl.pallas_call(
-        functools.partial(_decode_kernel, has_scales=has_scales, kv_lora_rank=kv_lora_rank, block_rows=block_rows,
-                          block_kv=block_kv, page_size=page_size, softmax_scale=scale),
-        grid=(n_row_blocks, num_items),
+        functools.partial(_decode_kernel, has_scales=has_scales, kv_lora_rank=kv_lora_rank, value_groups=value_groups,
+                          block_rows=block_rows, block_kv=block_kv, page_size=page_size, softmax_scale=scale),
+        # row blocks fastest, then column groups: the programs of one work item run side by side and share its
+        # KV through L2
+        grid=(n_row_blocks, value_groups, num_items),
         in_specs=[full(x) for x in inputs],
         out_specs=[
-            pl.BlockSpec(out_shape.shape, lambda r, w: (0, 0, 0)),
-            pl.BlockSpec((None, block_rows, c_dim), lambda r, w: (w, r, 0)),
-            pl.BlockSpec((None, block_rows), lambda r, w: (w, r)),
+            pl.BlockSpec(out_shape.shape, lambda r, g, w: (0, 0, 0)),
+            pl.BlockSpec((None, block_rows, c_dim // value_groups), lambda r, g, w: (w, r, g)),
+            pl.BlockSpec((None, block_rows), lambda r, g, w: (w, r)),
         ],
         out_shape=[
             out_shape,

@@ -118,8 +118,11 @@ def test_decode_matches_reference_one_and_many_splits(q_len, kv_dtype):
     assert plans["balanced"].request_num_work[-1] > 4  # the 4097-token request is split many ways
     assert plans["balanced"].request_num_work[0] == 1  # the 1-token one is written directly
     for name, plan in plans.items():
+        # the balanced plan runs with the output columns split over two programs (value_groups: each
+        # recomputes the scores and owns C/2 columns of the output and of the partials)
+        groups = 2 if name == "balanced" else 1
         got = md.mla_decode(q_latent, q_pe, kv, table, positions, mla_plan.plan_to_device(plan), kv_lora_rank=C,
-                            scale=SCALE, kv_scales=scales, block_rows=16, interpret=True)
+                            scale=SCALE, kv_scales=scales, block_rows=16, value_groups=groups, interpret=True)
         assert got.shape == (len(HISTORIES), q_len, HEADS, C) and got.dtype == jnp.float32
         for b in range(len(HISTORIES)):  # per request: a short history must not hide in a long one's norm
             assert rel(got[b], want[b]) < TOL, (name, b)
@@ -169,6 +172,12 @@ def test_decode_rejects_bad_inputs():
         call(query_positions=positions[:, :0])
     with pytest.raises(ValueError, match="block_rows"):
         call(block_rows=24)
+    with pytest.raises(ValueError, match="value_groups"):
+        call(value_groups=3)
+    with pytest.raises(ValueError, match="backend"):
+        call(backend="cuda")
+    with pytest.raises(ValueError, match="Mosaic"):
+        call(backend="mosaic")  # C = 32 here: the Mosaic kernel takes C = 512 only
     with pytest.raises(ValueError, match="kv_scales"):
         call(kv_scales=jnp.ones((3,)))
     with pytest.raises(ValueError, match="q_len"):
