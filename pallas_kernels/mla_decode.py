@@ -34,7 +34,10 @@ pages; copy bandwidth 4.19-4.27 TB/s in the same runs):
   kernel differ from mla_decode_reference by up to 0.087 (q_len 1) / 0.041 (q_len 4) relative per request
   at histories 1/63/513/4097 in a 5M-token pool (0.13 / 0.15 in a 2.4M-token pool), while interpret mode
   agrees to 1e-3 on the same harness (benchmarks/mla.py --backends): do not trust GPU numbers from this
-  kernel until tests/gpu/test_mla_gpu.py passes on a large pool.
+  kernel until tests/gpu/test_mla_gpu.py passes on a large pool. The lowered Triton IR's gather offsets,
+  mask and softmax were read and are right (CPU lowering with a faked sm_90); the lead is the software
+  pipelining (2 stages) of the page-table load that addresses the page gather in the same iteration: the
+  GPU test runs 1 and 2 stages, `--backends` a 1-stage variant.
 Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop with stages left out):
   page gathers alone 1.03 ms (2.36 TB/s: one program per SM, two stages in flight cap the loads at 56% of
   copy), + scores and softmax statistics 2.37 ms, + P @ C with the 64 x 512 fp32 rescale 6.2 ms. Split-KV
