@@ -49,10 +49,12 @@ Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop 
   latency-bound (one 150-220 KiB program per SM, no warp specialisation), not bandwidth-bound.
 The memory limit needs FlashMLA's structure: `backend="mosaic"` (_mgpu_decode_kernel below) is a first
 Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two compute warpgroups owning
-256 value columns each). EXPERIMENTAL, not wired into the model: on the H200 it fails to lower
-("Vector element type must match ShapedArray dtype, got: vector<64x64xf32> != bf16"); the interpreter
-matches the reference (3.8e-4) for one-step work items, and rejects longer ones because the memory
-warpgroup never waits for the last `stages` phases of the consumed barriers (waiting for them, it hung).
+256 value columns each). EXPERIMENTAL, not wired into the model, NEVER RUN ON A GPU: its first version
+failed to lower on the H200 (a value-returning run_state body; 32-key blocks, while the P @ C wgmma needs
+K % 64 == 0); this version lowers to Mosaic GPU MLIR on CPU (lowering platform "cuda") and matches the
+reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py), but has not been compiled
+by ptxas nor timed: its shared memory (Q 72 KiB + two 72 KiB KV slots, the output reusing the KV ring)
+is ~221 KiB of the 227 KiB.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -242,7 +244,7 @@ def _combine_kernel(
 
 # --------------------------------------------------------------------------------------------------
 # Mosaic GPU kernel (Hopper: TMA page copies, wgmma, a memory warpgroup and two compute warpgroups).
-# EXPERIMENTAL (see the module docstring): fails to lower on the H200, not used by the model.
+# EXPERIMENTAL (see the module docstring): never compiled for or run on a GPU, not used by the model.
 # Program = (64-row block, work item). Warpgroup 2 copies each KV block's pages (TMA, `stages` slots deep);
 # warpgroups 0 and 1 both compute the [64, block_kv] scores and softmax (duplicated: 1.5x the MMA work of
 # one score pass, but no exchange between them) and each accumulates its own 256 of the 512 value columns.
@@ -250,7 +252,6 @@ def _combine_kernel(
 # --------------------------------------------------------------------------------------------------
 MGPU_ROWS = 64  # one wgmma M tile: the query rows (t, h) of a program
 MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value columns (its accumulator: 64 x 256 fp32)
-MGPU_OUT_COLS = 64  # the output leaves through shared memory 64 columns at a time (a 16 KiB buffer per warpgroup)
 _MGPU_INTERPRET_KW = {}
 
 
@@ -268,21 +269,21 @@ def _mgpu_decode_kernel(
     q_c_smem,  # [2, 64, 256] bf16: q_latent halves
     q_r_smem,  # [64, R] bf16
     pos_smem,  # [64] int32 row positions
-    c_smem,  # [stages, 2, block_kv, 256] bf16: the latent halves of each KV block
-    r_smem,  # [stages, block_kv, R] bf16: k_pe of each KV block
-    o_smem,  # [2, 64, 64] fp32: one output chunk per compute warpgroup
-    lse_smem,  # [64] fp32
-    p_smem,  # [2, 64, block_kv] bf16: probabilities as a shared-memory wgmma operand (interpret mode only)
+    kv_union,  # shared memory used twice: ((c_smem, r_smem) in the KV loop, (o_smem, lse_smem) after it):
+    # c_smem [stages, 2, block_kv, 256] bf16 the latent halves of each KV block; r_smem [stages, block_kv, R] bf16
+    # its k_pe; o_smem [2, 64, 256] fp32 each compute warpgroup's output; lse_smem [64] fp32
     q_barrier,  # 1 barrier, 4 TMA arrivals (two q halves, q_pe, positions)
     kv_barriers,  # [stages] barriers, 3 TMA arrivals per page
     consumed_barriers,  # [stages] barriers, one arrival per compute warpgroup
-    *,
+    done_barrier,  # both compute warpgroups are past their last read of c_smem / r_smem (2 arrivals)
+    *interpret_scratch,  # interpret mode: p_smem [2, 64, block_kv] bf16, probabilities as a wgmma operand
     block_kv: int,
     page_size: int,
     stages: int,
     softmax_scale: float,
     interpret: bool,
 ):
+    (c_smem, r_smem), (o_smem, lse_smem) = kv_union
     row_block, item, wg = jax.lax.axis_index("rows"), jax.lax.axis_index("items"), jax.lax.axis_index("wg")
     b_raw = work_request_ref[item]
     valid = b_raw >= 0
@@ -317,6 +318,13 @@ def _mgpu_decode_kernel(
             plmgpu.barrier_wait(consumed_barriers.at[slot])  # both compute warpgroups are done with it
             issue(step + stages, slot)
 
+        for last in range(stages):  # observe the consumed barriers' last phases too (the interpreter checks)
+            step = num_steps - stages + last
+
+            @pl.when(step >= 0)
+            def _():
+                plmgpu.barrier_wait(consumed_barriers.at[jax.lax.rem(jnp.maximum(step, 0), stages)])
+
     @pl.when(wg < 2)
     def _compute_warpgroup():
         plmgpu.set_max_registers(232, action="increase")
@@ -333,13 +341,11 @@ def _mgpu_decode_kernel(
         row_layout = plmgpu.Layout.WGMMA.reduce(1)
         m_i = plmgpu.layout_cast(jnp.full((MGPU_ROWS,), -jnp.inf, jnp.float32), row_layout)
         l_i = plmgpu.layout_cast(jnp.full((MGPU_ROWS,), 0.0, jnp.float32), row_layout)
-        n_chunks = c_half // MGPU_OUT_COLS
-        accs = tuple(plmgpu.layout_cast(jnp.full((MGPU_ROWS, MGPU_OUT_COLS), 0.0, jnp.float32), plmgpu.Layout.WGMMA)
-                     for _ in range(n_chunks))
+        acc = plmgpu.layout_cast(jnp.full((MGPU_ROWS, c_half), 0.0, jnp.float32), plmgpu.Layout.WGMMA)
         key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, block_kv), 1, layout=plmgpu.Layout.WGMMA)
 
         def kv_step(step, carry):
-            accs, m_prev, l_prev = carry
+            acc, m_prev, l_prev = carry
             slot = jax.lax.rem(step, stages)
             plmgpu.barrier_wait(kv_barriers.at[slot])
 
@@ -363,40 +369,39 @@ def _mgpu_decode_kernel(
             values = c_smem.at[slot, wg]  # [block_kv, 256]: this warpgroup's value columns
 
             if interpret:  # the interpreter takes wgmma operands from shared memory only
-                p_smem.at[wg][...] = p16
+                p_smem = interpret_scratch[0].at[wg]
+                p_smem[...] = p16
                 plmgpu.commit_smem()
-                p_operand = p_smem.at[wg]
+                p_operand = p_smem
             else:
                 p_operand = p16
 
-            def pv(acc_refs):
-                for j, acc_ref in enumerate(acc_refs):
-                    plmgpu.wgmma(acc_ref, p_operand, values.at[:, pl.ds(j * MGPU_OUT_COLS, MGPU_OUT_COLS)])
-                return tuple(acc_ref[...] for acc_ref in acc_refs)
+            def pv(acc_ref):
+                plmgpu.wgmma(acc_ref, p_operand, values)
 
-            rescale = lambda a: a * jax.lax.broadcast_in_dim(alpha, a.shape, [0])
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
             if interpret:  # the interpreter cannot run wgmma into an initialised accumulator (run_state): add
-                fresh = pl.run_scoped(lambda *refs: pv(refs),
-                                      *[plmgpu.ACC((MGPU_ROWS, MGPU_OUT_COLS), jnp.float32)] * len(accs))
-                accs = tuple(rescale(a) + d for a, d in zip(accs, fresh))
-            else:  # on the GPU the accumulators stay in place (64 x 256 fp32 = 128 registers a thread)
-                accs = pl.run_state(pv)(tuple(plmgpu.ACC.init(rescale(a)) for a in accs))
+                acc = acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1],
+                                          plmgpu.ACC((MGPU_ROWS, c_half), jnp.float32))
+            else:  # on the GPU the accumulator stays in place (64 x 256 fp32 = 128 registers a thread)
+                acc = pl.run_state(pv)(plmgpu.ACC.init(acc))
             plmgpu.barrier_arrive(consumed_barriers.at[slot])
-            return accs, m_next, l_next
+            return acc, m_next, l_next
 
-        accs, m_i, l_i = jax.lax.fori_loop(0, num_steps, kv_step, (accs, m_i, l_i))
+        acc, m_i, l_i = jax.lax.fori_loop(0, num_steps, kv_step, (acc, m_i, l_i))
+        # o_smem / lse_smem alias c_smem / r_smem: neither warpgroup writes them before both are done reading
+        plmgpu.barrier_arrive(done_barrier)
+        plmgpu.barrier_wait(done_barrier)
 
         @pl.when(valid)
         def _write():
             seen = l_i > 0
             inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
             out_smem = o_smem.at[wg]
-            for j, acc in enumerate(accs):
-                out_smem[...] = acc * jax.lax.broadcast_in_dim(inv_l, acc.shape, [0])
-                plmgpu.commit_smem()
-                cols = pl.ds(wg * c_half + j * MGPU_OUT_COLS, MGPU_OUT_COLS)
-                plmgpu.copy_smem_to_gmem(out_smem, part_o_ref.at[item, rows, cols])
-                plmgpu.wait_smem_to_gmem(0)  # the buffer is reused by the next chunk
+            out_smem[...] = acc * jax.lax.broadcast_in_dim(inv_l, acc.shape, [0])
+            plmgpu.commit_smem()
+            plmgpu.copy_smem_to_gmem(out_smem, part_o_ref.at[item, rows, pl.ds(wg * c_half, c_half)])
+            plmgpu.wait_smem_to_gmem(0)
 
             @pl.when(wg == 0)
             def _():
@@ -408,9 +413,9 @@ def _mgpu_decode_kernel(
 
 def mgpu_supported(c_dim: int, r_dim: int, page_size: int, kv_dtype, block_kv: int) -> bool:
     """Sizes the Mosaic GPU kernel takes: C = 512 (two 256-column halves), R a multiple of 64, bf16 pages of
-    a power-of-two size dividing block_kv (a multiple of 16)."""
+    a power-of-two size >= 8 dividing block_kv, a multiple of 64 (the P @ C wgmma's K with 128-byte swizzle)."""
     return (c_dim == 2 * MGPU_VALUE_HALF and r_dim % 64 == 0 and jnp.dtype(kv_dtype) == jnp.bfloat16
-            and _is_pow2(page_size) and block_kv % page_size == 0 and block_kv % 16 == 0 and page_size % 8 == 0)
+            and _is_pow2(page_size) and block_kv % page_size == 0 and block_kv % 64 == 0 and page_size % 8 == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "interpret"))
@@ -431,16 +436,17 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
         q_c_smem=swizzled((2, MGPU_ROWS, MGPU_VALUE_HALF)),
         q_r_smem=swizzled((MGPU_ROWS, r_dim)),
         pos_smem=mgpu.SMEM((MGPU_ROWS,), jnp.int32),
-        c_smem=swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)),
-        r_smem=swizzled((stages, block_kv, r_dim)),
-        o_smem=mgpu.SMEM((2, MGPU_ROWS, MGPU_OUT_COLS), jnp.float32),
-        lse_smem=mgpu.SMEM((MGPU_ROWS,), jnp.float32),
-        p_smem=mgpu.SMEM((2, MGPU_ROWS, block_kv), dtype, transforms=(
-            mgpu.TilingTransform((8, min(64, block_kv))), mgpu.SwizzleTransform(min(128, 2 * block_kv)))),
+        kv_union=mgpu.RefUnion(
+            (swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)), swizzled((stages, block_kv, r_dim))),
+            (mgpu.SMEM((2, MGPU_ROWS, MGPU_VALUE_HALF), jnp.float32), mgpu.SMEM((MGPU_ROWS,), jnp.float32)),
+        ),
         q_barrier=mgpu.Barrier(num_arrivals=4),
         kv_barriers=mgpu.Barrier(num_arrivals=3 * pages_per_block, num_barriers=stages),
         consumed_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        done_barrier=mgpu.Barrier(num_arrivals=2),
     )
+    if interpret:
+        scratch["p_smem"] = swizzled((2, MGPU_ROWS, block_kv))
     kernel = mgpu.kernel(
         functools.partial(_mgpu_decode_kernel, block_kv=block_kv, page_size=page_size, stages=stages,
                           softmax_scale=scale, interpret=interpret),
@@ -609,8 +615,8 @@ def mla_decode(
         num_warps / num_stages: Triton launch parameters.
       value_groups: programs sharing one (row block, work item), each accumulating C / value_groups of the output
         columns (scores recomputed by each: a smaller accumulator for more score FLOPs; measured slower).
-      backend: "triton" (default) or "mosaic" (EXPERIMENTAL Mosaic GPU kernel: bf16 pages, C = 512, block_kv
-        and num_stages as its KV block and pipeline depth; does not lower on the H200 yet).
+      backend: "triton" (default) or "mosaic" (EXPERIMENTAL Mosaic GPU kernel, never run on a GPU: bf16 pages,
+        C = 512, block_kv (a multiple of 64) and num_stages as its KV block and TMA ring depth).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
