@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -329,7 +330,7 @@ def run_plan(ns: argparse.Namespace) -> int:
                          act_bytes=ns.act_bytes, formats=formats)
         cfg = load_config(ns.model)
     except ValueError as e:
-        print(f"k3jax plan: error: {e}")
+        print(f"k3jax plan: error: {e}", file=sys.stderr)
         return 2
     budget = plan(cfg, dep)
     result = budget.to_dict()
