@@ -60,7 +60,8 @@ class StepMeta:
 
     slots:        [B] int32 KDA/conv slot of each row (distinct within a step)
     page_table:   [B, max_pages] int32 page ids of each row's history, in order
-    context_lens: [B] int32 tokens already cached for the row
+    context_lens: [B] int32 tokens already cached for the row (0: the row starts from the zero KDA/conv
+                  state, whatever its slot holds -- slots are reused without being cleared)
     lengths:      [B] int32 valid new tokens of the row in this step (the rest of T is padding;
                   a row with 0 leaves its state unchanged)
     """
@@ -223,6 +224,10 @@ def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: st
             )
             return y
         conv, rec = caches["conv"][j][meta.slots], caches["kda"][j][meta.slots]
+        # a row with nothing cached starts from the zero state, whatever its (reused) slot still holds
+        fresh = meta.context_lens == 0
+        conv = jnp.where(fresh[:, None, None], jnp.zeros_like(conv), conv)
+        rec = jnp.where(fresh[:, None, None, None], jnp.zeros_like(rec), rec)
         y, new_conv, new_rec = kda.kda_mixer(
             p, x, conv, rec, cfg, lengths=meta.lengths, mode=kda_mode, all_states=verified is not None,
             backend_name=backend_name,

@@ -58,6 +58,24 @@ def test_prefill_then_decode_equals_forward(model):
         pos = pos + live
 
 
+def test_prefill_from_zero_ignores_what_a_reused_slot_and_pages_hold(model):
+    """Slots and pages are reused without being cleared: a row with context_lens 0 must start from the
+    zero KDA/conv state (a stale slot once made a fresh request continue its predecessor's state)."""
+    cfg, params = model
+    rng = np.random.default_rng(5)
+    b, t = 2, 11
+    tokens = rng.integers(0, cfg.vocab_size, (b, t))
+    want = k3jax.forward(params, cfg, jnp.asarray(tokens))
+    clean, table = fresh(cfg, rng, b, 4)
+    dirty = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), clean)  # a used pool
+    meta = step_meta([3, 0], table, [0, 0], [t, t])
+    logits, state = k3jax.prefill(params, cfg, dirty, jnp.asarray(tokens), meta, all_logits=True)
+    assert rel(logits, want) < 1e-5
+    _, ref = k3jax.prefill(params, cfg, clean, jnp.asarray(tokens), meta)
+    assert rel(state.kda[:, [3, 0]], ref.kda[:, [3, 0]]) < 1e-5
+    assert rel(state.conv[:, [3, 0]], ref.conv[:, [3, 0]]) < 1e-5
+
+
 def test_chunked_prefill_equals_prefill_at_once(model):
     cfg, params = model
     rng = np.random.default_rng(1)

@@ -58,6 +58,16 @@ def test_greedy_matches_forward_argmax(model):
     engine.check_integrity()
 
 
+def test_a_reused_slot_does_not_leak_its_previous_state(model):
+    """A cache-miss request on a slot that served another request (3 slots, 5 requests, one at a time)
+    still decodes its own greedy chain: the engine never clears slots, the model starts context 0 at zero."""
+    engine = make_engine(model, num_slots=3, max_running=1, prefix_cache=False)
+    ps = prompts(7, 5, lo=9, hi=26)
+    outs = [engine.generate([p], GREEDY)[0] for p in ps]
+    assert outs[-1] == argmax_chain(model, ps[-1], 6) and outs[-2] == argmax_chain(model, ps[-2], 6)
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("budget", [4, 12])
 def test_chunked_prefill_budgets_and_cache_do_not_change_greedy_outputs(model, budget):
     ps = prompts(1, 5)
