@@ -128,7 +128,9 @@ def _kernel_paged_attention(interpret: bool):
     return attend
 
 
-backend.register("mla_paged_attention", "pallas")(_kernel_paged_attention(interpret=False))
+# Not registered for "pallas" (the GPU) until tests/gpu/test_mla_gpu.py passes: on 2026-11-30 the Triton decode
+# kernel differed from the reference by 4-15 % on the H200 with large pools (docs/benchmarks.md, MLA); the
+# "pallas" backend uses the reference MLA meanwhile. The interpret registration keeps CI testing the kernel.
 backend.register("mla_paged_attention", "interpret")(_kernel_paged_attention(interpret=True))
 
 
