@@ -1,0 +1,80 @@
+"""AIPerf's AgentX scenario and our replay client on a tiny trace (k3-tiny on CPU).
+
+The AIPerf test needs .venv-aiperf (scripts/extras/aiperf.sh, run by scripts/setup.sh
+--with-test-extras) and skips without it; AIPerf takes ~15 s to start and configure before its first
+request, and the test runs two pairs of runs, so it is slow-marked. The pooling test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.workload import aiperf_agree
+from serving.workload.aiperf_agree import AgreeConfig, aiperf_available, compare_clients
+from serving.workload.traces import generate, load_preset
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aiperf_available(),
+                    reason="AIPerf is not installed (.venv-aiperf): bash scripts/extras/aiperf.sh")
+def test_aiperf_agentx_scenario_runs_on_our_trace_and_server(server, tmp_path):
+    """AIPerf's AgentX scenario replays a generated weka_trace against k3jax serve, and our replay the same
+    sessions (from their first turn, one at a time). Both score requests, and AIPerf's own per-request
+    records under our ITL formula give AIPerf's P90 ITL: the two clients define ITL alike.
+
+    Not asserted: the 10% agreement of the two runs' throughput and P90 ITL (issue 9). On this shared
+    2-core machine it does not hold run to run (serving/workload/aiperf_agree.py and the recorded
+    docs/results/aiperf_agree_*.json: the same requests' time to first token varied 2x between two runs
+    minutes apart, new decode shapes compile inside short runs, and AIPerf's prompts hit the prefix cache
+    less than ours)."""
+    sessions = generate(load_preset("short", num_sessions=3))
+    cfg = AgreeConfig(concurrency=1, duration_s=20.0, grace_s=30.0, seed=3)
+    # one unscored pair first (ours, then AIPerf): it compiles the shapes both clients' prompts hit
+    result = compare_clients(sessions, server, tmp_path, cfg, repeats=1, warmup_pairs=1)
+    [run] = result["runs"]
+    assert run["aiperf"]["requests"] >= 2 and run["ours"]["requests"] >= 2, result
+    assert result["definitions_check"]["p90_itl"] == pytest.approx(1.0, abs=0.01)
+    ratios = result["ratios_ours_over_aiperf"]
+    assert ratios["output_throughput"] > 0 and ratios["p90_itl"] > 0
+
+
+def test_compare_clients_pools_the_scored_pairs(tmp_path, monkeypatch):
+    """Fake clients: the warm-up pair is kept but not scored; throughput pools tokens over time and the
+    P90 ITL is taken over every scored request of every pair."""
+    calls = {"aiperf": 0, "ours": 0}
+
+    def fake_aiperf(url, trace_dir, work, cfg, alongside=None):
+        i = calls["aiperf"]
+        calls["aiperf"] += 1
+        assert (trace_dir / "session-20261129-0000.json").is_file()
+        # pair 0 (warm-up) is slow; pairs 1, 2: 100 tokens over 10 s and 300 over 20 s; ITLs 1..10 ms, 11..20 ms
+        t, span, itl = [(10, 50.0, [1.0] * 10), (100, 10.0, list(range(1, 11))), (300, 20.0, list(range(11, 21)))][i]
+        records = [{"start_ns": 0, "end_ns": int(span * 1e9), "ttft_ms": 5.0, "itl_ms": v, "output_tokens": t / 10,
+                    "prompt_tokens": 50, "cached_tokens": 0, "error": False} for v in itl]
+        return {"command": [], "wall_s": 1.0, "submission_valid": False, "output_tokens_per_s": t / span,
+                "p90_itl_s": float(sorted(itl)[8]) / 1000, "ttft_p90_s": 0.005, "requests": 10,
+                "benchmark_duration_s": span, "records": records}
+
+    def fake_ours(sessions, url, cfg, out_dir=None):
+        i = calls["ours"]
+        calls["ours"] += 1
+        t, span, itl = [(10, 50.0, [0.001] * 10), (110, 10.0, [v / 1000 for v in range(1, 11)]),
+                        (330, 20.0, [v / 1000 for v in range(11, 21)])][i]
+        return {"output_tokens_per_s": t / span, "output_tokens": t, "elapsed_s": span, "itl_values_s": itl,
+                "p90_itl_s": 0.0, "ttft_p90_s": 0.005, "requests": 10, "unfinished": 0, "server_cache_hit_rate": 0.5}
+
+    monkeypatch.setattr(aiperf_agree, "run_aiperf", fake_aiperf)
+    monkeypatch.setattr(aiperf_agree, "run_ours", fake_ours)
+    sessions = generate(load_preset("short", num_sessions=2))
+    result = compare_clients(sessions, "http://unused", tmp_path, AgreeConfig(), repeats=2, warmup_pairs=1)
+    assert calls == {"aiperf": 3, "ours": 3}
+    assert len(result["runs"]) == 2 and len(result["warmup_runs"]) == 1
+    assert result["aiperf"]["output_tokens_per_s"] == pytest.approx(400 / 30)
+    assert result["ours"]["output_tokens_per_s"] == pytest.approx(440 / 30)
+    assert result["ratios_ours_over_aiperf"]["output_throughput"] == pytest.approx(1.1)
+    # the same 20 ITLs (1..20 ms) on both sides: P90 = 18.1 ms, ratio 1
+    assert result["aiperf"]["p90_itl_s"] == pytest.approx(0.0181)
+    assert result["ratios_ours_over_aiperf"]["p90_itl"] == pytest.approx(1.0)
+    assert "itl_values_s" not in result["runs"][0]["ours"]
+    with pytest.raises(ValueError, match="repeats"):
+        compare_clients(sessions, "http://unused", tmp_path, AgreeConfig(), repeats=0)
