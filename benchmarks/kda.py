@@ -1,4 +1,4 @@
-"""KDA kernels on one GPU: ours (pallas_kernels/kda_chunk.py, kda_decode.py) vs fla-core 0.6.0 on identical inputs.
+"""KDA kernels on one GPU: ours (pallas_kernels/kda_*.py) vs fla-core 0.6.0 on identical inputs.
 
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda.py --out $OUT/kda.json
 
@@ -42,6 +42,8 @@ import numpy as np
 
 from pallas_kernels import kda_chunk as kc
 from pallas_kernels.kda_decode import kda_decode
+from pallas_kernels.kda_state_pass import kda_state_pass
+from pallas_kernels.kda_state_pass_split import kda_state_pass_split
 
 D = 128
 LB = -5.0
@@ -229,9 +231,9 @@ def prefill_stages(row, b, t, args, x, ours, save):
 
 
 def time_state(name, block_v, num_warps, staged, s0, total, n, args):
-    fn = dict(fused=kc._state_call, split=kc._state_split_call)[name]
-    f = jax.jit(lambda *xs: fn(*xs, s0, t=total, n=n, page=0, block_v=block_v, out_dtype=jnp.bfloat16,
-                               interpret=args.interpret, num_warps=num_warps))
+    fn = dict(fused=kda_state_pass, split=kda_state_pass_split)[name]
+    f = jax.jit(lambda *xs: fn(*xs, s0, num_tokens=total, checkpoint_page_size=0, block_v=block_v,
+                               out_dtype=jnp.bfloat16, interpret=args.interpret, num_warps=num_warps))
     return 1e3 * time_jax(lambda: f(*staged), args.trials)
 
 

@@ -1,6 +1,11 @@
 """Chunked KDA prefill (chunk 64): parallel intra-chunk stages (XLA), then a sequential Pallas state pass.
 Packed variable-length batches, V-first fp32 states, optional page-boundary checkpoints.
 
+This file holds the public entry `kda_chunk`, the chunk table, the XLA intra-chunk stage and the plain-jnp
+`kda_chunk_reference`; each Pallas kernel has its own file: `kda_state_pass.py` (fused state pass, the
+default), `kda_state_pass_split.py` (split state pass + its output einsum), `kda_chunk_solve.py` (the
+opt-in `solve="pallas"` L / Aqk + block inverse); shared constants and helpers are in `kda_common.py`.
+
 Math (k3-model.md §3.1; k3jax/kda.py `kda_chunked_reference`), per head, chunk of C = 64 tokens, state S
 at the chunk start (V-first [V, K]), G = cumsum(g) inside the chunk:
 
@@ -17,14 +22,14 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    by the exact nilpotent product (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8), off-diagonal ones by
    A_ij = -A_ii sum_{j<=m<i} L_im A_mj); W and U are batched einsums. It returns W, U, e^G Q,
    e^(G_C - G) K, Aqk and e^(G_C). Opt-in `solve="pallas"` replaces the L / Aqk einsums and the inverse
-   by one Pallas kernel per (head, chunk) (`_solve_kernel`, fla's inter+solve layout: the 10 lower 16x16
+   by one Pallas kernel per (head, chunk) (`kda_chunk_solve`, fla's inter+solve layout: the 10 lower 16x16
    blocks of L and Aqk accumulated over K in 32-wide slices, then the inverse in registers), which reads
    q, k, G once instead of a 4x column-factor tensor; interpret-tested, not yet timed on the GPU.
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
    multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of
-   `start_positions`, so every page boundary is a chunk boundary). "fused" (`_state_kernel`, the default)
-   also forms O in the walk and stores it into the packed output; "split" (`_state_h_kernel`, fla's
+   `start_positions`, so every page boundary is a chunk boundary). "fused" (`kda_state_pass`, the default)
+   also forms O in the walk and stores it into the packed output; "split" (`kda_state_pass_split`, fla's
    layout) stores every chunk's starting state and V', and O follows as one parallel einsum + gather.
 
 Exponent safety: the factor e^(G_r - P_i) is <= 1; e^(P_i - G_s) is <= 1 for columns before block i, and
@@ -41,14 +46,11 @@ docs/results/kda_h200_2026-11-30.json), B1 T32768 H32 D128 bf16: the previous al
 split 8.2 ms), B8 T4096 H32 7.4 ms, B1 T32768 H96 21.8 ms: 6x faster, but still ~2x slower than
 fla-core 0.6.0 `chunk_kda` (3.8 / 3.9 / 10.9 ms on the same machine and inputs, 2026-11-29; this
 session's fla runs were cut short by its first-call autotuning). Stages apart at B1 T32768 H32: stage 1
-6.26 ms, fused state pass 1.80 ms (default V-block 16, 4 warps), split state pass 1.97 ms + its output
-einsum (split total 8.15 ms vs fused 7.84 ms, so "fused" is the default). Stage 1 is therefore the
-bottleneck: the next step is a Pallas kernel for L / Aqk (the 4x column-factor tensor that the einsums
-read is ~1 GB of bf16 traffic here) and for the solve + W / U, measured against these XLA numbers.
+(this file, XLA) 6.26 ms of the 7.84 ms total; the state passes' own numbers are in their files. Stage 1
+is therefore the bottleneck: the next step is a Pallas kernel for L / Aqk (the 4x column-factor tensor
+that the einsums read is ~1 GB of bf16 traffic here; `kda_chunk_solve.py`, not yet timed) and for the
+solve + W / U, measured against these XLA numbers.
 Checkpoints: page 256 +0% (-0.8%, noise), page 64 +2.5% over no checkpoints.
-The state pass is Pallas because a sequential walk with the state in registers, per-sequence dynamic
-trip counts and masked checkpoint stores would otherwise be a lax.scan of one small XLA step per chunk.
-Mosaic GPU was not tried.
 
 Precision: with bf16 inputs (the model's activations) the einsum operands of L, Aqk, W and U are bf16
 (tensor cores, fp32 accumulation), and W, U, e^G Q, e^(G_C-G) K, Aqk are stored in bf16, as fla does
@@ -64,22 +66,17 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
-CHUNK = 64
-SUB = 16  # sub-block of the triangular inverse
-NSUB = CHUNK // SUB
+from pallas_kernels.kda_chunk_solve import kda_chunk_solve
+from pallas_kernels.kda_common import CHUNK, NSUB, SUB, bdot
+from pallas_kernels.kda_common import HIGHEST as _HI
+from pallas_kernels.kda_common import MAX_DIAG_EXPONENT as _MAX_DIAG_EXPONENT
+from pallas_kernels.kda_common import identity as _identity
+from pallas_kernels.kda_state_pass import kda_state_pass
+from pallas_kernels.kda_state_pass_split import kda_state_pass_split
+
 GATES = ("none", "lower_bound", "softplus")
-_HI = lax.Precision.HIGHEST
 _L2_EPS = 1e-6
-_MAX_DIAG_EXPONENT = 80.0  # e^80 < 3.4e38 / 128 (a dot of 128 such terms stays finite)
-
-
-def _dot(a, b, *, ta=False, tb=False, precision=None):
-    """a @ b (a^T if ta, b^T if tb) with fp32 accumulation."""
-    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _gate(z, a_log, dt_bias, gate, lower_bound):
@@ -93,10 +90,6 @@ def _gate(z, a_log, dt_bias, gate, lower_bound):
     return -a * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def _identity(n):
-    return jnp.where(lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
-
-
 def _to_chunks(x, tok_start, length):
     """Packed [T, H, ...] -> chunk layout [H, NC, C, ...] (zeros past each chunk's length): one gather."""
     rows = jnp.arange(CHUNK, dtype=jnp.int32)
@@ -104,10 +97,6 @@ def _to_chunks(x, tok_start, length):
     idx = jnp.where(valid, tok_start[:, None] + rows[None, :], 0)
     y = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[idx], 0)  # [NC, C, H, ...]
     return jnp.moveaxis(y, 2, 0)
-
-
-def _bdot(spec, a, b, precision):
-    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _block_inverse(lower):
@@ -136,82 +125,6 @@ def _block_inverse(lower):
     return jnp.concatenate(rows, axis=-2)
 
 
-def _solve_kernel(q_ref, k_ref, g_ref, b_ref, abeta_ref, aqk_ref, *, block_k):
-    # q_ref, k_ref: [C, K] normalised q (scaled) and k (stored dtype); g_ref: [C, K] fp32 in-chunk cumsum G
-    # b_ref: [C] fp32 beta (0 on padding); abeta_ref, aqk_ref: [C, C] (stored dtype), blocks of [H, NC, C, C]
-    # Bounded gate only (e^(P_i - G_s) <= e^80 on diagonal blocks). Accumulates the 10 lower 16x16 blocks
-    # of L and of Aqk over K in slices of block_k (bounded register use), then inverts in 16x16 blocks.
-    f32 = jnp.float32
-    stored = q_ref.dtype
-    prec = _HI if stored == f32 else None
-    dk = q_ref.shape[-1]
-    lkk = {(i, j): jnp.zeros((SUB, SUB), f32) for i in range(NSUB) for j in range(i + 1)}
-    aqk = dict(lkk)
-    for kb in range(dk // block_k):
-        ks = pl.ds(kb * block_k, block_k)
-        rows = lambda ref, i: ref[pl.ds(i * SUB, SUB), ks].astype(f32)  # [SUB, BK]
-        q4 = [rows(q_ref, i) for i in range(NSUB)]
-        k4 = [rows(k_ref, i) for i in range(NSUB)]
-        g4 = [rows(g_ref, i) for i in range(NSUB)]
-        for i in range(NSUB):
-            ref_g = g_ref[pl.ds(i * SUB - 1, 1), ks] if i else jnp.zeros((1, block_k), f32)  # P_i [1, BK]
-            row_f = jnp.exp(g4[i] - ref_g)  # <= 1
-            kr, qr = (k4[i] * row_f).astype(stored), (q4[i] * row_f).astype(stored)
-            for j in range(i + 1):
-                kc = (k4[j] * jnp.exp(ref_g - g4[j])).astype(stored)  # <= 1 (j < i), <= e^80 (j == i)
-                lkk[i, j] = lkk[i, j] + _dot(kr, kc, tb=True, precision=prec)
-                aqk[i, j] = aqk[i, j] + _dot(qr, kc, tb=True, precision=prec)
-    r = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    c = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    beta = [b_ref[pl.ds(i * SUB, SUB)].astype(f32) for i in range(NSUB)]
-    low = {}
-    for i in range(NSUB):
-        for j in range(i + 1):
-            blk = beta[i][:, None] * lkk[i, j]
-            low[i, j] = jnp.where(r > c, blk, 0.0) if i == j else blk
-            a = jnp.where(r >= c, aqk[i, j], 0.0) if i == j else aqk[i, j]
-            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = a.astype(aqk_ref.dtype)
-        for j in range(i + 1, NSUB):
-            zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
-            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = zero
-            abeta_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = zero
-    mm = lambda a, b: _dot(a, b, precision=_HI)
-    eye = _identity(SUB)
-    inv = {}
-    for i in range(NSUB):  # as _block_inverse, in registers
-        l1 = low[i, i]
-        l2 = mm(l1, l1)
-        l4 = mm(l2, l2)
-        x = eye - l1
-        x = x + mm(x, l2)
-        x = x + mm(x, l4)
-        inv[i, i] = x + mm(x, mm(l4, l4))
-        for j in range(i - 1, -1, -1):
-            acc = mm(low[i, j], inv[j, j])
-            for m in range(j + 1, i):
-                acc = acc + mm(low[i, m], inv[m, j])
-            inv[i, j] = -mm(inv[i, i], acc)
-        for j in range(i + 1):
-            abeta_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = (inv[i, j] * beta[j][None, :]).astype(abeta_ref.dtype)
-
-
-def _solve_call(qn, kn, cum, bc, *, interpret, num_warps=4, block_k=32):
-    """Pallas L / Aqk + 16x16-block inverse, grid = heads x chunks: returns A diag(beta) and Aqk [H, NC, C, C]."""
-    h, num_chunks, _, dk = qn.shape
-    block_k = min(block_k, dk)
-    tile = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda hh, cc: (hh, cc, 0, 0))
-    out = jax.ShapeDtypeStruct((h, num_chunks, CHUNK, CHUNK), qn.dtype)
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
-    return pl.pallas_call(
-        functools.partial(_solve_kernel, block_k=block_k),
-        grid=(h, num_chunks),
-        in_specs=[tile(dk), tile(dk), tile(dk), pl.BlockSpec((None, None, CHUNK), lambda hh, cc: (hh, cc, 0))],
-        out_specs=[tile(CHUNK), tile(CHUNK)],
-        out_shape=[out, out],
-        interpret=interpret, name="kda_chunk_solve", **params,
-    )(qn, kn, cum, bc)
-
-
 def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, lower_bound, beta_sigmoid,
                  qk_l2norm, scale, bounded, stored, solve="xla", interpret=False):
     """Every chunk's W, U, e^G Q, e^(G_C - G) K, Aqk and e^(G_C), all chunks and heads at once (XLA).
@@ -237,7 +150,7 @@ def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, l
     g_last = cum[:, :, -1, :]  # G_C
     sub = lambda x: x.reshape(x.shape[:2] + (NSUB, SUB) + x.shape[3:])
     if solve == "pallas" and bounded:
-        a_beta, aqk = _solve_call(qc.astype(stored), kc.astype(stored), cum, bc, interpret=interpret)
+        a_beta, aqk = kda_chunk_solve(qc.astype(stored), kc.astype(stored), cum, bc, interpret=interpret)
     else:
         cum4, q4, k4 = sub(cum), sub(qc), sub(kc)
         prev = cum4[:, :, :, 0, :] - sub(gl)[:, :, :, 0, :]  # P_i: G just before sub-block i [H, NC, NSUB, K]
@@ -247,8 +160,8 @@ def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, l
         row_f = jnp.exp(cum4 - prev[:, :, :, None, :])  # [H, NC, NSUB, SUB, K]
         col_f = jnp.exp(jnp.minimum(prev[:, :, :, None, :] - cum[:, :, None, :, :], _MAX_DIAG_EXPONENT))  # [H,NC,NSUB,C,K]
         kcol = (kc[:, :, None] * col_f).astype(stored)
-        lkk = _bdot("hcirk,hcisk->hcirs", (k4 * row_f).astype(stored), kcol, prec).reshape(cum.shape[:2] + (CHUNK, CHUNK))
-        aqk = _bdot("hcirk,hcisk->hcirs", (q4 * row_f).astype(stored), kcol, prec).reshape(lkk.shape)
+        lkk = bdot("hcirk,hcisk->hcirs", (k4 * row_f).astype(stored), kcol, prec).reshape(cum.shape[:2] + (CHUNK, CHUNK))
+        aqk = bdot("hcirk,hcisk->hcirs", (q4 * row_f).astype(stored), kcol, prec).reshape(lkk.shape)
         if not bounded:  # diagonal blocks from pairwise e^(G_r - G_s) of masked (non-positive) differences
             incl4 = rows[:SUB, None] >= rows[None, :SUB]
             decay = jnp.exp(jnp.where(incl4[:, :, None], cum4[..., :, None, :] - cum4[..., None, :, :], -jnp.inf))
@@ -263,156 +176,11 @@ def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, l
         lkk = jnp.where(strict, bc[..., :, None] * lkk, 0.0)
         aqk = jnp.where(strict | (rows[:, None] == rows[None, :]), aqk, 0.0)
         a_beta = (_block_inverse(lkk) * bc[:, :, None, :]).astype(stored)  # A diag(beta)
-    w = _bdot("hcij,hcjk->hcik", a_beta, (kc * jnp.exp(cum)).astype(stored), prec).astype(stored)
-    u = _bdot("hcij,hcjv->hciv", a_beta, vc.astype(stored), prec).astype(stored)
+    w = bdot("hcij,hcjk->hcik", a_beta, (kc * jnp.exp(cum)).astype(stored), prec).astype(stored)
+    u = bdot("hcij,hcjv->hciv", a_beta, vc.astype(stored), prec).astype(stored)
     qg = (qc * jnp.exp(cum)).astype(stored)
     kg = (kc * jnp.exp(g_last[:, :, None, :] - cum)).astype(stored)
     return w, u, qg, kg, aqk.astype(stored), jnp.exp(g_last)
-
-
-def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
-                  s0_ref, o_ref, final_ref, ckpt_ref, *, block_v, has_ckpt):
-    # first_ref: [N+1] int32 first chunk of each sequence; start_ref, len_ref, ckpt_idx_ref: [NC] int32
-    # w_ref, qg_ref, kg_ref: [H, NC, C, K]; u_ref: [H, NC, C, V]; aqk_ref: [H, NC, C, C]; gc_ref: [H, NC, K] fp32
-    # s0_ref: [BV, K] (block of [N, H, V, K]); o_ref: [T, H, V]; final_ref: [BV, K]; ckpt_ref: [NCK, H, V, K]
-    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(vb * block_v, block_v)
-    stored = w_ref.dtype
-    prec = _HI if stored == jnp.float32 else None
-    rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-
-    def chunk(c, s):  # s: [BV, K] fp32, the state before chunk c
-        w, qg, kg = w_ref[h, c], qg_ref[h, c], kg_ref[h, c]  # [C, K]
-        u = u_ref[h, c, :, vs].astype(jnp.float32)  # [C, BV]
-        aqk = aqk_ref[h, c]  # [C, C]
-        gc = gc_ref[h, c]  # [K]
-        sd = s.astype(stored)
-        v_new = u - _dot(w, sd, tb=True, precision=prec)  # [C, BV]
-        vd = v_new.astype(stored)
-        o = _dot(qg, sd, tb=True, precision=prec) + _dot(aqk, vd, precision=prec)
-        s = s * gc[None, :] + _dot(vd, kg, ta=True, precision=prec)
-        plt.store(o_ref.at[pl.ds(start_ref[c], CHUNK), h, vs], o.astype(o_ref.dtype),
-                  mask=(rows < len_ref[c])[:, None])
-        if has_ckpt:
-            idx = ckpt_idx_ref[c]
-            plt.store(ckpt_ref.at[jnp.maximum(idx, 0), h, vs, :], s,
-                      mask=jnp.full((block_v, s.shape[1]), idx >= 0))
-        return s
-
-    s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, s0_ref[...].astype(jnp.float32))
-    final_ref[...] = s
-
-
-def _state_h_kernel(first_ref, ckpt_idx_ref, w_ref, u_ref, kg_ref, gc_ref, s0_ref,
-                    h_ref, vnew_ref, final_ref, ckpt_ref, *, block_v, has_ckpt):
-    # first_ref: [N+1] int32; ckpt_idx_ref: [NC] int32
-    # w_ref, kg_ref: [H, NC, C, K]; u_ref: [H, NC, C, V]; gc_ref: [H, NC, K] fp32; s0_ref: [BV, K] (of [N, H, V, K])
-    # h_ref: [H, NC, V, K] state before each chunk (stored dtype); vnew_ref: [H, NC, C, V] (stored dtype)
-    # final_ref: [BV, K]; ckpt_ref: [NCK, H, V, K] fp32
-    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(vb * block_v, block_v)
-    stored = w_ref.dtype
-    prec = _HI if stored == jnp.float32 else None
-
-    def chunk(c, s):  # s: [BV, K] fp32, the state before chunk c
-        sd = s.astype(stored)
-        h_ref[h, c, vs, :] = sd
-        v_new = u_ref[h, c, :, vs].astype(jnp.float32) - _dot(w_ref[h, c], sd, tb=True, precision=prec)  # [C, BV]
-        vd = v_new.astype(stored)
-        vnew_ref[h, c, :, vs] = vd
-        s = s * gc_ref[h, c][None, :] + _dot(vd, kg_ref[h, c], ta=True, precision=prec)
-        if has_ckpt:
-            idx = ckpt_idx_ref[c]
-            plt.store(ckpt_ref.at[jnp.maximum(idx, 0), h, vs, :], s,
-                      mask=jnp.full((block_v, s.shape[1]), idx >= 0))
-        return s
-
-    s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, s0_ref[...].astype(jnp.float32))
-    final_ref[...] = s
-
-
-def _full(shape):
-    """A block covering the whole array: the kernel indexes it itself (dynamic chunk / token offsets)."""
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def _pick_block_v(n, h, dv, block_v):
-    if block_v is None:  # enough programs to fill the GPU's 132 SMs twice when sequences x heads are few
-        block_v = min(dv, 64)
-        while block_v > 16 and n * h * (dv // block_v) < 2 * 132:
-            block_v //= 2
-    if dv % block_v:
-        raise ValueError(f"block_v={block_v} must divide V={dv}")
-    return block_v
-
-
-def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, *, t, n, page, block_v,
-                out_dtype, interpret, num_warps=4):
-    """Fused state pass: the sequential walk also forms each chunk's output (o never leaves the kernel)."""
-    h, num_chunks, _, dk = w.shape
-    dv = u.shape[3]
-    tp = t + CHUNK if interpret else t  # interpret mode clamps out-of-range stores instead of masking them
-    block_v = _pick_block_v(n, h, dv, block_v)
-    num_ckpt = t // page + n if page else 1
-    state_block = pl.BlockSpec((None, None, block_v, dk), lambda nn, hh, vv: (nn, hh, vv, 0))
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2))
-    o, final, ckpt = pl.pallas_call(
-        functools.partial(_state_kernel, block_v=block_v, has_ckpt=bool(page)),
-        grid=(n, h, dv // block_v),
-        in_specs=[_full((n + 1,)), _full((num_chunks,)), _full((num_chunks,)), _full((num_chunks,)),
-                  _full(w.shape), _full(u.shape), _full(qg.shape), _full(kg.shape), _full(aqk.shape), _full(gc.shape),
-                  state_block],
-        out_specs=[_full((tp, h, dv)), state_block, _full((num_ckpt, h, dv, dk))],
-        out_shape=[jax.ShapeDtypeStruct((tp, h, dv), out_dtype), jax.ShapeDtypeStruct((n, h, dv, dk), jnp.float32),
-                   jax.ShapeDtypeStruct((num_ckpt, h, dv, dk), jnp.float32)],
-        interpret=interpret, name="kda_chunk_state", **params,
-    )(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state.astype(jnp.float32))
-    return o[:t], final, (ckpt if page else None)
-
-
-def _state_split_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, *, t, n, page,
-                      block_v, out_dtype, interpret, num_warps=4):
-    """Split state pass (fla's layout of the work): the sequential walk only advances the state and stores
-    it before every chunk (stored dtype) with V' = U - W S^T; the output O = (e^G Q) S^T + Aqk V' is then
-    one batched, fully parallel tensor-core einsum (XLA) and a gather back to the packed token order."""
-    h, num_chunks, _, dk = w.shape
-    dv = u.shape[3]
-    block_v = _pick_block_v(n, h, dv, block_v)
-    num_ckpt = t // page + n if page else 1
-    state_block = pl.BlockSpec((None, None, block_v, dk), lambda nn, hh, vv: (nn, hh, vv, 0))
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2))
-    states, v_new, final, ckpt = pl.pallas_call(
-        functools.partial(_state_h_kernel, block_v=block_v, has_ckpt=bool(page)),
-        grid=(n, h, dv // block_v),
-        in_specs=[_full((n + 1,)), _full((num_chunks,)), _full(w.shape), _full(u.shape), _full(kg.shape),
-                  _full(gc.shape), state_block],
-        out_specs=[_full((h, num_chunks, dv, dk)), _full(u.shape), state_block, _full((num_ckpt, h, dv, dk))],
-        out_shape=[jax.ShapeDtypeStruct((h, num_chunks, dv, dk), w.dtype), jax.ShapeDtypeStruct(u.shape, w.dtype),
-                   jax.ShapeDtypeStruct((n, h, dv, dk), jnp.float32),
-                   jax.ShapeDtypeStruct((num_ckpt, h, dv, dk), jnp.float32)],
-        interpret=interpret, name="kda_chunk_state_h", **params,
-    )(first, ckpt_idx, w, u, kg, gc, initial_state.astype(jnp.float32))
-    # Chunks past the table's end (length 0) were never visited: their state / V' rows are garbage, but
-    # only rows of chunks with length > 0 reach the output below.
-    prec = _HI if w.dtype == jnp.float32 else None
-    o = _bdot("hcik,hcvk->hciv", qg, states, prec) + _bdot("hcij,hcjv->hciv", aqk, v_new, prec)  # [H, NC, C, V]
-    o = _from_chunks(o.astype(out_dtype), tok_start, length, t)
-    return o, final, (ckpt if page else None)
-
-
-def _from_chunks(y, tok_start, length, t):
-    """Chunk layout [H, NC, C, ...] -> packed [T, H, ...]; tokens in no chunk (seq_lens padding) get 0."""
-    rows = jnp.arange(CHUNK, dtype=jnp.int32)
-    num_chunks = tok_start.shape[0]
-    valid = rows[None, :] < length[:, None]
-    dest = jnp.where(valid, tok_start[:, None] + rows[None, :], t)  # t = dropped
-    owner = jnp.full((t,), num_chunks, jnp.int32).at[dest.reshape(-1)].set(
-        jnp.broadcast_to(jnp.arange(num_chunks, dtype=jnp.int32)[:, None], dest.shape).reshape(-1), mode="drop")
-    covered = owner < num_chunks
-    chunk = jnp.where(covered, owner, 0)
-    pos = jnp.where(covered, jnp.arange(t, dtype=jnp.int32) - tok_start[chunk], 0)
-    out = jnp.moveaxis(y, 0, 2)[chunk, pos]  # [T, H, ...]
-    return jnp.where(covered.reshape((t,) + (1,) * (out.ndim - 1)), out, 0)
 
 
 def chunk_table(cu_seqlens, start_positions, num_chunks, page_size, seq_lens=None):
@@ -519,7 +287,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       state_pass: "fused" (the sequential walk also writes O) or "split" (it stores every chunk's state,
         O follows as one parallel einsum); same results up to rounding.
       solve: "xla" (default, measured) or "pallas": L / Aqk and the block inverse in one Pallas kernel per
-        (head, chunk) (`_solve_kernel`; bounded gate only, else XLA). Same math and operand precisions;
+        (head, chunk) (`kda_chunk_solve`; bounded gate only, else XLA). Same math and operand precisions;
         not yet timed on the GPU.
 
     Returns:
@@ -545,9 +313,10 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
                                          lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
                                          scale=scale, bounded=bounded, stored=stored, solve=solve,
                                          interpret=interpret)
-    state_pass = {"fused": _state_call, "split": _state_split_call}[state_pass]
-    return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, t=t, n=n,
-                      page=page, block_v=block_v, out_dtype=v.dtype, interpret=interpret, num_warps=num_warps)
+    state_pass = {"fused": kda_state_pass, "split": kda_state_pass_split}[state_pass]
+    return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, num_tokens=t,
+                      checkpoint_page_size=page, block_v=block_v, out_dtype=v.dtype, num_warps=num_warps,
+                      interpret=interpret)
 
 
 def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",

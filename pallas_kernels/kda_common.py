@@ -1,0 +1,93 @@
+"""Constants and small helpers shared by the KDA chunked-prefill kernels (no kernel here).
+
+The chunked prefill is split one kernel per file: `kda_chunk` (public entry, XLA intra-chunk stage,
+orchestration, reference), `kda_chunk_solve` (opt-in Pallas L / Aqk + block inverse), `kda_state_pass`
+(fused sequential state pass) and `kda_state_pass_split` (split state pass + its output einsum). They all
+use the chunk layout [H, NC, C, ...] with C = CHUNK tokens per chunk and this module's conventions.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+CHUNK = 64
+SUB = 16  # sub-block of the triangular inverse
+NSUB = CHUNK // SUB
+HIGHEST = lax.Precision.HIGHEST
+MAX_DIAG_EXPONENT = 80.0  # e^80 < 3.4e38 / 128 (a dot of 128 such terms stays finite)
+
+
+def dot(a, b, *, ta=False, tb=False, precision=None):
+    """a @ b (a^T if ta, b^T if tb) with fp32 accumulation."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def bdot(spec, a, b, precision):
+    """Batched einsum with fp32 accumulation (XLA, tensor cores for bf16 operands)."""
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def identity(n):
+    """[n, n] fp32 identity built from iotas (lowers inside Triton kernels, unlike jnp.eye)."""
+    return jnp.where(lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
+
+
+def full_block(shape):
+    """A block covering the whole array: the kernel indexes it itself (dynamic chunk / token offsets)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def is_pow2_at_least_16(d):
+    return d >= 16 and not d & (d - 1)
+
+
+def check_state_pass_args(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last,
+                          initial_state, num_tokens, checkpoint_page_size):
+    """ValueError checks shared by the fused and split state passes (same inputs, see `kda_state_pass`)."""
+    if w.ndim != 4 or w.shape[2] != CHUNK:
+        raise ValueError(f"w must be the chunk layout [H, NC, {CHUNK}, K]; got {w.shape}")
+    h, num_chunks, _, dk = w.shape
+    if qg.shape != w.shape or kg.shape != w.shape:
+        raise ValueError(f"qg and kg must be shaped like w {w.shape}; got {qg.shape}, {kg.shape}")
+    if u.ndim != 4 or u.shape[:3] != w.shape[:3]:
+        raise ValueError(f"u must be [H, NC, C, V] with H, NC, C = {w.shape[:3]}; got {u.shape}")
+    dv = u.shape[3]
+    for name, d in (("K", dk), ("V", dv)):
+        if not is_pow2_at_least_16(d):
+            raise ValueError(f"head dim {name}={d} must be a power of two >= 16 (Triton block shapes)")
+    if len({w.dtype, u.dtype, qg.dtype, kg.dtype, aqk.dtype}) != 1:
+        raise ValueError(f"w, u, qg, kg, aqk must share the stored dtype; got "
+                         f"{[x.dtype for x in (w, u, qg, kg, aqk)]}")
+    if aqk.shape != (h, num_chunks, CHUNK, CHUNK):
+        raise ValueError(f"aqk must be [H, NC, C, C] = {(h, num_chunks, CHUNK, CHUNK)}; got {aqk.shape}")
+    if gate_last.shape != (h, num_chunks, dk) or gate_last.dtype != jnp.float32:
+        raise ValueError(f"gate_last must be fp32 [H, NC, K] = {(h, num_chunks, dk)}; got "
+                         f"{gate_last.dtype}{gate_last.shape}")
+    for name, x in (("token_start", token_start), ("length", length), ("checkpoint_index", checkpoint_index)):
+        if x.shape != (num_chunks,) or x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32 [NC] = [{num_chunks}]; got {x.dtype}{x.shape}")
+    if first.ndim != 1 or first.shape[0] < 2 or first.dtype != jnp.int32:
+        raise ValueError(f"first must be int32 [N+1], N >= 1; got {first.dtype}{first.shape}")
+    n = first.shape[0] - 1
+    if initial_state.shape != (n, h, dv, dk):
+        raise ValueError(f"initial_state must be V-first [N, H, V, K] = {(n, h, dv, dk)}; got {initial_state.shape}")
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1; got {num_tokens}")
+    if checkpoint_page_size < 0 or checkpoint_page_size % CHUNK:
+        raise ValueError(f"checkpoint_page_size must be 0 or a positive multiple of {CHUNK}; "
+                         f"got {checkpoint_page_size}")
+
+
+def pick_block_v(n, h, dv, block_v):
+    """The state passes' V-block: given, or the largest of 64/32/16 that still gives sequences x heads x
+    V-blocks >= 2 x 132 programs (the H200's SMs twice) when sequences x heads are few."""
+    if block_v is None:
+        block_v = min(dv, 64)
+        while block_v > 16 and n * h * (dv // block_v) < 2 * 132:
+            block_v //= 2
+    if dv % block_v:
+        raise ValueError(f"block_v={block_v} must divide V={dv}")
+    return block_v

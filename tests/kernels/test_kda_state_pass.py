@@ -1,0 +1,105 @@
+"""KDA state passes (fused `kda_state_pass`, split `kda_state_pass_split`) in interpret mode against their
+plain-jnp reference, on fresh random stage-1 tensors over a real chunk table.
+
+Run: python -m pytest -q tests/kernels/test_kda_state_pass.py
+Inputs: W and kg = e^(G_C - G) K scaled by 0.1 and e^(G_C) in (0.13, 1], so the linear part of the
+chunk step S -> S (diag(e^(G_C)) - W^T kg) + U^T kg has norm below 1 and the state stays O(1) over the
+~6 chunks of the longest sequence (as real stage-1 tensors keep it); U, e^G Q and Aqk are O(1).
+Tolerances: fp32 stored dtype -> IEEE fp32 dots on both sides (HIGHEST), which differ only in summation
+order: measured <= 1.3e-7 relative, so 1e-5 leaves margin while a wrong chunk, V-block, mask or
+checkpoint row gives O(1). bf16 stored dtype: the kernels round the state and V' to bf16 for each dot
+(4e-3 relative per rounding) and the reference does not: measured 2.9e-3, so 2e-2.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda_chunk import checkpoint_offsets, chunk_table
+from pallas_kernels.kda_common import CHUNK
+from pallas_kernels.kda_state_pass import kda_state_pass, kda_state_pass_reference
+from pallas_kernels.kda_state_pass_split import kda_state_pass_split, kda_state_pass_split_reference
+
+PASSES = {"fused": (kda_state_pass, kda_state_pass_reference),
+          "split": (kda_state_pass_split, kda_state_pass_split_reference)}
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def stage_inputs(seed, lens, starts, page, h, dk, dv, dtype):
+    """Chunk table of a packed batch plus random stage-1 tensors [H, NC, C, ...] in the stored dtype."""
+    rng = np.random.default_rng(seed)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    t, n = int(cu[-1]), len(lens)
+    num_chunks = t // CHUNK + 2 * n  # kda_chunk's bound
+    table = chunk_table(cu, jnp.asarray(starts, jnp.int32), num_chunks, page)
+    arr = lambda scale, *s: jnp.asarray((scale * rng.standard_normal(s)).astype(np.float32))
+    aqk = jnp.tril(arr(1.0, h, num_chunks, CHUNK, CHUNK))
+    stage = (arr(0.1, h, num_chunks, CHUNK, dk), arr(1.0, h, num_chunks, CHUNK, dv),
+             arr(1.0, h, num_chunks, CHUNK, dk), arr(0.1, h, num_chunks, CHUNK, dk), aqk)
+    stage = tuple(x.astype(dtype) for x in stage)
+    gate_last = jnp.asarray(np.exp(-rng.uniform(0.0, 2.0, (h, num_chunks, dk))).astype(np.float32))
+    s0 = arr(1.0, n, h, dv, dk)
+    return table + stage + (gate_last, s0), cu, t
+
+
+@pytest.mark.parametrize("name", ["fused", "split"])
+def test_state_pass_ragged_checkpoints(name):
+    """Ragged lengths (one empty sequence), unaligned absolute starts, page-128 checkpoints, two V-blocks
+    per head: output rows, every final state and every checkpoint row against the reference."""
+    lens, starts = [1, 0, 64, 65, 300], [5, 9, 64, 100, 37]
+    args, cu, t = stage_inputs(11, lens, starts, 128, h=2, dk=16, dv=32, dtype=jnp.float32)
+    kernel, reference = PASSES[name]
+    kw = dict(num_tokens=t, checkpoint_page_size=128)
+    o, final, ckpt = jax.jit(functools.partial(kernel, block_v=16, interpret=True, **kw))(*args)
+    ro, rfinal, rckpt = reference(*args, **kw)
+    assert o.shape == (t, 2, 32) and o.dtype == jnp.float32
+    for i in range(len(lens)):  # per sequence, so a wrong state in a short one cannot hide
+        assert rel(final[i], rfinal[i]) < 1e-5, i
+        if lens[i]:
+            seg = slice(int(cu[i]), int(cu[i + 1]))
+            assert rel(o[seg], ro[seg]) < 1e-5, i
+    np.testing.assert_array_equal(final[1], args[-1][1])  # the empty sequence keeps its state exactly
+    off = np.asarray(checkpoint_offsets(cu, jnp.asarray(starts, jnp.int32), 128))
+    assert list(np.diff(off)) == [0, 0, 1, 1, 2]  # pages 128 | 128 | 128, 256 in (start, start + len]
+    for r in range(off[-1]):
+        assert rel(ckpt[r], rckpt[r]) < 1e-5, r
+
+
+def test_state_pass_bf16_no_checkpoints():
+    """bf16 stored dtype, odd chunk counts, the default V-block, no checkpoints; both passes agree with the
+    reference and (fused vs split differ only in where O is formed) with each other."""
+    lens, starts = [130, 7, 200], [0, 3, 64]
+    args, cu, t = stage_inputs(12, lens, starts, 0, h=3, dk=32, dv=16, dtype=jnp.bfloat16)
+    outs = {}
+    for name, (kernel, _) in PASSES.items():
+        o, final, ckpt = jax.jit(functools.partial(kernel, num_tokens=t, interpret=True))(*args)
+        assert ckpt is None and o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+        outs[name] = o, final
+    ro, rfinal, _ = kda_state_pass_reference(*args, num_tokens=t)
+    for o, final in outs.values():
+        assert rel(o, ro) < 2e-2 and rel(final, rfinal) < 2e-2
+    assert rel(outs["fused"][0], outs["split"][0]) < 2e-2
+
+
+def test_state_pass_bad_arguments_raise():
+    args, _, t = stage_inputs(13, [70], [0], 0, h=1, dk=16, dv=16, dtype=jnp.float32)
+    first, tok, length, ckpt_idx, w, u, qg, kg, aqk, gate_last, s0 = args
+    for kernel in (kda_state_pass, kda_state_pass_split):
+        with pytest.raises(ValueError, match="V-first"):
+            kernel(*args[:-1], s0.transpose(0, 1, 3, 2)[..., :8], num_tokens=t, interpret=True)
+        with pytest.raises(ValueError, match="multiple of 64"):
+            kernel(*args, num_tokens=t, checkpoint_page_size=100, interpret=True)
+        with pytest.raises(ValueError, match="stored dtype"):
+            kernel(first, tok, length, ckpt_idx, w.astype(jnp.bfloat16), u, qg, kg, aqk, gate_last, s0,
+                   num_tokens=t, interpret=True)
+        with pytest.raises(ValueError, match="gate_last"):
+            kernel(*args[:9], gate_last[..., :8], s0, num_tokens=t, interpret=True)
+        with pytest.raises(ValueError, match="block_v"):
+            kernel(*args, num_tokens=t, block_v=12, interpret=True)
