@@ -5,7 +5,9 @@ Tolerances: fp32 inputs use IEEE fp32 dots everywhere (Pallas and the XLA stages
 they meet the CPU bar (2e-5 / 1e-5). bf16 inputs store bf16 intermediates and multiply bf16 operands on the
 tensor cores (fp32 accumulation, as fla does): 2e-2. A subset of the gate x dtype x state-pass x solve
 combinations keeps the GPU run short; benchmarks/kda.py checks the variants against fla at full size.
-The solve="pallas" cases have not run on a GPU yet (added after the 2026-11-30 device runs).
+The solve="pallas" cases and the per-kernel tests (each Pallas kernel of the chunked prefill alone, at
+D128, against its own reference; added with the one-kernel-per-file split) have not run on a GPU yet
+(added after the 2026-11-30 device runs).
 """
 
 import jax
@@ -13,8 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda_chunk import checkpoint_offsets, kda_chunk, kda_chunk_reference
+from pallas_kernels.kda_chunk import checkpoint_offsets, chunk_table, kda_chunk, kda_chunk_reference
+from pallas_kernels.kda_chunk_solve import kda_chunk_solve, kda_chunk_solve_reference
+from pallas_kernels.kda_common import CHUNK
 from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
+from pallas_kernels.kda_state_pass import kda_state_pass, kda_state_pass_reference
+from pallas_kernels.kda_state_pass_split import kda_state_pass_split, kda_state_pass_split_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -46,6 +52,47 @@ def test_chunk_matches_reference(gate, dtype, tol, state_pass, solve):
     o, final, ckpt = kda_chunk(**x, **kw, state_pass=state_pass, solve=solve)
     ro, rfinal, rckpt = kda_chunk_reference(**x, **kw)
     off = int(checkpoint_offsets(x["cu_seqlens"], start, 256)[-1])
+    assert rel(o, ro) < tol and rel(final, rfinal) < tol and rel(ckpt[:off], rckpt[:off]) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_chunk_solve_matches_reference(dtype, tol):
+    """The opt-in solve kernel alone (bounded gate g >= -5, the e^80 diagonal-factor case), D128."""
+    rng = np.random.default_rng(2)
+    shape = (4, 5, CHUNK, 128)
+    q, k = rng.standard_normal(shape), rng.standard_normal(shape)
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * 128**-0.5
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    cum = np.cumsum(-5.0 / (1.0 + np.exp(-rng.standard_normal(shape))), axis=2)
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal(shape[:3])))
+    q, k, cum, beta = (jnp.asarray(x.astype(np.float32)) for x in (q, k, cum, beta))
+    got = kda_chunk_solve(q.astype(dtype), k.astype(dtype), cum, beta)
+    want = kda_chunk_solve_reference(q.astype(dtype), k.astype(dtype), cum, beta)
+    for g, w in zip(got, want):
+        assert rel(g, w) < tol
+
+
+@pytest.mark.parametrize("split,dtype,tol", [(False, jnp.float32, 1e-5), (True, jnp.float32, 1e-5),
+                                             (False, jnp.bfloat16, 2e-2), (True, jnp.bfloat16, 2e-2)])
+def test_state_passes_match_reference(split, dtype, tol):
+    """Each state pass alone on random contractive stage-1 tensors (W, kg scaled 0.03, e^(G_C) in
+    (0.13, 1]) over a ragged chunk table with page-256 checkpoints, D128."""
+    rng = np.random.default_rng(3)
+    lens, starts = [1, 63, 64, 65, 1000, 300], [0, 10, 64, 3, 200, 0]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    t, n, h, d = int(cu[-1]), len(lens), 4, 128
+    num_chunks = t // CHUNK + 2 * n
+    table = chunk_table(cu, jnp.asarray(starts, jnp.int32), num_chunks, 256)
+    arr = lambda scale, *s: jnp.asarray((scale * rng.standard_normal(s)).astype(np.float32))
+    stage = (arr(0.03, h, num_chunks, CHUNK, d), arr(1.0, h, num_chunks, CHUNK, d), arr(1.0, h, num_chunks, CHUNK, d),
+             arr(0.03, h, num_chunks, CHUNK, d), jnp.tril(arr(1.0, h, num_chunks, CHUNK, CHUNK)))
+    gate_last = jnp.asarray(np.exp(-rng.uniform(0.0, 2.0, (h, num_chunks, d))).astype(np.float32))
+    args = table + tuple(x.astype(dtype) for x in stage) + (gate_last, arr(1.0, n, h, d, d))
+    kernel, reference = (kda_state_pass_split, kda_state_pass_split_reference) if split else \
+        (kda_state_pass, kda_state_pass_reference)
+    o, final, ckpt = kernel(*args, num_tokens=t, checkpoint_page_size=256)
+    ro, rfinal, rckpt = reference(*args, num_tokens=t, checkpoint_page_size=256)
+    off = int(checkpoint_offsets(cu, jnp.asarray(starts, jnp.int32), 256)[-1])
     assert rel(o, ro) < tol and rel(final, rfinal) < tol and rel(ckpt[:off], rckpt[:off]) < tol
 
 
