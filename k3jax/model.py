@@ -293,10 +293,15 @@ def verify(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
 
 
 @partial(jax.jit, donate_argnames=("state",))
-def commit_verified(state: DecodeState, verified: VerifiedStates, slots: jax.Array, num_accepted: jax.Array) -> DecodeState:
+def commit_verified(state: DecodeState, verified: VerifiedStates, slots: jax.Array, num_accepted: jax.Array,
+                    rows: jax.Array | None = None) -> DecodeState:
     """Keeps the first num_accepted[b] (>= 1) verified positions of each row: copies the KDA and conv
-    states after position num_accepted - 1 into the row's slot."""
-    rows = jnp.arange(slots.shape[0])
+    states after position num_accepted - 1 into the row's slot.
+
+    rows: which verify rows to copy (default all, in order); with rows, slots[i] receives row rows[i]
+    (e.g. a KDA checkpoint at a page boundary inside an accepted run)."""
+    if rows is None:
+        rows = jnp.arange(slots.shape[0])
     pick = jnp.clip(num_accepted - 1, 0, verified.kda.shape[2] - 1)
     return state.replace(
         kda=state.kda.at[:, slots].set(verified.kda[:, rows, pick]),

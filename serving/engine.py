@@ -250,7 +250,7 @@ class Engine:
             pad_to=b * (k + 1), suppress_eos=[pos < r.sampling.min_tokens for r, pos in flat],
             eos_id=self.cfg.eos_token_id,
         )
-        accepted, emitted = self.runner.speculate(rows, [r.spec_pending for r in reqs], tensors,
+        accepted, emitted, verified = self.runner.speculate(rows, [r.spec_pending for r in reqs], tensors,
                                                             self.ecfg.spec_fixed_accepted)
         out = {}
         for i, req in enumerate(reqs):
@@ -258,11 +258,12 @@ class Engine:
             tokens = [int(t) for t in emitted[i, : a + 1]]
             req.num_computed_tokens = end = start + a + 1
             req.spec_pending = tokens
-            if end % ps == 0:
+            boundary = end // ps * ps
+            if boundary == end:
                 self.kv.maybe_checkpoint(req)
-            # A page boundary crossed *inside* the accepted run is not checkpointed: checkpoints taken there
-            # from the verify step's per-position states made a request that later hit one diverge from
-            # plain greedy (docs/benchmarks.md, "drafter acceptance"); removed until the cause is found.
+            elif boundary > start:  # crossed inside the run: the verify step kept the state there
+                self.kv.maybe_checkpoint(req, boundary, copy_into=lambda slot, i=i, j=boundary - start - 1:
+                                         self.runner.snapshot_verified(verified, i, j, slot))
             out[req.request_id] = tokens
         self.counters["spec_verifies"] += len(reqs)
         self.counters["spec_draft_tokens"] += k * len(reqs)

@@ -213,13 +213,15 @@ class KVManager:
         return self.pages.num_free >= pages and self.slots.num_free >= slots
 
     # --- checkpoints ------------------------------------------------------------------------
-    def maybe_checkpoint(self, req: Request) -> None:
-        """After a step: if req's computed length sits on a page boundary, snapshot its KDA state.
+    def maybe_checkpoint(self, req: Request, length: int | None = None, copy_into=None) -> None:
+        """After a step: if req's computed length (or `length`) sits on a page boundary, snapshot the KDA
+        state there: by default copied from req's slot; `copy_into(slot)` writes it otherwise (a boundary
+        crossed inside an accepted speculative run, taken from the verify step's per-position states).
 
         A request keeps its fixed checkpoints (its prompt boundary and its declared cache_boundaries) and
         one rolling one at the latest other boundary reached (its slot is overwritten as it moves on).
         """
-        n = req.num_computed_tokens
+        n = req.num_computed_tokens if length is None else length
         if not self.use_prefix_cache or n == 0 or n % self.page_size:
             return
         if req.checkpoints and req.checkpoints[-1][0] == n:
@@ -232,7 +234,10 @@ class KVManager:
             [slot] = self.slots.allocate(1)
         else:
             return  # memory is short: skip this checkpoint, the request still runs
-        self.runner.copy_slots([req.slot], [slot])
+        if copy_into is None:
+            self.runner.copy_slots([req.slot], [slot])
+        else:
+            copy_into(slot)
         req.checkpoints.append((n, slot))
         if fixed(n):
             # the prompt's checkpoint (and a declared shared-prefix end) is never overwritten: publish it

@@ -201,7 +201,7 @@ class ModelRunner:
 
         Drafts k tokens, verifies them in one target step, accepts, commits the KDA states and refills
         `pending`. tensors: sampling rows for B_bucket * (k + 1) verify positions.
-        Returns (accepted np [n], emitted np [n, k+1]).
+        Returns (accepted np [n], emitted np [n, k+1], verified states for `snapshot_verified`).
         """
         k, n = self.k, len(rows)
         b = fit(n, self.row_buckets)
@@ -224,7 +224,14 @@ class ModelRunner:
         accepted, emitted = spec_decode.accept(logits, drafts, tensors, fixed_accepted=fixed_accepted)
         self.state = commit_verified(self.state, verified, vmeta.slots, accepted + 1)
         self.pending = _store_pending(self.pending, vmeta.slots, vfeats, jnp.zeros(b, jnp.int32))
-        return np.asarray(accepted)[:n], np.asarray(emitted)[:n]
+        return np.asarray(accepted)[:n], np.asarray(emitted)[:n], (verified, vmeta.slots)
+
+    def snapshot_verified(self, verified, row: int, position: int, dst_slot: int) -> None:
+        """KDA/conv state of row `row` after verify position `position` -> slot dst_slot (a checkpoint
+        at a page boundary crossed inside an accepted run)."""
+        states, _ = verified
+        self.state = commit_verified(self.state, states, jnp.asarray([dst_slot], jnp.int32),
+                                     jnp.asarray([position + 1], jnp.int32), rows=jnp.asarray([row], jnp.int32))
 
     # --- state movement (checkpoints, host tier, swap) -------------------------------------------
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
