@@ -27,6 +27,10 @@ from serving.cache.store import CacheStore, PageBlob
 from serving.request import Request
 from serving.runner import ModelRunner
 
+# pages asked of the store per request while restoring a prefix: one round trip to a shared pool per block,
+# and at most one block read past the first page the store lacks
+STORE_FETCH_BLOCK = 32
+
 
 @dataclass
 class SwappedState:
@@ -82,6 +86,8 @@ class KVManager:
         hashes = prefix_hashes(tokens[: (len(tokens) - 1) // self.page_size * self.page_size], self.page_size)
         walk, blobs, target = [], {}, 0
         tiers_before = _tier_hits(self.store)
+        absent = [i for i, h in enumerate(hashes) if self.prefix.entry(h) is None]
+        fetched: dict[int, PageBlob | None] = {}
         for i, h in enumerate(hashes):
             entry = self.prefix.entry(h)
             if entry is not None:
@@ -89,7 +95,10 @@ class KVManager:
                 if entry.checkpoint_slot is not None:
                     target = i + 1
                 continue
-            blob = self.store.get(h)
+            if i not in fetched:  # the next block of store pages in one request (one round trip to a pool)
+                block = [j for j in absent if j >= i][:STORE_FETCH_BLOCK]
+                fetched.update(zip(block, self.store.get_many([hashes[j] for j in block])))
+            blob = fetched[i]
             if blob is None:
                 break
             walk.append(None)

@@ -68,6 +68,10 @@ class CacheStore(abc.ABC):
     def get(self, key: str) -> PageBlob | None:
         """The blob stored under `key`, or None."""
 
+    def get_many(self, keys: Sequence[str]) -> list[PageBlob | None]:
+        """`get` for several keys; a remote store overrides it with one round trip."""
+        return [self.get(k) for k in keys]
+
     @abc.abstractmethod
     def put(self, key: str, blob: PageBlob) -> bool:
         """Store `blob` under `key`; False if the store does not keep it."""
