@@ -105,6 +105,24 @@ def test_router_2p_outputs_equal_colocated(deployment):
     assert any(e["choices"] and e["choices"][0]["finish_reason"] == "length" for e in events)
 
 
+def test_router_chat_equals_colocated_on_the_rendered_prompt(deployment):
+    """/v1/chat/completions through the router: the chat template is rendered and tokenized by the router
+    (the bundled tokenizer, as the workers use), and the answer is the colocated greedy continuation."""
+    from serving.api.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "list 3 primes"}]
+    r = httpx.post(f"{deployment['router']}/v1/chat/completions", timeout=300,
+                   json={"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["message"]["content"] == tok.decode(colocated(deployment["decode"][1], ids, 5))
+    bad = httpx.post(f"{deployment['router']}/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
 def test_smg_pd_mode_outputs_equal_colocated(deployment, launch):
     smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
     if not Path(smg).exists():
