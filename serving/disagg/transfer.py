@@ -39,6 +39,10 @@ import numpy as np
 MAGIC = b"K3KV"
 _HEAD = struct.Struct("!4sI")
 MAX_HEADER_BYTES = 1 << 20
+MAX_PAYLOAD_BYTES = 1 << 40  # one request's whole state (K3 at 1M tokens is ~20 GB); guards a garbled shape
+# what a request's state is made of; anything else in a header is refused before any allocation
+ALLOWED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8",
+                            "uint16", "int32"})
 TRANSPORTS = ("tcp", "inprocess")
 
 
@@ -105,12 +109,23 @@ def read_frame(sock: socket.socket) -> tuple[dict, dict[str, np.ndarray]]:
     magic, size = _HEAD.unpack(bytes(_recv_exact(sock, _HEAD.size)))
     if magic != MAGIC or size > MAX_HEADER_BYTES:
         raise TransferError("not a k3jax KV-transfer frame")
-    header = msgpack.unpackb(bytes(_recv_exact(sock, size)), raw=False)
-    arrays = {}
-    for name, dtype, shape in header.pop("arrays", []):
-        dt = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        arrays[name] = np.frombuffer(_recv_exact(sock, count * dt.itemsize), dtype=dt).reshape(shape)
+    try:
+        header = msgpack.unpackb(bytes(_recv_exact(sock, size)), raw=False)
+        listed = header.pop("arrays", [])
+        specs, total = [], 0
+        for name, dtype, shape in listed:
+            if dtype not in ALLOWED_DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"array {name!r}: dtype {dtype!r} / shape {shape!r} not accepted")
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            total += count * dt.itemsize
+            specs.append((str(name), dt, tuple(shape), count))
+        if total > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload of {total} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    except (ValueError, TypeError, AttributeError, msgpack.exceptions.ExtraData) as e:
+        raise TransferError(f"malformed KV-transfer header: {e}") from None
+    arrays = {name: np.frombuffer(_recv_exact(sock, count * dt.itemsize), dtype=dt).reshape(shape)
+              for name, dt, shape, count in specs}
     return header, arrays
 
 

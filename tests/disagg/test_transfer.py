@@ -74,6 +74,25 @@ def test_listener_rejects_garbage_and_keeps_serving():
         listener.close()
 
 
+@pytest.mark.parametrize("arrays", [
+    [["kv", "object", [4]]],                        # not a state dtype (would be an object array)
+    [["kv", "float32", [1 << 30, 1 << 20]]],        # a garbled shape: refused before allocating 4 PB
+    [["kv", "float32", [-3, 2]]],
+    [["kv", "float32"]],                            # not a [name, dtype, shape] triple
+])
+def test_read_frame_refuses_bad_array_specs_before_allocating(arrays):
+    import msgpack
+
+    from serving.disagg.transfer import _HEAD, MAGIC
+
+    a, b = socket.socketpair()
+    with a, b:
+        head = msgpack.packb({"op": "kv", "arrays": arrays}, use_bin_type=True)
+        a.sendall(_HEAD.pack(MAGIC, len(head)) + head)
+        with pytest.raises(TransferError, match="malformed"):
+            read_frame(b)
+
+
 def test_deployment_files_load_and_reject_mistakes(tmp_path):
     one = load_deployment(ROOT / "configs/deploy/pd-1p1d.yaml")
     two = load_deployment(ROOT / "configs/deploy/pd-2p1d.yaml")
