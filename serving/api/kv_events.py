@@ -70,6 +70,7 @@ class KvEventPublisher:
         self._last_diff = 0.0
         self._load = common_pb2.EngineLoad()
         self._load_time = 0.0
+        self._last_output = time.monotonic()  # when the engine last emitted anything (engine thread writes)
         self.num_events = 0
 
     @property
@@ -80,6 +81,8 @@ class KvEventPublisher:
     def on_step(self, engine, outputs) -> None:
         """AsyncEngine step hook: publish what changed in the device prefix cache."""
         now = time.monotonic()
+        if outputs:
+            self._last_output = now
         # throttled only while requests run: the step that finishes the last one must be reported now,
         # as the engine thread then sleeps until the next command
         if outputs and engine.requests and now - self._last_diff < self.min_interval_s:
@@ -184,6 +187,10 @@ class KvEventPublisher:
         load = common_pb2.EngineLoad()
         load.CopyFrom(self._load)
         load.load_only = True
+        if load.running_requests or load.waiting_requests:
+            # a gateway that hears nothing for a while vetoes the worker; this tells it the engine itself has
+            # been quiet that long, and `prefill_pending_tokens` how much prefill can explain the quiet
+            load.engine_silence_ms = int(min(time.monotonic() - self._last_output, 4e6) * 1e3)
         return load
 
     def _snapshot(self):
@@ -202,9 +209,13 @@ def _cached_pages(engine) -> dict:
 
 def _engine_load(engine):
     stats = engine.stats()
+    # prompt tokens of requests that have produced nothing yet: the prefill work that explains a silence
+    pending = sum(r.num_prompt for r in list(engine.requests.values()) if not r.is_finished and r.num_output == 0)
     return common_pb2.EngineLoad(running_requests=stats.get("running", 0), waiting_requests=stats.get("waiting", 0),
                                  token_usage=float(stats.get("kv_usage", 0.0)),
-                                 max_running_requests=engine.ecfg.max_running)
+                                 max_running_requests=engine.ecfg.max_running,
+                                 engine_reports_steps=False,  # our stream carries token batches only
+                                 prefill_pending_tokens=min(pending, 2**32 - 1))
 
 
 __all__ = ["KvEventPublisher", "block_hash"]
