@@ -86,17 +86,18 @@ class KVManager:
         hashes = prefix_hashes(tokens[: (len(tokens) - 1) // self.page_size * self.page_size], self.page_size)
         walk, blobs, target = [], {}, 0
         tiers_before = _tier_hits(self.store)
-        absent = [i for i, h in enumerate(hashes) if self.prefix.entry(h) is None]
+        entries = [self.prefix.entry(h) for h in hashes]
+        absent = [i for i, entry in enumerate(entries) if entry is None]
         fetched: dict[int, PageBlob | None] = {}
-        for i, h in enumerate(hashes):
-            entry = self.prefix.entry(h)
+        for i, entry in enumerate(entries):
             if entry is not None:
                 walk.append(entry.page)
                 if entry.checkpoint_slot is not None:
                     target = i + 1
                 continue
             if i not in fetched:  # the next block of store pages in one request (one round trip to a pool)
-                block = [j for j in absent if j >= i][:STORE_FETCH_BLOCK]
+                k = absent.index(i)
+                block = absent[k : k + STORE_FETCH_BLOCK]
                 fetched.update(zip(block, self.store.get_many([hashes[j] for j in block])))
             blob = fetched[i]
             if blob is None:
