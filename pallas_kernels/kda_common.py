@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 CHUNK = 64
 SUB = 16  # sub-block of the triangular inverse
@@ -38,6 +39,12 @@ def identity(n):
 def full_block(shape):
     """A block covering the whole array: the kernel indexes it itself (dynamic chunk / token offsets)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def store_checkpoint(ckpt_ref, idx, h, vs, s):
+    """Inside a state-pass kernel: writes the state s [BV, K] after a chunk as checkpoint row `idx` of
+    ckpt_ref [P, H, V, K] (head h, V-block vs); idx < 0 marks a chunk that ends on no page boundary."""
+    plt.store(ckpt_ref.at[jnp.maximum(idx, 0), h, vs, :], s, mask=jnp.full(s.shape, idx >= 0))
 
 
 def is_pow2_at_least_16(d):

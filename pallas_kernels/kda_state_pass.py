@@ -30,7 +30,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.kda_common import CHUNK, HIGHEST, check_state_pass_args, dot, full_block, pick_block_v
+from pallas_kernels.kda_common import (
+    CHUNK, HIGHEST, check_state_pass_args, dot, full_block, pick_block_v, store_checkpoint,
+)
 
 
 def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
@@ -57,9 +59,7 @@ def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_
         plt.store(o_ref.at[pl.ds(start_ref[c], CHUNK), h, vs], o.astype(o_ref.dtype),
                   mask=(rows < len_ref[c])[:, None])
         if has_ckpt:
-            idx = ckpt_idx_ref[c]
-            plt.store(ckpt_ref.at[jnp.maximum(idx, 0), h, vs, :], s,
-                      mask=jnp.full((block_v, s.shape[1]), idx >= 0))
+            store_checkpoint(ckpt_ref, ckpt_idx_ref[c], h, vs, s)
         return s
 
     s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, s0_ref[...].astype(jnp.float32))

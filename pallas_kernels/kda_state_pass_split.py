@@ -25,7 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.kda_common import CHUNK, HIGHEST, bdot, check_state_pass_args, dot, full_block, pick_block_v
+from pallas_kernels.kda_common import (
+    CHUNK, HIGHEST, bdot, check_state_pass_args, dot, full_block, pick_block_v, store_checkpoint,
+)
 from pallas_kernels.kda_state_pass import kda_state_pass_reference
 
 
@@ -48,9 +50,7 @@ def _state_h_kernel(first_ref, ckpt_idx_ref, w_ref, u_ref, kg_ref, gc_ref, s0_re
         vnew_ref[h, c, :, vs] = vd
         s = s * gc_ref[h, c][None, :] + dot(vd, kg_ref[h, c], ta=True, precision=prec)
         if has_ckpt:
-            idx = ckpt_idx_ref[c]
-            plt.store(ckpt_ref.at[jnp.maximum(idx, 0), h, vs, :], s,
-                      mask=jnp.full((block_v, s.shape[1]), idx >= 0))
+            store_checkpoint(ckpt_ref, ckpt_idx_ref[c], h, vs, s)
         return s
 
     s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, s0_ref[...].astype(jnp.float32))
