@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="the started server's prefix cache (AIPerf's rendered prompts hit it less than ours, so "
                         "with it on the two clients load the server differently; --no-prefix-cache equalises)")
+    p.add_argument("--chat-turn-role", choices=("user", "assistant"), default="user",
+                   help="our replay's later-turn messages: user (as AIPerf 0.13.0 sends them, so the server's "
+                        "prefix cache serves both clients alike) or assistant (our replay's default)")
     p.add_argument("--work", help="directory for the trace and both clients' artifacts (default: a temp dir)")
     p.add_argument("--out", default=str(ROOT / "docs" / "results" / "aiperf_agree_cpu_2026-11-30.json"))
     a = p.parse_args(argv)
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
         print("AIPerf is not installed (.venv-aiperf): run bash scripts/extras/aiperf.sh", file=sys.stderr)
         return 2
     cfg = AgreeConfig(concurrency=a.concurrency, duration_s=a.duration_s, grace_s=a.grace_s, warmup_s=a.warmup_s,
-                      seed=a.seed, model=a.model)
+                      seed=a.seed, model=a.model, chat_turn_role=a.chat_turn_role)
     sessions = generate(load_preset(a.preset, num_sessions=a.num_sessions))
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="aiperf_agree_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -73,7 +76,8 @@ def main(argv=None) -> int:
     try:
         if a.prime_s > 0:
             run_ours(sessions, url, AgreeConfig(concurrency=a.concurrency, duration_s=a.prime_s, grace_s=a.grace_s,
-                                                warmup_s=0.0, seed=a.seed + 1000, model=a.model))
+                                                warmup_s=0.0, seed=a.seed + 1000, model=a.model,
+                                                chat_turn_role=a.chat_turn_role))
         result = compare_clients(sessions, url, work, cfg, repeats=a.repeats, warmup_pairs=a.warmup_pairs,
                                  simultaneous=a.simultaneous)
     finally:

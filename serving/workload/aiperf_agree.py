@@ -84,6 +84,9 @@ TINY_CPU_SERVE_ARGS = ("--model", "k3-tiny", "--max-running", "2", "--max-prefil
                        "--no-warmup", "--grpc-port", "none", "--no-prefix-cache")
 # the bundled byte tokenizer's chat template adds 13 tokens per turn: '<|im_end|>\n<|im_start|>assistant\n'
 BYTE_CHAT_OVERHEAD_TOKENS = 13
+# ... and 8 per turn sent as a user message: '<|im_start|>user\n' + '<|im_end|>\n' (its generation prompt
+# replaces the previous one)
+BYTE_CHAT_USER_TURN_OVERHEAD_TOKENS = 8
 
 
 def aiperf_available() -> bool:
@@ -125,9 +128,14 @@ class AgreeConfig:
     start_max_ratio: float = 0.0
     model: str = "k3-tiny"
     timeout_s: float = 900.0  # AIPerf's whole run
+    # the role of our replay's later-turn messages (ReplayConfig.chat_turn_role): "user" renders them as AIPerf
+    # 0.13.0 sends them, so both clients' prompts share the same prefixes with the previous turn's (see the
+    # module docstring); "assistant" is our replay's default
+    chat_turn_role: str = "user"
 
     def __post_init__(self):
-        if self.concurrency < 1 or self.duration_s <= 0 or self.grace_s < 0 or self.warmup_s < 0:
+        if self.concurrency < 1 or self.duration_s <= 0 or self.grace_s < 0 or self.warmup_s < 0 \
+                or self.chat_turn_role not in ("assistant", "user"):
             raise ValueError(f"invalid AgreeConfig: {self}")
 
 
@@ -232,12 +240,15 @@ def recompute_from_records(records: Sequence[dict]) -> dict:
 
 def run_ours(sessions: Sequence[Session], url: str, cfg: AgreeConfig, out_dir: Path | None = None) -> dict:
     """Our replay on the same sessions, shaped like AIPerf's run: chat, cfg's start ratios, sessions in trace
-    order, idle gaps capped at 10 s (AIPerf's system idle cap; the short preset's gaps stay below it)."""
+    order, idle gaps capped at 10 s (AIPerf's system idle cap; the short preset's gaps stay below it), later
+    turns' messages in cfg.chat_turn_role."""
     import asyncio
 
+    overhead = BYTE_CHAT_USER_TURN_OVERHEAD_TOKENS if cfg.chat_turn_role == "user" else BYTE_CHAT_OVERHEAD_TOKENS
     rcfg = ReplayConfig(url=url, model=cfg.model, concurrency=cfg.concurrency, warmup_s=cfg.warmup_s,
                         duration_s=cfg.duration_s, grace_s=cfg.grace_s, endpoint="chat", idle_gap_cap_s=10.0,
-                        seed=cfg.seed, chat_overhead_tokens=BYTE_CHAT_OVERHEAD_TOKENS, progress=False,
+                        seed=cfg.seed, chat_overhead_tokens=overhead, chat_turn_role=cfg.chat_turn_role,
+                        progress=False,
                         random_start=cfg.start_max_ratio > 0, start_min_ratio=cfg.start_min_ratio,
                         start_max_ratio=cfg.start_max_ratio, shuffle_sessions=False)
     replay = Replay(sessions, rcfg)

@@ -22,7 +22,8 @@ Method (AIPerf's inferencex-agentx-mvp scenario, /work/shared/design/agentx.md):
 - Prompts: `completions` sends token ids built from the trace's hash blocks (exact lengths and exact
   prefix structure: one block id = one fixed run of ids); `chat` sends the system blocks as a system
   message, the first turn's input as a user message and each later turn's new blocks as one assistant
-  message (so the previous prompt, generation prompt included, is a prefix of the next), with the text
+  message (so the previous prompt, generation prompt included, is a prefix of the next; `chat_turn_role=
+  "user"` sends them as user messages instead, as AIPerf 0.13.0's weka replay does on the wire), with the text
   made of one printable character per token (exact lengths with a byte tokenizer; `chat_overhead_tokens`
   shortens each message by what the template adds, so prompts keep the trace's lengths).
 """
@@ -56,6 +57,7 @@ from serving.workload.traces import (
 )
 
 ENDPOINTS = ("completions", "chat")
+CHAT_TURN_ROLES = ("assistant", "user")
 # printable characters for chat prompts: one byte = one token with the byte tokenizer; no '<' or '|' so a
 # random block can never spell a special token
 _CHAT_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;_-+=()", np.uint8)
@@ -91,6 +93,11 @@ class ReplayConfig:
     # message's text is shortened by it so prompts keep the trace's lengths (13 for the bundled byte
     # tokenizer's template: '<|im_end|>\n<|im_start|>assistant\n')
     chat_overhead_tokens: int = 0
+    # chat: the role of each later turn's new message. "assistant": the previous prompt, its generation prompt
+    # included, is a prefix of the next (an agent's real history). "user": what AIPerf 0.13.0's weka replay
+    # sends, whose next prompt replaces the previous generation prompt's role, so a server's prefix match ends
+    # a few tokens before the previous prompt's end (serving/workload/aiperf_agree.py)
+    chat_turn_role: str = "assistant"
     # completions: declare where the shared system prompt ends (the k3jax `cache_boundaries` extension), so a
     # subagent's first request resumes from its parent's system prompt; turn off against other servers
     declare_shared_prefix: bool = True
@@ -113,6 +120,8 @@ class ReplayConfig:
             problems.append("need 0 <= start_min_ratio <= start_max_ratio <= 1")
         if self.chat_overhead_tokens < 0:
             problems.append("chat_overhead_tokens must be >= 0")
+        if self.chat_turn_role not in CHAT_TURN_ROLES:
+            problems.append(f"chat_turn_role must be one of {CHAT_TURN_ROLES}, got {self.chat_turn_role!r}")
         if self.token_id_range < 2:
             problems.append("token_id_range must be >= 2")
         if problems:
@@ -182,12 +191,13 @@ def _text(tokens: np.ndarray) -> str:
 
 
 class _ChatHistory:
-    """Messages of one chain: the system blocks, the first input, then one assistant message per later
+    """Messages of one chain: the system blocks, the first input, then one `turn_role` message per later
     turn with its new blocks (a turn whose blocks do not extend the previous request starts over)."""
 
-    def __init__(self, system_tokens: int, overhead: int = 0):
+    def __init__(self, system_tokens: int, overhead: int = 0, turn_role: str = "assistant"):
         self.system_tokens = system_tokens
         self.overhead = overhead
+        self.turn_role = turn_role
         self.messages: list[dict] = []
         self.covered = 0  # trace tokens the messages hold
 
@@ -198,7 +208,7 @@ class _ChatHistory:
             # earlier messages stay as sent (their rendering, generation prompt included, is the prefix the
             # server cached); the trace's re-hashed partial last block only changes what the new text is
             new = tokens[self.covered:]
-            self.messages.append({"role": "assistant", "content": _text(new[: max(1, len(new) - self.overhead)])})
+            self.messages.append({"role": self.turn_role, "content": _text(new[: max(1, len(new) - self.overhead)])})
         else:
             self.messages = []
             sys_len = min(self.system_tokens, len(tokens) - 1)
@@ -330,9 +340,13 @@ class Replay:
             rec.itl = (end - first) / (rec.completion_tokens - 1)
 
     # --- one session tree ----------------------------------------------------------------------
+    def _chat_history(self, session: Session) -> _ChatHistory | None:
+        if self.cfg.endpoint != "chat":
+            return None
+        return _ChatHistory(session.system_tokens, self.cfg.chat_overhead_tokens, self.cfg.chat_turn_role)
+
     async def _chain(self, client, lane, scope, session, agent, reqs: Sequence[TraceRequest], first_delay: float):
-        chat = _ChatHistory(session.system_tokens, self.cfg.chat_overhead_tokens) if self.cfg.endpoint == "chat" \
-            else None
+        chat = self._chat_history(session)
         if not await self._sleep(first_delay):
             return
         prev = None
@@ -352,8 +366,7 @@ class Replay:
         index = self.sessions.index(session)
         scope = _Scope(f"{self.salt}-{session.id}-p{pass_index}", session.block_size,
                        [self._salt_word, index, pass_index])
-        chat = _ChatHistory(session.system_tokens, self.cfg.chat_overhead_tokens) if self.cfg.endpoint == "chat" \
-            else None
+        chat = self._chat_history(session)
         prev = None
         if j > 0:
             prev = root[j - 1]

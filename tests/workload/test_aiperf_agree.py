@@ -38,6 +38,43 @@ def test_aiperf_agentx_scenario_runs_on_our_trace_and_server(server, tmp_path):
     assert ratios["output_throughput"] > 0 and ratios["p90_itl"] > 0
 
 
+def test_user_turn_prompts_diverge_from_the_previous_prompt_where_aiperfs_do():
+    """Our replay with chat_turn_role="user" (what the agreement runs use) renders each later turn as AIPerf
+    0.13.0 sends it: a new user message, so the next prompt keeps the previous one up to its generation
+    prompt's role and differs from there on ('user' where the previous prompt had 'assistant', 10 tokens
+    before its end: the divergence captured from AIPerf's requests, see aiperf_agree.py). With the user-turn
+    overhead (8) taken off each message, every prompt is the trace's length plus the first turn's fixed 21
+    tokens of wrapping. The default role keeps the whole previous prompt."""
+    from serving.api.tokenizer import load_tokenizer
+    from serving.workload.aiperf_agree import BYTE_CHAT_OVERHEAD_TOKENS, BYTE_CHAT_USER_TURN_OVERHEAD_TOKENS
+    from serving.workload.replay import ReplayConfig, _ChatHistory, _Scope
+
+    tok = load_tokenizer()
+    assistant_role = tok.encode("assistant\n")
+    [session] = generate(load_preset("short", num_sessions=1, seed=5))
+    scope = _Scope("agree", session.block_size, [7, 9])
+    user = _ChatHistory(session.system_tokens, BYTE_CHAT_USER_TURN_OVERHEAD_TOKENS, turn_role="user")
+    assistant = _ChatHistory(session.system_tokens, BYTE_CHAT_OVERHEAD_TOKENS)
+    prev_ids = prev_asst_ids = prev = None
+    for r in session.requests[:9]:
+        tokens = scope.tokens(r.hash_ids, r.input_tokens, 70)
+        messages = user.messages_for(tokens, prev, r, session.block_size)
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        asst_ids = tok.encode(tok.apply_chat_template(assistant.messages_for(tokens, prev, r, session.block_size)))
+        assert len(ids) == r.input_tokens + 21
+        if prev_ids is not None:
+            assert [m["role"] for m in messages[2:]] == ["user"] * (len(messages) - 2)
+            cut = len(prev_ids) - len(assistant_role)
+            assert prev_ids[cut:] == assistant_role
+            assert ids[:cut] == prev_ids[:cut] and ids[cut:cut + 5] == tok.encode("user\n")
+            assert asst_ids[: len(prev_asst_ids)] == prev_asst_ids
+        prev_ids, prev_asst_ids, prev = ids, asst_ids, r
+    with pytest.raises(ValueError, match="chat_turn_role"):
+        ReplayConfig(url="http://x", chat_turn_role="tool")
+    with pytest.raises(ValueError, match="AgreeConfig"):
+        AgreeConfig(chat_turn_role="system")
+
+
 def test_compare_clients_pools_the_scored_pairs(tmp_path, monkeypatch):
     """Fake clients: the warm-up pair is kept but not scored; throughput pools tokens over time and the
     P90 ITL is taken over every scored request of every pair."""
