@@ -365,10 +365,12 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                        description="Routes each request to a prefill worker (least estimated outstanding prefill "
                                    "work) and a decode worker (least load) with one bootstrap room; streams the "
                                    "decode leg back.")
-    p.add_argument("--prefill", nargs=2, action="append", required=True, metavar=("HOST:PORT", "BOOTSTRAP_PORT"),
+    p.add_argument("--prefill", nargs=2, action="append", default=[], metavar=("HOST:PORT", "BOOTSTRAP_PORT"),
                    help="a prefill worker's gRPC address and KV bootstrap port (repeatable)")
-    p.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
                    help="a decode worker's gRPC address (repeatable)")
+    p.add_argument("--colocated", action="append", default=[], metavar="HOST:PORT",
+                   help="a colocated (role both) worker's gRPC address, instead of --prefill/--decode (repeatable)")
     p.add_argument("--host", default=d.host, help=f"(default {d.host})")
     p.add_argument("--port", type=int, default=d.port, help=f"(default {d.port})")
     p.add_argument("--model-name", default=d.model_name, help=f"(default {d.model_name})")
@@ -385,7 +387,7 @@ def run_router(ns: argparse.Namespace) -> int:
 
     try:
         prefill = tuple((t, int(b)) for t, b in ns.prefill)
-        cfg = RouterConfig(prefill=prefill, decode=tuple(ns.decode), host=ns.host, port=ns.port,
+        cfg = RouterConfig(prefill=prefill, decode=tuple(ns.decode), colocated=tuple(ns.colocated), host=ns.host, port=ns.port,
                            model_name=ns.model_name, tokenizer=ns.tokenizer, page_size=ns.page_size,
                            max_model_len=ns.max_model_len)
     except ValueError as e:

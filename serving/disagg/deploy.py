@@ -19,6 +19,8 @@ around it) while at least one prefill and one decode worker (or one colocated wo
 
 `devices` becomes CUDA_VISIBLE_DEVICES (a GPU list per worker); "cpu" (the default) runs on the CPU.
 A deployment of one `both` worker (colocated.yaml) has no router: the worker serves OpenAI HTTP itself.
+Several `both` workers with a router section: the router spreads requests over them (each request whole
+on one worker; serving/disagg/router.py), the colocated baseline of a P/D deployment on the same GPUs.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class DeploymentConfig:
             raise ValueError(f"a P/D deployment needs prefill and decode workers (and no 'both'), got {roles}")
         if disaggregated and self.router is None:
             raise ValueError("a P/D deployment needs a router section")
+        if self.router is not None and not disaggregated and any(w.http_port for w in self.workers):
+            raise ValueError("colocated workers behind a router serve gRPC only: drop their http_port")
         ports = [p for w in self.workers for p in (w.grpc_port, w.bootstrap_port, w.http_port) if p]
         if self.router is not None:
             ports.append(self.router.port)
@@ -112,11 +116,17 @@ class DeploymentConfig:
     def disaggregated(self) -> bool:
         return any(w.role != "both" for w in self.workers)
 
+    @property
+    def routed(self) -> bool:
+        """A router process fronts the workers (always for P/D; for colocated workers when configured)."""
+        return self.router is not None
+
     def router_config(self):
         from serving.disagg.router import RouterConfig
 
         ecfg = EngineConfig(model=self.model, **self.engine)
-        return RouterConfig(prefill=tuple((f"{self.host}:{w.grpc_port}", w.bootstrap_port) for w in self.workers
+        return RouterConfig(colocated=tuple(f"{self.host}:{w.grpc_port}" for w in self.workers if w.role == "both"),
+                            prefill=tuple((f"{self.host}:{w.grpc_port}", w.bootstrap_port) for w in self.workers
                                           if w.role == "prefill"),
                             decode=tuple(f"{self.host}:{w.grpc_port}" for w in self.workers if w.role == "decode"),
                             host=self.router.host, port=self.router.port, model_name=self.model,
@@ -231,13 +241,14 @@ def run_deployment(dep: DeploymentConfig, *, ready_timeout_s: float = 900.0, gra
         children += workers
         for child in workers:
             child.wait_for("k3jax serve: ready", ready_timeout_s)
-        if dep.disaggregated:
+        if dep.routed:
             rcfg = dep.router_config()
             argv = [sys.executable, "-m", "k3jax", "router", "--port", str(rcfg.port), "--host", rcfg.host,
                     "--page-size", str(rcfg.page_size), "--max-model-len", str(rcfg.max_model_len),
                     "--model-name", rcfg.model_name]
             argv += [a for t, b in rcfg.prefill for a in ("--prefill", t, str(b))]
             argv += [a for t in rcfg.decode for a in ("--decode", t)]
+            argv += [a for t in rcfg.colocated for a in ("--colocated", t)]
             if rcfg.tokenizer:
                 argv += ["--tokenizer", rcfg.tokenizer]
             router = _Child("router", argv, dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"))

@@ -1,6 +1,8 @@
-"""`k3jax router`: an OpenAI HTTP front for prefill and decode workers (SMG's SGLang PD protocol, over gRPC).
+"""`k3jax router`: an OpenAI HTTP front for prefill and decode workers (SMG's SGLang PD protocol, over gRPC),
+or for several colocated (role "both") workers.
 
     cfg = RouterConfig(prefill=(("127.0.0.1:50051", 8998),), decode=("127.0.0.1:50052",), page_size=16)
+    cfg = RouterConfig(colocated=("127.0.0.1:50051", "127.0.0.1:50052"), page_size=16)
     asyncio.run(run_router(cfg))
 
 Per request: tokenize (the workers' tokenizer), pick a prefill worker by the least estimated
@@ -18,6 +20,15 @@ prefix as cached. Eviction in the pool makes this an overestimate of hits, never
 
 A failed prefill leg cancels the decode leg and fails the request; a decode leg that breaks mid-stream
 (its worker died) ends the stream with an error event (HTTP 502 when not streaming).
+
+Colocated workers (the baseline a P/D deployment is compared with): each request goes whole to one worker
+(one streamed Generate without bootstrap fields). Policy: among the workers whose in-flight count is within
+a slack of the least loaded one (max(2, a quarter of the mean in-flight count), so decode batches stay
+balanced), the one with the least estimated prefill work, i.e. its outstanding prefill tokens plus this
+prompt's tokens beyond the longest prefix the router has sent to that worker before (its own device and
+host caches hold those; a shared pool serves the rest of the history to any worker, but a local hit is
+cheaper than a pool fetch). Ties go to fewer in-flight requests, then the lower index. A worker's
+outstanding prefill tokens drop when its first token arrives.
 """
 
 from __future__ import annotations
@@ -46,10 +57,12 @@ MAX_REMEMBERED_PAGES = 1 << 20
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """prefill: (gRPC target "host:port", bootstrap port) per prefill worker; decode: gRPC targets."""
+    """prefill: (gRPC target "host:port", bootstrap port) per prefill worker; decode: gRPC targets;
+    colocated: gRPC targets of role-"both" workers (instead of prefill + decode)."""
 
-    prefill: tuple[tuple[str, int], ...]
-    decode: tuple[str, ...]
+    prefill: tuple[tuple[str, int], ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8080
     model_name: str = "k3-tiny"
@@ -60,8 +73,13 @@ class RouterConfig:
 
     def __post_init__(self):
         problems = []
-        if not self.prefill or not self.decode:
-            problems.append("a router needs at least one prefill and one decode worker")
+        if self.colocated and (self.prefill or self.decode):
+            problems.append("a router fronts either colocated workers or prefill + decode workers, not both kinds")
+        elif not self.colocated and (not self.prefill or not self.decode):
+            problems.append("a router needs at least one prefill and one decode worker (or colocated workers)")
+        for target in self.colocated:
+            if ":" not in target:
+                problems.append(f"colocated worker {target!r} must be host:port")
         for target, bport in self.prefill:
             if ":" not in target or not 0 < int(bport) <= 65535:
                 problems.append(f"prefill worker {target!r} needs host:port and a bootstrap port, got {bport!r}")
@@ -115,11 +133,14 @@ class Router:
         self.prefill = [_Worker(t, int(b)) for t, b in cfg.prefill]
         self.decode = [_Worker(t) for t in cfg.decode]
         self.estimate = _Estimate(cfg.page_size)
+        self.colocated = [_Worker(t) for t in cfg.colocated]
+        # per colocated worker: the prefixes it has computed (its own caches), the affinity half of its policy
+        self.local = [_Estimate(cfg.page_size) for _ in cfg.colocated]
         self.counters = {"requests": 0, "failed": 0, "estimated_cached_tokens": 0, "prompt_tokens": 0}
         self._channels = []
 
     async def start(self) -> None:
-        for w in [*self.prefill, *self.decode]:
+        for w in [*self.prefill, *self.decode, *self.colocated]:
             channel = grpc.aio.insecure_channel(w.target, options=[("grpc.max_receive_message_length", 64 << 20)])
             self._channels.append(channel)
             w.stub = pb_grpc.SglangSchedulerStub(channel)
@@ -140,9 +161,25 @@ class Router:
         self.counters["prompt_tokens"] += len(ids)
         return prefill, decode, work
 
+    def pick_colocated(self, ids: list[int]) -> tuple[int, int]:
+        """(index of the colocated worker, its estimated prefill tokens): see the module docstring."""
+        healthy = [i for i, w in enumerate(self.colocated) if w.failures == 0] or list(range(len(self.colocated)))
+        loads = [self.colocated[i].inflight for i in healthy]
+        slack = max(2, -(-sum(loads) // (4 * len(loads))))
+        eligible = [i for i in healthy if self.colocated[i].inflight <= min(loads) + slack]
+        work = {i: len(ids) - self.local[i].cached_tokens(ids) for i in eligible}
+        best = min(eligible, key=lambda i: (self.colocated[i].outstanding_tokens + work[i], self.colocated[i].inflight, i))
+        self.counters["estimated_cached_tokens"] += len(ids) - work[best]
+        self.counters["prompt_tokens"] += len(ids)
+        return best, work[best]
+
     # --- one request -------------------------------------------------------------------------
     async def generate(self, ids: list[int], sp: pb.SamplingParams, max_tokens: int, request_id: str):
         """Yields the decode leg's GenerateResponses; raises APIError (prefill failure) or grpc.RpcError."""
+        if self.colocated:
+            async for item in self._generate_colocated(ids, sp, request_id):
+                yield item
+            return
         prefill, decode, work = self.pick(ids, max_tokens)
         room = random.randrange(0, 2**31 - 1)
         self.counters["requests"] += 1
@@ -197,8 +234,36 @@ class Router:
                 prefill_task.cancel()
             call.cancel()
 
+    async def _generate_colocated(self, ids: list[int], sp: pb.SamplingParams, request_id: str):
+        index, work = self.pick_colocated(ids)
+        worker = self.colocated[index]
+        self.counters["requests"] += 1
+        worker.inflight += 1
+        worker.outstanding_tokens += work
+        pending = work  # prefill tokens still counted against the worker (until its first token)
+        call = worker.stub.Generate(pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids),
+                                                       sampling_params=sp, stream=True),
+                                    timeout=self.cfg.request_timeout_s)
+        try:
+            async for item in call:
+                if pending:
+                    worker.outstanding_tokens -= pending
+                    pending = 0
+                yield item
+            self.local[index].published(ids)
+            self.estimate.published(ids)
+        except grpc.RpcError as e:
+            worker.failures += not _is_client_error(e)
+            raise _api_error(e, "colocated") from None
+        finally:
+            worker.inflight -= 1
+            worker.outstanding_tokens -= pending
+            call.cancel()
+
     def stats(self) -> dict:
         return {**self.counters,
+                "colocated": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
+                               "failures": w.failures} for w in self.colocated],
                 "prefill": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
                              "failures": w.failures} for w in self.prefill],
                 "decode": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
@@ -239,7 +304,8 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "prefill": len(router.prefill), "decode": len(router.decode)}
+        return {"status": "ok", "prefill": len(router.prefill), "decode": len(router.decode),
+                "colocated": len(router.colocated)}
 
     @app.get("/v1/models")
     async def models():
@@ -384,8 +450,8 @@ async def run_router(cfg: RouterConfig, *, ready: asyncio.Event | None = None, s
         await asyncio.sleep(0.02)
     if task.done():
         task.result()
-    print(f"k3jax router: ready on http://{cfg.host}:{cfg.port} ({len(cfg.prefill)} prefill, {len(cfg.decode)} decode)",
-          flush=True)
+    workers = f"{len(cfg.colocated)} colocated" if cfg.colocated else f"{len(cfg.prefill)} prefill, {len(cfg.decode)} decode"
+    print(f"k3jax router: ready on http://{cfg.host}:{cfg.port} ({workers})", flush=True)
     if ready is not None:
         ready.set()
     await stop.wait()
