@@ -25,19 +25,11 @@ Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`).
 in-kernel gathers and runs data-dependent loop bounds (what a split plan needs, without scalar prefetch),
 and runs under `interpret=True` in CPU CI.
 
-Measured (benchmarks/mla.py, one H200, docs/results/mla_h200_2026-11-30.json; K3 MLA, 96 heads, bf16
-pages; copy bandwidth 4.19-4.27 TB/s in the same runs):
-  B64 x 32k q_len 1: 6.2-6.25 ms = 0.39 TB/s = 9% of copy (70 TFLOP/s); q_len 4: 12.1 ms (144 TFLOP/s);
-  B128 x 4k: 3.7 ms (4%); B8 x 128k: 5.2 ms (5%). The committed kernel (HEAD) times the same in the same
-  run (6.25 / 12.1 ms). On 2026-11-29 the kernel before the stacked-pool change (76f8bf3) measured 3.45 ms
-  at B64 x 32k; that was not re-measured (not bisected). OPEN: on the H200 both this and the committed
-  kernel differ from mla_decode_reference by up to 0.087 (q_len 1) / 0.041 (q_len 4) relative per request
-  at histories 1/63/513/4097 in a 5M-token pool (0.13 / 0.15 in a 2.4M-token pool), while interpret mode
-  agrees to 1e-3 on the same harness (benchmarks/mla.py --backends): do not trust GPU numbers from this
-  kernel until tests/gpu/test_mla_gpu.py passes on a large pool. The lowered Triton IR's gather offsets,
-  mask and softmax were read and are right (CPU lowering with a faked sm_90); the lead is the software
-  pipelining (2 stages) of the page-table load that addresses the page gather in the same iteration: the
-  GPU test runs 1 and 2 stages, `--backends` a 1-stage variant.
+Measured (one H200, 2026-11-30; K3 MLA, 96 heads, bf16 pages; copy bandwidth 4.13-4.27 TB/s):
+  B64 x 32k q_len 1, 1 pipeline stage (the default, see default_num_stages): 3.63 ms = 0.665 TB/s = 16% of
+  copy, in a pool just above 2^31 bytes and in one above 2^32 bytes (64-bit offsets) alike. Earlier tables
+  (docs/results/mla_h200_2026-11-29.json, -11-30.json: 3.45 / 6.25 ms, q_len 4 12.1 ms) were taken with 2
+  stages, which are miscompiled (wrong outputs, default_num_stages says how much): they are not valid.
 Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop with stages left out):
   page gathers alone 1.03 ms (2.36 TB/s: one program per SM, two stages in flight cap the loads at 56% of
   copy), + scores and softmax statistics 2.37 ms, + P @ C with the 64 x 512 fp32 rescale 6.2 ms. Split-KV
@@ -566,9 +558,16 @@ def default_block_kv(page_size: int) -> int:
 
 
 def default_num_stages(kv_dtype) -> int:
-    """Triton pipeline depth: 2, but 1 for fp8 pages, whose converted tiles overflow the H200's 227 KiB of
-    shared memory at 64 rows x 64 keys x 2 stages (measured: 241920 B requested)."""
-    return 1 if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn else 2
+    """Triton pipeline depth: 1 for every cache dtype. Two stages are miscompiled on the H200 (jax 0.11.2's
+    Triton): measured 2026-11-30 (scratch run, H200), bf16 pages at histories 1/63/513/4097, the 2-stage kernel
+    differs from mla_decode_reference by 0.07-0.14 relative per request in every pool tried (1.8M and 2.4M
+    tokens; pages below and above the 2^31-byte mark alike) and by 5e-3 at B64 x 32k, while 1 stage agrees to
+    <= 1e-3 everywhere (tests/gpu/test_mla_gpu.py). The page-table load feeds the gather's addresses in the same
+    loop iteration; the pipeliner gets that chain wrong. fp8 pages could not take 2 stages anyway (their
+    converted tiles overflow the 227 KiB of shared memory: 241920 B requested). Cost of 1 stage: 3.63 vs
+    3.44 ms (+5%) at B64 x 32k q_len 1."""
+    del kv_dtype
+    return 1
 
 
 def default_block_rows(num_rows: int, cap: int) -> int:
