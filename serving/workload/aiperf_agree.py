@@ -61,6 +61,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import threading
@@ -87,6 +88,12 @@ BYTE_CHAT_OVERHEAD_TOKENS = 13
 # ... and 8 per turn sent as a user message: '<|im_start|>user\n' + '<|im_end|>\n' (its generation prompt
 # replaces the previous one)
 BYTE_CHAT_USER_TURN_OVERHEAD_TOKENS = 8
+
+
+def _cpu_s(who: int) -> float:
+    """User + system CPU seconds of this process (RUSAGE_SELF) or of its reaped children (RUSAGE_CHILDREN)."""
+    ru = resource.getrusage(who)
+    return ru.ru_utime + ru.ru_stime
 
 
 def aiperf_available() -> bool:
@@ -142,6 +149,25 @@ class AgreeConfig:
 AIPERF_PROFILING_STARTED = "Phase profiling (profiling) started"  # AIPerf's log line when scoring starts
 
 
+def write_weka_for_aiperf(sessions: Sequence[Session], trace_dir: Path) -> list[Path]:
+    """traces.write_weka, plus each subagent entry's `system_tokens` / `tool_tokens` (the session's: our
+    generator's subagents start with the root's system blocks), fields of the weka format that write_weka
+    leaves out. Without them AIPerf 0.13.0 renders a subagent's system blocks as the start of a user
+    message behind its cache-busting marker, and the server, which checkpoints a conversation's state at the
+    end of its system messages, cannot resume a subagent there; our replay sends them as a system message."""
+    paths = write_weka(sessions, trace_dir)
+    by_id = {s.id: s for s in sessions}
+    for path in paths:
+        trace = json.loads(path.read_text())
+        session = by_id[trace["id"]]
+        for entry in trace["requests"]:
+            if entry.get("type") == "subagent":
+                entry.setdefault("system_tokens", session.system_tokens)
+                entry.setdefault("tool_tokens", session.tool_tokens)
+        path.write_text(json.dumps(trace, separators=(",", ":")))
+    return paths
+
+
 def run_aiperf(url: str, trace_dir: Path, work: Path, cfg: AgreeConfig, alongside=None) -> dict:
     """One AIPerf AgentX run; returns its summary numbers and per-request profiling records.
 
@@ -165,6 +191,7 @@ def run_aiperf(url: str, trace_dir: Path, work: Path, cfg: AgreeConfig, alongsid
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
     t0 = time.monotonic()
+    cpu0 = _cpu_s(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work)
     lines: list[str] = []
     started = threading.Event()
@@ -192,6 +219,9 @@ def run_aiperf(url: str, trace_dir: Path, work: Path, cfg: AgreeConfig, alongsid
             proc.wait(10)
         reader.join(10)
     wall = time.monotonic() - t0
+    # AIPerf's process tree (its services are its children and reaped by it) on this machine's cores, which the
+    # server shares: a run at concurrency 1 costs tens of CPU seconds (our replay: a few)
+    client_cpu_s = _cpu_s(resource.RUSAGE_CHILDREN) - cpu0
     (work / "aiperf.log").write_text("".join(lines))
     summary_path = art / "profile_export_aiperf.json"
     if proc.returncode != 0 or not summary_path.is_file() or (alongside is not None and not started.is_set()):
@@ -214,7 +244,8 @@ def run_aiperf(url: str, trace_dir: Path, work: Path, cfg: AgreeConfig, alongsid
         v = summary.get(tag)
         return v.get(stat) if isinstance(v, dict) else None
 
-    return {"command": cmd, "wall_s": wall, "submission_valid": summary.get("submission_valid"), "alongside": side,
+    return {"command": cmd, "wall_s": wall, "client_cpu_s": client_cpu_s,
+            "submission_valid": summary.get("submission_valid"), "alongside": side,
             "output_tokens_per_s": metric("output_token_throughput"),
             "p90_itl_s": (metric("inter_token_latency", "p90") or math.nan) / 1000.0,
             "ttft_p90_s": (metric("time_to_first_token", "p90") or math.nan) / 1000.0,
@@ -252,7 +283,9 @@ def run_ours(sessions: Sequence[Session], url: str, cfg: AgreeConfig, out_dir: P
                         random_start=cfg.start_max_ratio > 0, start_min_ratio=cfg.start_min_ratio,
                         start_max_ratio=cfg.start_max_ratio, shuffle_sessions=False)
     replay = Replay(sessions, rcfg)
+    t0, cpu0 = time.monotonic(), _cpu_s(resource.RUSAGE_SELF)
     report = asyncio.run(replay.run())
+    wall, client_cpu_s = time.monotonic() - t0, _cpu_s(resource.RUSAGE_SELF) - cpu0
     if out_dir is not None:
         replay.write(report, out_dir)
     scored = [r for r in replay.records if r.scored]
@@ -261,7 +294,7 @@ def run_ours(sessions: Sequence[Session], url: str, cfg: AgreeConfig, out_dir: P
     # last response if later; it also counts a trailing stretch in which the lane sent nothing)
     span = max(r.end for r in scored) - min(r.start for r in scored) if scored else math.nan
     return {"output_tokens_per_s": report["output_tokens"] / span, "output_tokens": report["output_tokens"],
-            "elapsed_s": span, "itl_values_s": itl,
+            "elapsed_s": span, "itl_values_s": itl, "wall_s": wall, "client_cpu_s": client_cpu_s,
             "server_cache_hit_rate": report["cache_hit_rate"]["server_reported"],
             "report_output_tokens_per_s": report["output_tokens_per_s"],
             "report_elapsed_s": report["window"]["elapsed_s"],
@@ -289,7 +322,7 @@ def compare_clients(sessions: Sequence[Session], url: str, work: str | Path, cfg
     trace_dir = work / "weka"
     if trace_dir.exists():
         shutil.rmtree(trace_dir)
-    write_weka(sessions, trace_dir)
+    write_weka_for_aiperf(sessions, trace_dir)
     warmup_runs = []
     for i in range(warmup_pairs):
         # ours first: on a cold worker the first requests wait for compilation longer than a short window
@@ -372,9 +405,11 @@ def format_table(result: dict) -> str:
     for i, run in enumerate(result["runs"]):
         ra, ro, rd = run["aiperf"], run["ours"], run["aiperf_records_with_our_definitions"]
         lines.append(f"run {i}: AIPerf {ra['output_tokens_per_s']:.3f} tok/s, P90 ITL {ra['p90_itl_s'] * 1e3:.1f} ms "
-                     f"({ra['requests']:.0f} req, hit {rd['server_cache_hit_rate']:.2f}, {ra['wall_s']:.0f} s wall) | "
+                     f"({ra['requests']:.0f} req, hit {rd['server_cache_hit_rate']:.2f}, {ra['wall_s']:.0f} s wall, "
+                     f"{ra.get('client_cpu_s', math.nan):.0f} CPU s) | "
                      f"ours {ro['output_tokens_per_s']:.3f} tok/s, P90 ITL {ro['p90_itl_s'] * 1e3:.1f} ms "
-                     f"({ro['requests']} req, hit {ro['server_cache_hit_rate']:.2f})")
+                     f"({ro['requests']} req, hit {ro['server_cache_hit_rate']:.2f}, "
+                     f"{ro.get('client_cpu_s', math.nan):.0f} CPU s)")
     d = result["definitions_check"]
     lines.append(f"AIPerf's records under our definitions / AIPerf's summary: throughput {d['output_throughput']:.4f}, "
                  f"P90 ITL {d['p90_itl']:.4f}; AIPerf run-to-run throughput spread "
