@@ -41,12 +41,12 @@ Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop 
   latency-bound (one 150-220 KiB program per SM, no warp specialisation), not bandwidth-bound.
 The memory limit needs FlashMLA's structure: `backend="mosaic"` (_mgpu_decode_kernel below) is a first
 Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two compute warpgroups owning
-256 value columns each). EXPERIMENTAL, not wired into the model, NEVER RUN ON A GPU: its first version
-failed to lower on the H200 (a value-returning run_state body; 32-key blocks, while the P @ C wgmma needs
-K % 64 == 0); this version lowers to Mosaic GPU MLIR on CPU (lowering platform "cuda") and matches the
-reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py), but has not been compiled
-by ptxas nor timed: its shared memory (Q 72 KiB + two 72 KiB KV slots, the output reusing the KV ring)
-is ~221 KiB of the 227 KiB.
+256 value columns each). Not wired into the model yet. It lowers to Mosaic GPU MLIR on CPU and matches the
+reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py); on the H200 (2026-11-30,
+benchmarks/mla.py --backends, docs/results/mla_backends_h200_2026-11-30b.json) it compiled, matched the
+reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4, and ran B64 x 32k in 4.25 ms
+(q_len 1, 13% of copy) and 7.61 ms (q_len 4): 1.48x / 1.69x the Triton kernel. Its shared memory (Q 72 KiB + two
+72 KiB KV slots, the output reusing the KV ring) is ~221 KiB of the 227 KiB.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -236,7 +236,7 @@ def _combine_kernel(
 
 # --------------------------------------------------------------------------------------------------
 # Mosaic GPU kernel (Hopper: TMA page copies, wgmma, a memory warpgroup and two compute warpgroups).
-# EXPERIMENTAL (see the module docstring): never compiled for or run on a GPU, not used by the model.
+# Mosaic GPU decode (see the module docstring): H200-checked in benchmarks/mla.py --backends, not used by the model.
 # Program = (64-row block, work item). Warpgroup 2 copies each KV block's pages (TMA, `stages` slots deep);
 # warpgroups 0 and 1 both compute the [64, block_kv] scores and softmax (duplicated: 1.5x the MMA work of
 # one score pass, but no exchange between them) and each accumulates its own 256 of the 512 value columns.
@@ -614,7 +614,7 @@ def mla_decode(
         num_warps / num_stages: Triton launch parameters.
       value_groups: programs sharing one (row block, work item), each accumulating C / value_groups of the output
         columns (scores recomputed by each: a smaller accumulator for more score FLOPs; measured slower).
-      backend: "triton" (default) or "mosaic" (EXPERIMENTAL Mosaic GPU kernel, never run on a GPU: bf16 pages,
+      backend: "triton" (default) or "mosaic" (the Mosaic GPU kernel, not yet the model's: bf16 pages,
         C = 512, block_kv (a multiple of 64) and num_stages as its KV block and TMA ring depth).
       interpret: run the Pallas interpreter (CPU).
 
