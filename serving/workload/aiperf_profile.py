@@ -17,10 +17,13 @@ server's byte tokenizer in an HF-cache layout under the repo id `local/k3-byte`,
     HF_HOME=<hf_home> HF_HUB_OFFLINE=1 .venv-aiperf/bin/aiperf profile --model k3-tiny --url <url> \
         --endpoint-type chat --streaming --tokenizer local/k3-byte --use-server-token-count \
         --input-file trace.jsonl --custom-dataset-type mooncake_trace --isl-block-size 16 --concurrency 2 \
-        --extra-inputs ignore_eos:true --random-seed 1 --ui-type none --no-gpu-telemetry --no-server-metrics \
-        --artifact-dir <dir>
+        --conversation-num 3 --extra-inputs ignore_eos:true --random-seed 1 --ui-type none --no-gpu-telemetry \
+        --no-server-metrics --artifact-dir <dir>
 
-or `python -m serving.workload.aiperf_profile --url http://127.0.0.1:8000` for both, with a table.
+or `python -m serving.workload.aiperf_profile --url http://127.0.0.1:8000 [--api-key KEY]` for both, with a
+table. `--conversation-num <sessions>` makes AIPerf replay each trace session once: without it, a trace of 3
+sessions and 12 turns under --concurrency 2 sent 10 requests (AIPerf's default count), the last one session 0's
+first turn again.
 
 Why the trace is rewritten for AIPerf (`aiperf_mooncake_rows`): traces.write_mooncake writes each turn's whole
 context as `input_length` (+ the `hash_ids` of all of it), as a recorded request log does. AIPerf 0.13.0 reads
