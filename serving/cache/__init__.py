@@ -5,6 +5,7 @@
     prefix_cache.py    PrefixCache: the device tier (pages + KDA checkpoints, locking, eviction)
     store.py           CacheStore: interface of the tiers below the device; PageBlob: one page
     host_tier.py       HostStore: the host-memory LRU tier
+    pool_wire.py       the pool's wire format (frames, blob descriptors; also used by the KV transfer)
     pool_server.py     the shared cache pool server (TCP, one per host; `python -m serving.cache.pool_server`)
     pool_client.py     PoolStore: the CacheStore of that server (pool://host:port)
     mooncake_store.py  MooncakeStore: the CacheStore over Mooncake Store (mooncake://master:port)

@@ -14,7 +14,7 @@
   once when it starts and once when the pool is back. An error reply to a request the server did not
   accept (should not happen: the client validates what it sends) is logged and answered "absent".
 
-Blob encoding (`encode_blob` / `decode_blob`, also used by mooncake_store.py) is pool_server.py's
+Blob encoding (`encode_blob` / `decode_blob`, also used by mooncake_store.py) is pool_wire.py's
 descriptor: [[name, dtype, shape, nbytes], ...] + the arrays' C-order bytes, no pickle.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import msgpack
 import numpy as np
 
-from serving.cache import pool_server as wire
+from serving.cache import pool_wire as wire
 from serving.cache.store import CacheStore, PageBlob
 
 log = logging.getLogger(__name__)

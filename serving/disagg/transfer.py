@@ -36,13 +36,15 @@ import ml_dtypes  # noqa: F401 (registers bfloat16 & co with numpy, so np.dtype(
 import msgpack
 import numpy as np
 
+from serving.cache import pool_wire
+
 MAGIC = b"K3KV"
 _HEAD = struct.Struct("!4sI")
 MAX_HEADER_BYTES = 1 << 20
 MAX_PAYLOAD_BYTES = 1 << 40  # one request's whole state (K3 at 1M tokens is ~20 GB); guards a garbled shape
-# what a request's state is made of; anything else in a header is refused before any allocation
-ALLOWED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8",
-                            "uint16", "int32"})
+# the dtypes a frame may carry (the cache pool's list: what a request's state is made of); anything else in a
+# header is refused before any allocation
+ALLOWED_DTYPES = frozenset(pool_wire.DTYPE_ITEMSIZE)
 TRANSPORTS = ("tcp", "inprocess")
 
 
@@ -94,14 +96,10 @@ def encode_frame(header: dict, arrays: dict[str, np.ndarray] | None = None) -> l
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise TransferError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return buf
+    try:
+        return pool_wire.recv_exact(sock, n)
+    except ConnectionError as e:
+        raise TransferError(f"connection lost: {e}") from None
 
 
 def read_frame(sock: socket.socket) -> tuple[dict, dict[str, np.ndarray]]:
@@ -130,11 +128,7 @@ def read_frame(sock: socket.socket) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def send_frame(sock: socket.socket, header: dict, arrays: dict[str, np.ndarray] | None = None) -> int:
-    sent = 0
-    for piece in encode_frame(header, arrays):
-        sock.sendall(piece)
-        sent += len(piece) if isinstance(piece, bytes) else piece.nbytes
-    return sent
+    return pool_wire.sendmsg_all(sock, encode_frame(header, arrays))
 
 
 def _payload_header(p: KVPayload) -> dict:

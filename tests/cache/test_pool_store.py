@@ -14,7 +14,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from serving.cache import pool_server as wire
+from serving.cache import pool_wire as wire
+from serving.cache.pool_server import PoolServer
 from serving.cache.pool_client import PoolStore, blob_from_bytes, blob_to_bytes
 from serving.cache.store import PageBlob
 
@@ -50,7 +51,7 @@ def test_round_trip_of_random_blobs(pool_server, rng):
 def test_large_batches_survive_partial_sends(rng):
     """Pages of a few MiB, batched past the socket buffers (sendmsg sends them in parts, the reader
     gets them in parts) and split into several requests by max_batch_bytes: every byte comes back."""
-    server = wire.PoolServer("127.0.0.1", 0, capacity_bytes=64 << 20)
+    server = PoolServer("127.0.0.1", 0, capacity_bytes=64 << 20)
     server.start_in_thread()
     try:
         store = client(server, max_batch_bytes=5 << 20)
@@ -82,7 +83,7 @@ def test_lru_eviction_at_capacity(rng):
     """Capacity of exactly 4 blobs: the 5th put evicts the least recently *used* one (a get refreshes);
     a blob larger than the pool is refused without evicting; a checkpoint-less put keeps a checkpoint."""
     blob_bytes = random_blob(rng, checkpoint=False).nbytes
-    server = wire.PoolServer("127.0.0.1", 0, capacity_bytes=4 * blob_bytes)
+    server = PoolServer("127.0.0.1", 0, capacity_bytes=4 * blob_bytes)
     server.start_in_thread()
     try:
         store = client(server)
@@ -99,7 +100,7 @@ def test_lru_eviction_at_capacity(rng):
         assert store.server_stats()["blobs"] == 4 and store.server_stats()["rejected"] == 1
         # pages are immutable: a later put without a checkpoint keeps the checkpointed blob
         small = random_blob(rng, checkpoint=False, layers=1, page=1, width=2)
-        server2 = wire.PoolServer("127.0.0.1", 0, capacity_bytes=1 << 16)
+        server2 = PoolServer("127.0.0.1", 0, capacity_bytes=1 << 16)
         server2.start_in_thread()
         try:
             other = client(server2)
@@ -288,7 +289,7 @@ def test_unreachable_server_and_bad_arguments(rng):
     with pytest.raises(ValueError, match="dtype"):
         store.put("k", PageBlob(latents=np.zeros((1, 2, 3), np.complex64)))
     with pytest.raises(ValueError, match="capacity"):
-        wire.PoolServer(capacity_bytes=0)
+        PoolServer(capacity_bytes=0)
 
 
 def test_namespaces_separate_models_on_one_pool(pool_server, rng):
