@@ -125,6 +125,10 @@ gpus = len(devices) or len(dep.workers)  # CPU runs: one nominal "GPU" per worke
 print(dep_file, url, gpus)
 EOF
 )
+if [[ -z "${URL:-}" ]]; then
+    log "could not read the deployment $DEPLOYMENT (see the error above)"
+    exit 1
+fi
 GPUS=${NUM_GPUS:-$GPUS}
 log "deployment $DEPLOYMENT (tiny=$TINY) -> $URL, $GPUS GPU(s); levels $LEVELS; preset $PRESET; out $OUTDIR/$LABEL.tar.gz"
 
@@ -184,6 +188,8 @@ check_alive() {
         exit 1
     fi
 }
+# the replay client needs no accelerator: JAX_PLATFORMS=cpu keeps it off the GPUs the workers use
+BENCH=(env JAX_PLATFORMS=cpu "$PY" -m k3jax bench)
 COMMON=(--url "$URL" --preset "$PRESET" --grace-s "$GRACE_S" --start-max-ratio "$START_MAX_RATIO" --num-gpus "$GPUS"
         --no-progress)
 STOP_RESERVE_S=30  # stopping the deployment + writing the tarball
@@ -197,7 +203,7 @@ if ((PRIME_MAX < ${PRIME_S%.*})); then
 fi
 if [[ "$PRIME_S" != 0 ]]; then
     log "prime: c=${LEVEL_LIST[0]} for ${PRIME_S} s, unscored (absorbs the jit compiles)"
-    "$PY" -m k3jax bench agentx "${COMMON[@]}" --concurrency "${LEVEL_LIST[0]}" --warmup-s 0 --duration-s "$PRIME_S" \
+    "${BENCH[@]}" agentx "${COMMON[@]}" --concurrency "${LEVEL_LIST[0]}" --warmup-s 0 --duration-s "$PRIME_S" \
         --out "$RUN/prime" >>"$RUN/bench.log" 2>&1 || log "the prime replay failed (see bench.log); going on"
     check_alive "the prime"
     log "prime done"
@@ -210,7 +216,7 @@ for C in "${LEVEL_LIST[@]}"; do
         continue
     fi
     log "level c=$C: warm-up ${WARMUP} s (unscored), scored ${DURATION_S} s, drain <= ${GRACE_S} s"
-    "$PY" -m k3jax bench sweep "${COMMON[@]}" --concurrency "$C" --append --out "$RUN" --label "$LABEL" \
+    "${BENCH[@]}" sweep "${COMMON[@]}" --concurrency "$C" --append --out "$RUN" --label "$LABEL" \
         --warmup-s "$WARMUP" --duration-s "$DURATION_S" --timeline-bin-s "$TIMELINE_BIN_S" 2>&1 | tee -a "$RUN/bench.log"
     check_alive "level c=$C"
     log "level c=$C done"
