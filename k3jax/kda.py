@@ -15,6 +15,7 @@ Padding tokens must carry g = 0 and beta = 0: then they leave the state untouche
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,16 @@ from k3jax.config import ModelConfig
 from k3jax.layers import causal_conv_with_state, dense, l2_normalize
 
 CHUNK_SIZE = 64
+
+# The attention blocks' GEMMs on the hidden-state boundary go through a `linear` hook:
+# linear(x [..., I], {name: w [I, O_name]}) -> {name: x @ w [..., O_name]}, all weights reading the same x.
+# The default is `dense` each; k3jax.parallel.tp_subgroup passes GEMMs over weights split 1/T per rank.
+Linear = Callable[[jax.Array, dict[str, jax.Array]], dict[str, jax.Array]]
+
+
+def dense_each(x: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The default `Linear`: x @ w for each named weight (`dense`: fp32 accumulation, x's dtype)."""
+    return {name: dense(x, w) for name, w in weights.items()}
 
 
 def kda_gate(z: jax.Array, a_log: jax.Array, dt_bias: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -138,6 +149,7 @@ def kda_mixer(
     mode: str = "chunked",
     all_states: bool = False,
     backend_name: str = "reference",
+    linear: Linear | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA attention block on pre-normed x [B, T, D].
 
@@ -147,17 +159,28 @@ def kda_mixer(
       mode: "chunked" (prefill) or "recurrent" (decode / verify) -- mathematically identical.
       all_states: (recurrent only) return states after every token: conv [B, T, W-1, C] and
         recurrent [B, T, H, V, K], so speculative verification can roll back by index.
+      linear: how the block multiplies by the weights on the hidden-state boundary (see `Linear`): called
+        once with every projection reading x (q/k/v, f_a, b, and g or g_a) and once with o_proj. Default:
+        plain `dense` each; a parallel strategy passes sharded GEMMs (k3jax.parallel.tp_subgroup).
 
     Returns: (y [B, T, D], new_conv_state, new_rec_state).
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
-    qkv = jnp.concatenate([dense(x, params["q_proj"]), dense(x, params["k_proj"]), dense(x, params["v_proj"])], -1)
+    linear = linear or dense_each
+    gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)
+    proj = linear(x, {name: params[name] for name in ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", gate_in)})
+    qkv = jnp.concatenate([proj["q_proj"], proj["k_proj"], proj["v_proj"]], -1)
+    z = dense(proj["f_a"], params["f_b"]).reshape(b, t, h, dk)  # raw forget-gate logits
+    beta_logits = proj["b_proj"].astype(jnp.float32)  # [B, T, H]
+    gate = (proj["g_proj"] if gate_in == "g_proj" else dense(proj["g_a"], params["g_b"])).reshape(b, t, h, dk)
     conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]
     fused_op = {"chunked": "kda_chunked_fused", "recurrent": "kda_decode_fused"}.get(mode)
     if fused_op is not None and backend_name in backend.implemented(fused_op):
-        return _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, conv_w, conv_state, rec_state, cfg,
-                            lengths=lengths, mode=mode, all_states=all_states, backend_name=backend_name)
+        y, new_conv, new_rec = _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, z, beta_logits, gate,
+                                            conv_w, conv_state, rec_state, cfg, lengths=lengths, mode=mode,
+                                            all_states=all_states, backend_name=backend_name)
+        return linear(y.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"], new_conv, new_rec
     if all_states:
         y, conv_states = _conv_all_states(qkv, conv_state, conv_w)
     else:
@@ -165,9 +188,8 @@ def kda_mixer(
     q, k, v = (y[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))
     q = l2_normalize(q) * dk**-0.5
     k = l2_normalize(k)
-    g = kda_gate(dense(dense(x, params["f_a"]), params["f_b"]).reshape(b, t, h, dk),
-                 params["A_log"], params["dt_bias"], cfg)
-    beta = jax.nn.sigmoid(dense(x, params["b_proj"]).astype(jnp.float32))  # [B, T, H]
+    g = kda_gate(z, params["A_log"], params["dt_bias"], cfg)
+    beta = jax.nn.sigmoid(beta_logits)  # [B, T, H]
     if lengths is not None:
         valid = jnp.arange(t)[None, :] < lengths[:, None]
         g = jnp.where(valid[..., None, None], g, 0.0)
@@ -178,12 +200,8 @@ def kda_mixer(
         o, new_rec = backend.get("kda_recurrent", backend_name)(q, k, v, g, beta, rec_state, all_states=all_states)
     else:
         raise ValueError(f"unknown KDA mode {mode!r}")
-    if "g_proj" in params:
-        gate = dense(x, params["g_proj"])
-    else:
-        gate = dense(dense(x, params["g_a"]), params["g_b"])
-    o = backend.get("gated_rms_norm", backend_name)(o.astype(x.dtype), gate.reshape(b, t, h, dk), params["o_norm"], cfg.rms_norm_eps)
-    out = dense(o.reshape(b, t, h * dk), params["o_proj"])
+    o = backend.get("gated_rms_norm", backend_name)(o.astype(x.dtype), gate, params["o_norm"], cfg.rms_norm_eps)
+    out = linear(o.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"]
     return out, (conv_states if all_states else new_conv), new_rec
 
 
@@ -197,15 +215,11 @@ def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
     return y, full[:, idx, :].astype(conv_state.dtype)
 
 
-def _output_gate(params: dict, x: jax.Array) -> jax.Array:
-    if "g_proj" in params:
-        return dense(x, params["g_proj"])
-    return dense(dense(x, params["g_a"]), params["g_b"])
-
-
-def _fused_mixer(op, params, x, qkv, conv_w, conv_state, rec_state, cfg: ModelConfig, *, lengths, mode, all_states,
-                 backend_name):
-    """kda_mixer through a fused kernel op (same results as the reference path, to kernel tolerance).
+def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, rec_state, cfg: ModelConfig, *,
+                 lengths, mode, all_states, backend_name):
+    """kda_mixer's core through a fused kernel op, from the input projections (qkv [B, T, 3HK], z and gate
+    [B, T, H, K], beta_logits [B, T, H] fp32) to the gated-normed heads y [B, T, H, K] before o_proj (same
+    results as the reference path, to kernel tolerance).
 
     chunked: the short conv stays in XLA; the kernel fuses the L2 norms, gate, beta and the chunked scan.
     recurrent: the kernel fuses conv, norms, gate, beta, the delta rule and the gated RMSNorm.
@@ -213,9 +227,6 @@ def _fused_mixer(op, params, x, qkv, conv_w, conv_state, rec_state, cfg: ModelCo
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     lens = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-    z = dense(dense(x, params["f_a"]), params["f_b"]).reshape(b, t, h, dk)
-    beta_logits = dense(x, params["b_proj"]).astype(jnp.float32)  # [B, T, H]
-    gate = _output_gate(params, x).reshape(b, t, h, dk)
     gate_kw = dict(gate=cfg.kda_gate, lower_bound=cfg.kda_gate_lower_bound)
     if mode == "recurrent":
         y, new_conv, new_rec = op(qkv, conv_state, conv_w, z, beta_logits, gate, rec_state, jnp.arange(b, dtype=jnp.int32),
@@ -227,8 +238,7 @@ def _fused_mixer(op, params, x, qkv, conv_w, conv_state, rec_state, cfg: ModelCo
         o, new_rec = op(q, k, v, z, beta_logits, rec_state, lens, a_log=params["A_log"], dt_bias=params["dt_bias"],
                         **gate_kw)
         y = backend.get("gated_rms_norm", backend_name)(o.astype(x.dtype), gate, params["o_norm"], cfg.rms_norm_eps)
-    out = dense(y.reshape(b, t, h * dk), params["o_proj"])
-    return out, new_conv, new_rec
+    return y, new_conv, new_rec
 
 
 def _register_pallas() -> None:

@@ -16,33 +16,43 @@ import jax.numpy as jnp
 
 from k3jax import backend
 from k3jax.config import ModelConfig
+from k3jax.kda import Linear, dense_each
 from k3jax.layers import dense, rms_norm
 
+# `linear` (every function below that takes it): how the block multiplies by the weights reading or writing
+# the hidden state -- q_a (or q_proj) and kv_a in `project`, g_proj and o_proj in `output` -- see
+# `k3jax.kda.Linear`; default plain `dense`, a parallel strategy passes sharded GEMMs.
 
-def project(params: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+
+def project(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None,
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries and the latent to cache for pre-normed x [B, T, D].
 
     Returns: q_nope [B, T, H, N], q_pe [B, T, H, R], latent [B, T, C + R] (= [c | k_pe]).
     """
     b, t, _ = x.shape
+    q_in = "q_a" if cfg.q_lora_rank is not None else "q_proj"
+    proj = (linear or dense_each)(x, {q_in: params[q_in], "kv_a": params["kv_a"]})
     if cfg.q_lora_rank is not None:
-        q = dense(rms_norm(dense(x, params["q_a"]), params["q_a_norm"], cfg.mla_norm_eps), params["q_b"])
+        q = dense(rms_norm(proj["q_a"], params["q_a_norm"], cfg.mla_norm_eps), params["q_b"])
     else:
-        q = dense(x, params["q_proj"])
+        q = proj["q_proj"]
     q = q.reshape(b, t, cfg.mla_num_heads, cfg.mla_q_head_dim)
-    kv = dense(x, params["kv_a"])
+    kv = proj["kv_a"]
     c = rms_norm(kv[..., : cfg.kv_lora_rank], params["kv_a_norm"], cfg.mla_norm_eps)
     latent = jnp.concatenate([c, kv[..., cfg.kv_lora_rank :]], axis=-1)
     return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], latent
 
 
-def output(params: dict, attn: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def output(params: dict, attn: jax.Array, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None,
+           ) -> jax.Array:
     """Output gate (K3: attn * sigmoid(g_proj x)) and o_proj. attn: [B, T, H, Vd]."""
+    linear = linear or dense_each
     b, t = attn.shape[:2]
     attn = attn.reshape(b, t, -1).astype(x.dtype)
     if cfg.mla_output_gate:
-        attn = attn * jax.nn.sigmoid(dense(x, params["g_proj"]))
-    return dense(attn, params["o_proj"])
+        attn = attn * jax.nn.sigmoid(linear(x, {"g_proj": params["g_proj"]})["g_proj"])
+    return linear(attn, {"o_proj": params["o_proj"]})["o_proj"]
 
 
 def split_kv_b(params: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -51,9 +61,9 @@ def split_kv_b(params: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
 
 
-def naive_attention(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def naive_attention(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None) -> jax.Array:
     """Causal MLA over x [B, T, D] alone (no cache), in the naive per-head form."""
-    q_nope, q_pe, latent = project(params, x, cfg)
+    q_nope, q_pe, latent = project(params, x, cfg, linear=linear)
     c, k_pe = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
     w_uk, w_uv = split_kv_b(params, cfg)
     k_nope = jnp.einsum("bsc,chn->bshn", c, w_uk.astype(c.dtype), preferred_element_type=jnp.float32)
@@ -67,7 +77,7 @@ def naive_attention(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     attn = jnp.einsum("bhts,bshv->bthv", probs, v, preferred_element_type=jnp.float32)
-    return output(params, attn, x, cfg)
+    return output(params, attn, x, cfg, linear=linear)
 
 
 @backend.register("mla_paged_attention", "reference")
@@ -159,6 +169,7 @@ def paged_attention(
     cfg: ModelConfig,
     *,
     backend_name: str = "reference",
+    linear: Linear | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """MLA for new tokens x [B, T, D] appended after context_lens [B] cached tokens.
 
@@ -166,7 +177,7 @@ def paged_attention(
     (updated in place under donation), then attends in the absorbed form to the whole history.
     Returns (y [B, T, D], new kv_pages).
     """
-    q_nope, q_pe, latent = project(params, x, cfg)
+    q_nope, q_pe, latent = project(params, x, cfg, linear=linear)
     kv_pages = write_latents(kv_pages, layer, latent, page_table, context_lens, lengths)
     w_uk, w_uv = split_kv_b(params, cfg)
     q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=jnp.float32)
@@ -176,4 +187,4 @@ def paged_attention(
         kv_lora_rank=cfg.kv_lora_rank, scale=cfg.mla_q_head_dim**-0.5, layer=layer,
     )
     attn = jnp.einsum("bthc,chv->bthv", o_latent, w_uv.astype(jnp.float32))
-    return output(params, attn, x, cfg), kv_pages
+    return output(params, attn, x, cfg, linear=linear), kv_pages

@@ -159,16 +159,21 @@ def _check_tokens(tokens: jax.Array, ndim: int, what: str) -> None:
         raise ValueError(f"{what}: expected integer tokens of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
 
 
-def cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str) -> Mixer:
-    """Attention for a whole sequence with no cache: naive MLA, chunked KDA from zero states."""
+def cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str, linear: dict[str, kda.Linear] | None = None,
+                     ) -> Mixer:
+    """Attention for a whole sequence with no cache: naive MLA, chunked KDA from zero states.
+    linear: per mixer kind ("kda" / "mla") the hook its hidden-state projections go through (`kda.Linear`;
+    a kind left out, or None, multiplies with plain `dense`): how parallel strategies shard those GEMMs."""
     act = jnp.dtype(cfg.dtype)
+    linear = linear or {}
 
     def mixer(l, p, x):
         if cfg.is_mla(l):
-            return mla.naive_attention(p, x, cfg)
+            return mla.naive_attention(p, x, cfg, linear=linear.get("mla"))
         conv0 = jnp.zeros((batch, cfg.kda_conv_kernel - 1, cfg.conv_channels), act)
         rec0 = jnp.zeros((batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32)
-        return kda.kda_mixer(p, x, conv0, rec0, cfg, mode="chunked", backend_name=backend_name)[0]
+        return kda.kda_mixer(p, x, conv0, rec0, cfg, mode="chunked", backend_name=backend_name,
+                             linear=linear.get("kda"))[0]
 
     return mixer
 
@@ -210,17 +215,19 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
 
 
 def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: str, backend_name: str,
-                 verified: tuple[list, list] | None = None) -> Mixer:
+                 verified: tuple[list, list] | None = None, linear: dict[str, kda.Linear] | None = None) -> Mixer:
     """The attention block of the serving steps over caches = {"kda", "conv", "kv_pages"}, updated in the
     dict as layers run. With `verified` = (kda list, conv list), KDA layers append their per-position
-    states there and leave the pooled states alone (verify: commit_verified picks a position later)."""
+    states there and leave the pooled states alone (verify: commit_verified picks a position later).
+    linear: the projection hooks per mixer kind, as in `cache_free_mixer`."""
+    linear = linear or {}
 
     def mixer(l, p, x):
         j = cfg.mixer_slot[l]
         if cfg.is_mla(l):
             y, caches["kv_pages"] = mla.paged_attention(
                 p, x, caches["kv_pages"], j, meta.page_table, meta.context_lens, meta.lengths, cfg,
-                backend_name=backend_name,
+                backend_name=backend_name, linear=linear.get("mla"),
             )
             return y
         conv, rec = caches["conv"][j][meta.slots], caches["kda"][j][meta.slots]
@@ -230,7 +237,7 @@ def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: st
         rec = jnp.where(fresh[:, None, None, None], jnp.zeros_like(rec), rec)
         y, new_conv, new_rec = kda.kda_mixer(
             p, x, conv, rec, cfg, lengths=meta.lengths, mode=kda_mode, all_states=verified is not None,
-            backend_name=backend_name,
+            backend_name=backend_name, linear=linear.get("kda"),
         )
         if verified is not None:  # the pool keeps the pre-verify state until commit_verified picks a position
             verified[0].append(new_rec)

@@ -59,8 +59,12 @@ KV_FORMAT_BYTES = {"fp8": 1.0, "bf16": 2.0, "fp32": 4.0}
 WEIGHT_CLASSES = ("routed_experts", "attention", "shared_experts", "latent_proj", "router", "dense_mlp",
                   "embeddings", "other")
 STRATEGIES = ("tep", "dep", "dwdp", "dcp")
-_KDA_HEAD_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")
-_MLA_HEAD_PROJ = ("g_proj", "o_proj", "q_proj")
+# The published TP selection: per mixer kind, the attention projections that TP subgroups split 1/T (see the
+# module docstring). Defined once: the planner counts these, k3jax.parallel.tp_subgroup shards and runs them.
+# "column": GEMMs reading the hidden state, output columns split (all-gather, column GEMM, all-to-all back);
+# "row": GEMMs writing it, input rows split (all-to-all of the input columns, GEMM, partial sums back).
+TP_COLUMN_PROJECTIONS = {"kda": ("q_proj", "k_proj", "v_proj", "g_proj"), "mla": ("q_proj", "g_proj")}
+TP_ROW_PROJECTIONS = {"kda": ("o_proj",), "mla": ("o_proj",)}
 
 
 @dataclass(frozen=True)
@@ -150,8 +154,8 @@ def _classify(path: tuple[str, ...], layer: int | None, cfg: ModelConfig) -> tup
     if top == "attn":
         if len(path) == 2 and name in ("A_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm") or "conv" in name:
             return "other", False
-        heads = _MLA_HEAD_PROJ if cfg.is_mla(layer) else _KDA_HEAD_PROJ
-        return "attention", name in heads
+        kind = "mla" if cfg.is_mla(layer) else "kda"
+        return "attention", name in TP_COLUMN_PROJECTIONS[kind] + TP_ROW_PROJECTIONS[kind]
     if top == "mlp":
         if not cfg.is_moe(layer):
             return "dense_mlp", False

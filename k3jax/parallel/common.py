@@ -64,14 +64,17 @@ def run_decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, ffn:
     return model.decoder(params, cfg, h, mixer, backend_name, ffn_fn=ffn)[0]
 
 
-def cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str) -> Mixer:
-    """Attention of `forward` (cfg may be a per-rank head slice): `k3jax.model.cache_free_mixer`."""
-    return model.cache_free_mixer(cfg, batch, backend_name)
+def cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str, linear: dict | None = None) -> Mixer:
+    """Attention of `forward` (cfg may be a per-rank head slice): `k3jax.model.cache_free_mixer`; `linear`:
+    the strategy's projection hooks per mixer kind (None: plain dense, the weights as the rank holds them)."""
+    return model.cache_free_mixer(cfg, batch, backend_name, linear)
 
 
-def cached_mixer(cfg: ModelConfig, caches: dict, meta, kda_mode: str, backend_name: str) -> Mixer:
-    """Attention of `prefill` / `decode` over caches = {"kda", "conv", "kv_pages"}: `k3jax.model.cached_mixer`."""
-    return model.cached_mixer(cfg, caches, meta, kda_mode=kda_mode, backend_name=backend_name)
+def cached_mixer(cfg: ModelConfig, caches: dict, meta, kda_mode: str, backend_name: str,
+                 linear: dict | None = None) -> Mixer:
+    """Attention of `prefill` / `decode` over caches = {"kda", "conv", "kv_pages"}: `k3jax.model.cached_mixer`
+    (`linear` as in `cache_free_mixer`)."""
+    return model.cached_mixer(cfg, caches, meta, kda_mode=kda_mode, backend_name=backend_name, linear=linear)
 
 
 def check_tokens(tokens: jax.Array, ndim: int, what: str) -> None:

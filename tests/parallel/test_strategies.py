@@ -242,26 +242,67 @@ def test_tp_table_row_16():
     _check_tp_row(_tp_row(16, 16, 3, 80, devices=16), 16, 3, 80)
 
 
-def test_tp_subgroup_prefill_equal_single_device(case):
-    """DEP with TP4 subgroups (mesh 2 x 4) on the cut model: shared experts split over each group of 4,
-    routed experts over all 8 ranks; ragged per-rank batches as in the DWDP test. Prefill only: decode runs
-    the same step body (`_step`, T = 1) and its second 8-device compile would overrun CI's budget."""
+def _tp_layers(report, layers):
+    """The TP-group collectives of a step program, per decoder layer: all but DEP's (its dispatch / combine
+    all-to-alls sit in the capacity-round loop, its round count is an all-reduce). Each layer's first TP
+    collective is its attention all-gather, and all of a layer's collectives precede the next layer's (they
+    feed its input), so with two all-gathers per layer (attention, shared experts) a layer starts at every
+    other all-gather of the program order."""
+    tp = [x for x in report if not x.in_loop and x.kind in ("all-gather", "all-to-all")]
+    starts = [i for i, x in enumerate(tp) if x.kind == "all-gather"][::2] + [len(tp)]
+    assert len(starts) in (1, layers + 1)  # none at T = 1
+    return [tp[a:b] for a, b in zip(starts, starts[1:])] or [[] for _ in range(layers)]
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tp_subgroup_prefill_decode_equal_single_device(case, t):
+    """DEP with TP subgroups of T (mesh 8/T x T) on the cut model (a KDA + MoE and an MLA + MoE layer): the
+    TP-selected attention projections (k3jax.plan's list: KDA q/k/v/g_proj and o_proj, MLA g_proj and
+    o_proj) and the shared experts split over each group, routed experts over all 8 ranks; ragged per-rank
+    batches as in the DWDP test. Prefill then decode equal the single-device model; the compiled programs'
+    TP collectives per layer equal the closed form from the config (per local token: the attention
+    projections' `tp_subgroup.closed_form_bytes_per_token` + the shared experts' (T-1)*D*s_a each way);
+    each rank holds 1/T of every selected weight (rounded up to whole columns / rows)."""
     from k3jax.parallel import tp_subgroup
+    from k3jax.plan import TP_COLUMN_PROJECTIONS, TP_ROW_PROJECTIONS
 
     cfg, params, c = case
-    mesh = tp_subgroup.make_mesh(RANKS, 4)
+    mesh = tp_subgroup.make_mesh(RANKS, t)
     sharded = tp_subgroup.shard_params(params, cfg, mesh)
+    for l, kind in enumerate(("kda", "mla")):
+        assert cfg.is_mla(l) == (kind == "mla")
+        for axis, names in ((1, TP_COLUMN_PROJECTIONS[kind]), (0, TP_ROW_PROJECTIONS[kind])):
+            for name in (n for n in names if n in params["layers"][l]["attn"]):
+                full, split = params["layers"][l]["attn"][name], sharded["layers"][l]["attn"][name]
+                shard = split.addressable_shards[0].data
+                # 1/T of the split axis, rounded up to whole columns / rows (MLA's 36 at T = 8: 5 of 40 padded)
+                assert shard.shape[axis] == -(-full.shape[axis] // t), (kind, name)
+                assert shard.shape[1 - axis] == full.shape[1 - axis]
+                if full.shape[axis] % t == 0:
+                    assert shard.nbytes * t == full.nbytes
+
     flat = lambda a: a.reshape(RANKS * ROWS, *a.shape[2:])  # noqa: E731
     lp = flat(c["lengths"])
     meta_p = step_meta(flat(c["slots"]), flat(c["tables"]), np.zeros_like(lp), lp)
+    meta_d = step_meta(flat(c["slots"]), flat(c["tables"]), lp, (lp > 0).astype(np.int32))
     state = tp_subgroup.shard_state(jax.tree.map(jnp.copy, c["state0"]), mesh)
-    tokens = jnp.asarray(flat(c["tokens"]))
+    tokens, next_tokens = jnp.asarray(flat(c["tokens"])), jnp.asarray(flat(c["next_tokens"]))
     prefill = tp_subgroup.prefill.lower(sharded, cfg, state, tokens, meta_p, mesh).compile()
     logits_p, state = prefill(sharded, state, tokens, meta_p)
+    decode = tp_subgroup.decode.lower(sharded, cfg, state, next_tokens, meta_d, mesh).compile()
+    logits_d, state = decode(sharded, state, next_tokens, meta_d)
     valid = c["valid"]
     assert rel_err(np.asarray(logits_p)[valid], c["logits_p"][valid]) <= RTOL
-    # per MoE layer: one group all-gather of the rank's B*T token rows (width D) for the shared experts
-    report = comm.collectives(prefill.as_text())
-    gathers = [x for x in report if x.kind == "all-gather"]
-    assert len(gathers) == 2 and all(x.group_size == 4 for x in gathers)
-    assert all(x.shapes == (("f32", (4 * ROWS * PREFILL, cfg.hidden_size)),) for x in gathers)
+    assert rel_err(np.asarray(logits_d)[valid], c["logits_d"][valid]) <= RTOL
+    for name in ("kda", "conv", "kv_pages"):
+        assert rel_err(getattr(state, name), getattr(c["state"], name)) <= RTOL, name
+
+    attention = tp_subgroup.closed_form_bytes_per_token(cfg, t, 4)  # fp32 activations
+    shared = (t - 1) * cfg.hidden_size * 4
+    for program, tokens_per_rank in ((prefill, ROWS * PREFILL), (decode, ROWS)):
+        layers = _tp_layers(comm.collectives(program.as_text()), 2)
+        for layer, (kind, collectives) in enumerate(zip(("kda", "mla"), layers)):
+            assert all(x.group_size == t for x in collectives)
+            for op in ("all-gather", "all-to-all"):
+                measured = sum(x.wire_bytes for x in collectives if x.kind == op) / tokens_per_rank
+                assert measured == pytest.approx(attention[kind][op] + shared), (layer, op)
