@@ -107,9 +107,9 @@ class ServerState:
                 raise ValueError(f"ServerConfig.role {config.role!r} disagrees with EngineConfig.role {role!r}")
         tokenizer = load_tokenizer(config.tokenizer)
         if engine is None:
-            engine = Engine(ecfg, detokenize=tokenizer.decode)
+            engine = Engine(ecfg, detokenize=tokenizer.decode_generated)
         elif engine.detokenize is None:
-            engine.detokenize = tokenizer.decode
+            engine.detokenize = tokenizer.decode_generated
         if tokenizer.vocab_size > engine.cfg.vocab_size:
             raise ValueError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but {engine.cfg.name} only "
                              f"{engine.cfg.vocab_size}: its ids would not fit the model")

@@ -92,6 +92,14 @@ class Tokenizer:
             ids = [i for i in ids if i not in self._special_set]
         return self._decode(ids)
 
+    def decode_generated(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """`decode` for ids the model generated: an id the tokenizer does not have renders as nothing
+        instead of raising. A model's output layer can be wider than its tokenizer (a vocabulary padded
+        for the GEMMs; k3-small's random weights with the bundled 263-id byte tokenizer), and one such
+        token must not fail the stream or the engine's stop-string check. `decode` stays strict: it
+        serves ids a client sent (/v1/detokenize answers 400 for them)."""
+        return self.decode([i for i in map(int, ids) if 0 <= i < self.vocab_size], skip_special_tokens)
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
@@ -260,7 +268,7 @@ class TextStream:
         return self._text[: self._sent]
 
     def _decode_new(self, final: bool) -> None:
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode_generated(ids, self.skip_special_tokens)  # noqa: E731
         prefix = decode(self._ids[self._prefix_offset:self._read_offset])
         full = decode(self._ids[self._prefix_offset:])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):

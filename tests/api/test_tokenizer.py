@@ -60,3 +60,18 @@ def test_text_stream_holds_back_split_characters_and_stop_strings():
     # an incomplete character at the very end is flushed as a replacement character
     cut = TextStream(tok)
     assert cut.push(list("é".encode())[:1]) == "" and cut.finish() == "\ufffd"
+
+
+def test_generated_ids_beyond_the_tokenizer_render_as_nothing_but_client_ids_are_refused():
+    """A model whose output layer is wider than its tokenizer (k3-small's 163,840 logits with the bundled
+    263-id byte tokenizer) can emit ids the tokenizer lacks: the stream and the engine's stop-string check
+    skip them (H200, 2026-11-30: one such id failed every routed request); ids a client sends are refused."""
+    tok = load_tokenizer(None)
+    ids = tok.encode("fox then STOP")
+    beyond = [tok.vocab_size, tok.vocab_size + 92_660]
+    mixed = [ids[0], beyond[0], *ids[1:5], beyond[1], *ids[5:]]
+    assert tok.decode_generated(mixed) == "fox then STOP"
+    stream = TextStream(tok, stop=("STOP",))
+    assert "".join(stream.push([i]) for i in mixed) + stream.finish() == "fox then "
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        tok.decode(mixed)
