@@ -29,6 +29,10 @@
 # 40: 80 + 30 + <= 10 s, level 12: 24 + 30 + <= 10 s, level 4: 15 + 30 + <= 10 s (+ ~5 s per level to
 # generate the trace), stop + tar ~20 s: ~8.3 min at most, ~7.5 typical. The level-40 warm-up covers the cold prefill of 40 sessions (~7.7k tokens each, ~300k
 # tokens: ~75 s at the ~4k tokens/s reference prefill of one H200, the P/D case).
+# Measured 2026-11-30 (colocated, H200 x2): with powers-of-4 shape buckets (~120 programs per worker, ~30 s
+# each) no request reached its first token in 5 minutes while the workers logged a large-program compile
+# every ~30 s (the likely cause; step times were not logged). The h200x2 files now fix 4 programs per worker (row/token/page buckets) and `warmup: true`, which
+# compiles them before the workers report ready (READY_TIMEOUT_S covers it; not yet run on the GPUs).
 # AGENTX_TINY=1: the same path on this CPU with k3-tiny: the deployment's model, devices and engine sizes
 # are swapped (k3-tiny, "cpu", the CPU tests' few shape buckets, free ports), the short preset, levels
 # 4,2,1 and a long prime (CPU compiles are slow).
@@ -96,6 +100,7 @@ if tiny:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     raw["model"] = "k3-tiny"
+    raw["warmup"] = False  # compiling every k3-tiny bucket up front is slower on a CPU than compiling on demand
     # k3-tiny sizes (the short preset's histories reach 3.6k tokens) with the CPU tests' few shape buckets
     # (rows 1,4 x tokens 16,128 x pages 1,256): each compile takes tens of seconds on a loaded 2-core CPU
     raw["engine"] = {"page_size": 16, "max_model_len": 4096, "max_running": 4, "max_prefill_tokens": 128,

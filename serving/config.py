@@ -30,6 +30,13 @@ class EngineConfig:
     cache_pool: str | None = None  # shared cache pool below the host L2: "pool://host:port" (serving.cache.pool_server) or "mooncake://..."
     session_ttl_s: float = 600.0  # a waiting agent session counts as stale after this
     bucket_growth: int = 2  # shape buckets (rows, tokens, pages) grow by this factor; larger = fewer compiles
+    # Explicit shape buckets instead of powers of bucket_growth, as comma-separated sizes ("4,16,64"); the limit
+    # (max_running / max_prefill_tokens / max_pages_per_request) is added when the list ends below it. Every
+    # (rows, tokens, pages) bucket is one jit program (~30-45 s to compile for k3-small on an H200): a large
+    # model serves from a handful of buckets, e.g. token_buckets "1024" and page_buckets equal to the limit.
+    row_buckets: str | None = None
+    token_buckets: str | None = None
+    page_buckets: str | None = None
     speculative_k: int = 0  # draft tokens per decode step (EAGLE-3 drafter); 0 = off
     drafter: str | None = None  # drafter checkpoint (k3jax.drafter.save_drafter); or Engine(drafter=(dcfg, params))
     spec_fixed_accepted: int | None = None  # BENCHMARK ONLY: accept exactly this many drafts (outputs are not the model's)
@@ -77,6 +84,12 @@ class EngineConfig:
             problems.append("handoff_timeout_s and transfer_timeout_s must be > 0")
         if self.max_prefill_tokens < self.page_size:
             problems.append("max_prefill_tokens must be at least one page")
+        for name, limit in (("row_buckets", self.max_running), ("token_buckets", self.max_prefill_tokens),
+                            ("page_buckets", self.max_pages_per_request)):
+            try:
+                explicit_buckets(getattr(self, name), limit)
+            except ValueError as e:
+                problems.append(f"{name}: {e}")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 
@@ -87,3 +100,19 @@ class EngineConfig:
     def max_pages_per_request(self) -> int:
         """Pages a request can touch: its tokens plus the k positions a verify step writes past them."""
         return -(-(self.max_model_len + self.speculative_k) // self.page_size)
+
+
+def explicit_buckets(spec: str | None, limit: int) -> tuple[int, ...] | None:
+    """Parse a comma-separated bucket list ("4,16,64") into sizes ending at `limit` (added when the list ends
+    below it); None for None. ValueError unless the sizes are increasing positive ints <= limit."""
+    if spec is None:
+        return None
+    try:
+        sizes = [int(x) for x in str(spec).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"expected comma-separated positive ints, got {spec!r}") from None
+    if not sizes or sizes[0] < 1 or any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"expected increasing positive sizes, got {spec!r}")
+    if sizes[-1] > limit:
+        raise ValueError(f"{sizes[-1]} exceeds the limit {limit}")
+    return tuple(sizes) if sizes[-1] == limit else (*sizes, limit)

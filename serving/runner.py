@@ -21,7 +21,7 @@ from k3jax.model import DecodeState, StepMeta, commit_verified
 from k3jax.sampling import SamplingTensors
 from k3jax.speculative import target_step
 from serving import spec_decode
-from serving.config import EngineConfig
+from serving.config import EngineConfig, explicit_buckets
 
 
 def buckets(limit: int, start: int = 1, growth: int = 2) -> tuple[int, ...]:
@@ -112,17 +112,24 @@ class ModelRunner:
         self.num_pages, self.num_slots = num_pages, num_slots
         self.scratch_slot = num_slots  # one extra row, owned by nobody, absorbs padding rows
         self.state = k3jax.init_state(cfg, num_slots + 1, num_pages, ecfg.page_size)
-        g = ecfg.bucket_growth
-        self.row_buckets = buckets(ecfg.max_running, growth=g)
-        self.token_buckets = buckets(ecfg.max_prefill_tokens, start=min(16, ecfg.max_prefill_tokens), growth=g)
-        self.page_buckets = buckets(ecfg.max_pages_per_request, growth=g)
-        self.slot_copy_buckets = buckets(max(ecfg.max_running, 8), growth=g)
+        self._set_buckets(ecfg)
         self.k = ecfg.speculative_k if drafter is not None else 0
         if self.k:
             self.dcfg, self.dparams = drafter[0].resolve(cfg), drafter[1]
             self.capture = self.dcfg.capture_layers
             self.draft_pool = spec_decode.init_draft_pool(cfg, self.dcfg, num_pages, ecfg.page_size)
             self.pending = jnp.zeros((num_slots + 1, self.k + 1, len(self.capture), cfg.hidden_size), jnp.dtype(cfg.dtype))
+
+    def _set_buckets(self, ecfg: EngineConfig) -> None:
+        """Shape buckets: the config's explicit lists where given, else powers of bucket_growth."""
+        g = ecfg.bucket_growth
+        self.row_buckets = (explicit_buckets(ecfg.row_buckets, ecfg.max_running)
+                            or buckets(ecfg.max_running, growth=g))
+        self.token_buckets = (explicit_buckets(ecfg.token_buckets, ecfg.max_prefill_tokens)
+                              or buckets(ecfg.max_prefill_tokens, start=min(16, ecfg.max_prefill_tokens), growth=g))
+        self.page_buckets = (explicit_buckets(ecfg.page_buckets, ecfg.max_pages_per_request)
+                             or buckets(ecfg.max_pages_per_request, growth=g))
+        self.slot_copy_buckets = buckets(max(ecfg.max_running, 8), growth=g)
 
     # --- steps -------------------------------------------------------------------------------
     def _meta(self, rows: list[Row], b: int, max_pages: int, lengths: list[int]) -> StepMeta:

@@ -16,6 +16,8 @@ around it) while at least one prefill and one decode worker (or one colocated wo
     router: {port: 8080}
     pool: {port: 7790, capacity_gb: 4}      # optional: the embedded pool server, started first;
                                             # every worker gets cache_pool: pool://127.0.0.1:7790
+    warmup: true                            # optional: every worker compiles all its shape buckets before
+                                            # it reports ready (`k3jax serve --warmup`)
 
 `devices` becomes CUDA_VISIBLE_DEVICES (a GPU list per worker); "cpu" (the default) runs on the CPU.
 A deployment of one `both` worker (colocated.yaml) has no router: the worker serves OpenAI HTTP itself.
@@ -86,8 +88,11 @@ class DeploymentConfig:
     pool: PoolSpec | None = None
     tokenizer: str | None = None
     host: str = "127.0.0.1"
+    warmup: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup must be true or false, got {self.warmup!r}")
         roles = [w.role for w in self.workers]
         if not roles:
             raise ValueError("a deployment needs at least one worker")
@@ -145,7 +150,7 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"deployment {path}: expected a mapping at the top level")
     try:
-        known = {"model", "engine", "workers", "router", "pool", "tokenizer", "host"}
+        known = {"model", "engine", "workers", "router", "pool", "tokenizer", "host", "warmup"}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -153,7 +158,8 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
         router = RouterSpec(**raw["router"]) if raw.get("router") is not None else None
         pool = PoolSpec(**raw["pool"]) if raw.get("pool") else None
         return DeploymentConfig(model=raw.get("model", "k3-tiny"), workers=workers, engine=dict(raw.get("engine") or {}),
-                                router=router, pool=pool, tokenizer=raw.get("tokenizer"), host=raw.get("host", "127.0.0.1"))
+                                router=router, pool=pool, tokenizer=raw.get("tokenizer"), host=raw.get("host", "127.0.0.1"),
+                                warmup=raw.get("warmup", False))
     except (TypeError, KeyError, ValueError) as e:
         raise ValueError(f"deployment {path}: {e}") from None
 
@@ -166,6 +172,8 @@ def worker_argv(dep: DeploymentConfig, w: WorkerSpec) -> list[str]:
         argv += ["--bootstrap-port", str(w.bootstrap_port)]
     if dep.tokenizer:
         argv += ["--tokenizer", dep.tokenizer]
+    if dep.warmup:
+        argv.append("--warmup")
     options = {**dep.engine, **w.engine}
     if dep.pool is not None:
         options.setdefault("cache_pool", f"pool://127.0.0.1:{dep.pool.port}")
