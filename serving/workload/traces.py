@@ -485,7 +485,11 @@ def to_mooncake(sessions: Sequence[Session]) -> list[MooncakeRow]:
 
 
 def write_mooncake(sessions: Sequence[Session], path: str | Path) -> Path:
-    """mooncake_trace JSONL; replay with `--isl-block-size <block_size>` (AIPerf's default is 512)."""
+    """mooncake_trace JSONL, one row per request with its whole context (input_length + hash_ids of every
+    block: the Mooncake trace convention, which read_mooncake reads back). Replay with `--isl-block-size
+    <block_size>` (AIPerf's default is 512). AIPerf 0.13.0 reads rows that share a session_id as multi-turn
+    *deltas* appended to the live conversation: for that replay write the file with
+    serving.workload.aiperf_profile.write_aiperf_mooncake instead (each later turn carries only its new tokens)."""
     sizes = {s.block_size for s in sessions}
     if len(sizes) > 1:
         raise ValueError(f"mooncake_trace has one block size per file; these sessions use {sorted(sizes)}")
