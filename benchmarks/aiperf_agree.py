@@ -7,7 +7,7 @@
 Generates a short-preset trace, starts `k3jax serve` (k3-tiny, CPU) unless --url is given, then runs
 AIPerf (`--scenario inferencex-agentx-mvp --custom-dataset-type weka_trace`) and our replay in
 alternating pairs (the first pair unscored: it compiles the shapes both clients hit), prints a table and
-writes JSON (default docs/results/aiperf_agree_cpu_2026-11-30.json).
+writes JSON (default docs/results/aiperf_agree_cpu_same_work_2026-11-30.json).
 What is compared and why the windows are aligned: serving/workload/aiperf_agree.py.
 """
 
@@ -52,13 +52,13 @@ def main(argv=None) -> int:
                    help="run the two clients of a scored pair at the same time (each at --concurrency), so the "
                         "machine's other load affects both alike; --no-simultaneous: one after the other")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="the started server's prefix cache (AIPerf's rendered prompts hit it less than ours, so "
-                        "with it on the two clients load the server differently; --no-prefix-cache equalises)")
+                   help="the started server's prefix cache (the clients' prompt lengths differ, so their hits differ "
+                        "session by session; --no-prefix-cache takes that out)")
     p.add_argument("--chat-turn-role", choices=("user", "assistant"), default="user",
                    help="our replay's later-turn messages: user (as AIPerf 0.13.0 sends them, so the server's "
                         "prefix cache serves both clients alike) or assistant (our replay's default)")
     p.add_argument("--work", help="directory for the trace and both clients' artifacts (default: a temp dir)")
-    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "aiperf_agree_cpu_2026-11-30.json"))
+    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "aiperf_agree_cpu_same_work_2026-11-30.json"))
     a = p.parse_args(argv)
     if not aiperf_available():
         print("AIPerf is not installed (.venv-aiperf): run bash scripts/extras/aiperf.sh", file=sys.stderr)

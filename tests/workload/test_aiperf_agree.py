@@ -19,14 +19,16 @@ from serving.workload.traces import generate, load_preset
                     reason="AIPerf is not installed (.venv-aiperf): bash scripts/extras/aiperf.sh")
 def test_aiperf_agentx_scenario_runs_on_our_trace_and_server(server, tmp_path):
     """AIPerf's AgentX scenario replays a generated weka_trace against k3jax serve, and our replay the same
-    sessions (from their first turn, one at a time). Both score requests, and AIPerf's own per-request
-    records under our ITL formula give AIPerf's P90 ITL: the two clients define ITL alike.
+    sessions (from their first turn, one at a time). Both score requests; AIPerf's own per-request records
+    under our ITL formula give AIPerf's P90 ITL (the two clients define ITL alike); and the server's prefix
+    cache serves both clients' prompts alike (hit rates within 0.04: with later turns sent as user messages
+    and subagents' system prompts declared, measured 0.00-0.02 apart at concurrency 1; 0.05-0.11 apart
+    before, serving/workload/aiperf_agree.py).
 
-    Not asserted: the 10% agreement of the two runs' throughput and P90 ITL (issue 9). On this shared
-    2-core machine it does not hold run to run (serving/workload/aiperf_agree.py and the recorded
-    docs/results/aiperf_agree_*.json: the same requests' time to first token varied 2x between two runs
-    minutes apart, new decode shapes compile inside short runs, and AIPerf's prompts hit the prefix cache
-    less than ours)."""
+    Not asserted: the 10% agreement of the two runs' throughput and P90 ITL (issue 9). Pooled over several
+    pairs on the agreement trace throughput agrees within 10% but the P90 ITL does not at concurrency 1, and
+    one run's numbers move by tens of percent on a shared 2-core machine (docs/results/
+    aiperf_agree_cpu_same_work_2026-11-30.json)."""
     sessions = generate(load_preset("short", num_sessions=3))
     cfg = AgreeConfig(concurrency=1, duration_s=20.0, grace_s=30.0, seed=3)
     # one unscored pair first (ours, then AIPerf): it compiles the shapes both clients' prompts hit
@@ -36,6 +38,8 @@ def test_aiperf_agentx_scenario_runs_on_our_trace_and_server(server, tmp_path):
     assert result["definitions_check"]["p90_itl"] == pytest.approx(1.0, abs=0.01)
     ratios = result["ratios_ours_over_aiperf"]
     assert ratios["output_throughput"] > 0 and ratios["p90_itl"] > 0
+    [hit_aiperf], [hit_ours] = result["server_cache_hit_rate"]["aiperf"], result["server_cache_hit_rate"]["ours"]
+    assert 0.5 < hit_ours < 1 and hit_aiperf == pytest.approx(hit_ours, abs=0.04), result["server_cache_hit_rate"]
 
 
 def test_user_turn_prompts_diverge_from_the_previous_prompt_where_aiperfs_do():
