@@ -15,26 +15,15 @@ Padding tokens must carry g = 0 and beta = 0: then they leave the state untouche
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from k3jax import backend
 from k3jax.config import ModelConfig
-from k3jax.layers import causal_conv_with_state, dense, l2_normalize
+from k3jax.layers import Linear, causal_conv_with_state, dense, dense_each, l2_normalize  # Linear: the projection hook
 
 CHUNK_SIZE = 64
-
-# The attention blocks' GEMMs on the hidden-state boundary go through a `linear` hook:
-# linear(x [..., I], {name: w [I, O_name]}) -> {name: x @ w [..., O_name]}, all weights reading the same x.
-# The default is `dense` each; k3jax.parallel.tp_subgroup passes GEMMs over weights split 1/T per rank.
-Linear = Callable[[jax.Array, dict[str, jax.Array]], dict[str, jax.Array]]
-
-
-def dense_each(x: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The default `Linear`: x @ w for each named weight (`dense`: fp32 accumulation, x's dtype)."""
-    return {name: dense(x, w) for name, w in weights.items()}
 
 
 def kda_gate(z: jax.Array, a_log: jax.Array, dt_bias: jax.Array, cfg: ModelConfig) -> jax.Array:

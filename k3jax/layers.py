@@ -6,6 +6,7 @@ norms, gates, the router and the recurrent state compute in float32 and cast bac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -65,6 +66,17 @@ def glu_activation(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Arra
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w with w stored [in, out]; fp32 accumulation, result in x's dtype."""
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# The attention blocks' GEMMs on the hidden-state boundary go through a `linear` hook:
+# linear(x [..., I], {name: w [I, O_name]}) -> {name: x @ w [..., O_name]}, all weights reading the same x.
+# The default is `dense` each; k3jax.parallel.tp_subgroup passes GEMMs over weights split 1/T per rank.
+Linear = Callable[[jax.Array, dict[str, jax.Array]], dict[str, jax.Array]]
+
+
+def dense_each(x: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The default `Linear`: x @ w for each named weight (`dense`: fp32 accumulation, x's dtype)."""
+    return {name: dense(x, w) for name, w in weights.items()}
 
 
 def mlp(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -16,12 +16,11 @@ import jax.numpy as jnp
 
 from k3jax import backend
 from k3jax.config import ModelConfig
-from k3jax.kda import Linear, dense_each
-from k3jax.layers import dense, rms_norm
+from k3jax.layers import Linear, dense, dense_each, rms_norm
 
 # `linear` (every function below that takes it): how the block multiplies by the weights reading or writing
 # the hidden state -- q_a (or q_proj) and kv_a in `project`, g_proj and o_proj in `output` -- see
-# `k3jax.kda.Linear`; default plain `dense`, a parallel strategy passes sharded GEMMs.
+# `k3jax.layers.Linear`; default plain `dense`, a parallel strategy passes sharded GEMMs.
 
 
 def project(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None,

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from k3jax import kda, mla
 from k3jax.attnres import attn_res_mix_norm
 from k3jax.config import ModelConfig
-from k3jax.layers import rms_norm
+from k3jax.layers import Linear, rms_norm
 from k3jax.moe import ffn
 
 
@@ -159,10 +159,10 @@ def _check_tokens(tokens: jax.Array, ndim: int, what: str) -> None:
         raise ValueError(f"{what}: expected integer tokens of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
 
 
-def cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str, linear: dict[str, kda.Linear] | None = None,
+def cache_free_mixer(cfg: ModelConfig, batch: int, backend_name: str, linear: dict[str, Linear] | None = None,
                      ) -> Mixer:
     """Attention for a whole sequence with no cache: naive MLA, chunked KDA from zero states.
-    linear: per mixer kind ("kda" / "mla") the hook its hidden-state projections go through (`kda.Linear`;
+    linear: per mixer kind ("kda" / "mla") the hook its hidden-state projections go through (`layers.Linear`;
     a kind left out, or None, multiplies with plain `dense`): how parallel strategies shard those GEMMs."""
     act = jnp.dtype(cfg.dtype)
     linear = linear or {}
@@ -215,7 +215,7 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
 
 
 def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: str, backend_name: str,
-                 verified: tuple[list, list] | None = None, linear: dict[str, kda.Linear] | None = None) -> Mixer:
+                 verified: tuple[list, list] | None = None, linear: dict[str, Linear] | None = None) -> Mixer:
     """The attention block of the serving steps over caches = {"kda", "conv", "kv_pages"}, updated in the
     dict as layers run. With `verified` = (kda list, conv list), KDA layers append their per-position
     states there and leave the pooled states alone (verify: commit_verified picks a position later).

@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
-from k3jax.kda import Linear
+from k3jax.layers import Linear
 from k3jax.layers import dense, glu_activation
 from k3jax.model import DecodeState, StepMeta, embed, last_token_hidden, lm_head
 from k3jax.parallel import dep
