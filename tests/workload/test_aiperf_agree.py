@@ -21,9 +21,10 @@ def test_aiperf_agentx_scenario_runs_on_our_trace_and_server(server, tmp_path):
     """AIPerf's AgentX scenario replays a generated weka_trace against k3jax serve, and our replay the same
     sessions (from their first turn, one at a time). Both score requests; AIPerf's own per-request records
     under our ITL formula give AIPerf's P90 ITL (the two clients define ITL alike); and the server's prefix
-    cache serves both clients' prompts alike (hit rates within 0.04: with later turns sent as user messages
-    and subagents' system prompts declared, measured 0.00-0.02 apart at concurrency 1; 0.05-0.11 apart
-    before, serving/workload/aiperf_agree.py).
+    cache serves both clients' prompts about alike (hit rates within 0.06: in this short run, which scores
+    whatever requests fit its 20 s window, measured 0.016 and 0.036 apart; 0.00-0.03 over the 60 s pairs of
+    the agreement trace at concurrency 1; 0.05-0.11 before later turns went out as user messages and
+    subagents' system prompts were declared, serving/workload/aiperf_agree.py).
 
     Not asserted: the 10% agreement of the two runs' throughput and P90 ITL (issue 9). Pooled over several
     pairs on the agreement trace throughput agrees within 10% but the P90 ITL does not at concurrency 1, and
@@ -39,7 +40,7 @@ def test_aiperf_agentx_scenario_runs_on_our_trace_and_server(server, tmp_path):
     ratios = result["ratios_ours_over_aiperf"]
     assert ratios["output_throughput"] > 0 and ratios["p90_itl"] > 0
     [hit_aiperf], [hit_ours] = result["server_cache_hit_rate"]["aiperf"], result["server_cache_hit_rate"]["ours"]
-    assert 0.5 < hit_ours < 1 and hit_aiperf == pytest.approx(hit_ours, abs=0.04), result["server_cache_hit_rate"]
+    assert 0.5 < hit_ours < 1 and hit_aiperf == pytest.approx(hit_ours, abs=0.06), result["server_cache_hit_rate"]
 
 
 def test_user_turn_prompts_diverge_from_the_previous_prompt_where_aiperfs_do():
