@@ -48,6 +48,32 @@ from serving.request import RequestStatus, SamplingParams, validate_prompt
 log = logging.getLogger("k3jax.serving")
 
 STATS_INTERVAL_S = 0.05  # while busy, refresh the stats snapshot at most this often
+ACTIVITY_LOG_S = 30.0  # while steps run, one INFO line this often: step count and times, queue sizes
+
+
+class StepActivity:
+    """Step times since the last activity line, so a slow or stalled engine shows in the log (a step that
+    compiled a new shape takes tens of seconds on a GPU; see ModelRunner's new-shape lines)."""
+
+    def __init__(self, every_s: float = ACTIVITY_LOG_S):
+        self.every_s = every_s
+        self.since = time.monotonic()
+        self.steps, self.busy_s, self.longest_s = 0, 0.0, 0.0
+
+    def add(self, seconds: float) -> None:
+        self.steps += 1
+        self.busy_s += seconds
+        self.longest_s = max(self.longest_s, seconds)
+
+    def due(self, now: float) -> bool:
+        return self.steps > 0 and now - self.since >= self.every_s
+
+    def summary(self, now: float) -> str:
+        """The line's step part; starts the next window."""
+        text = (f"{self.steps} steps in {now - self.since:.0f} s (busy {self.busy_s:.1f} s, mean "
+                f"{1e3 * self.busy_s / self.steps:.1f} ms, longest {1e3 * self.longest_s:.0f} ms)")
+        self.since, self.steps, self.busy_s, self.longest_s = now, 0, 0.0, 0.0
+        return text
 
 
 class EngineOverloaded(RuntimeError):
@@ -191,6 +217,7 @@ class AsyncEngine:
         self._idle_calls: list[tuple[Callable, concurrent.futures.Future, float]] = []  # engine thread only
         self._stats: dict = {}
         self._stats_time = 0.0
+        self._activity = StepActivity()
         self.last_error: str | None = None
         self.started_at = time.time()
         self.last_receive_time = 0.0
@@ -348,7 +375,6 @@ class AsyncEngine:
                 wait = 0.0  # work to do: only pick up what is queued
             elif self._idle_calls or self._background_work():
                 wait = 0.05  # nothing to step, but idle calls may time out
-                wait = 0.05  # nothing to step, but idle calls may time out
             else:
                 wait = None  # idle: sleep until a command arrives
             try:
@@ -367,7 +393,9 @@ class AsyncEngine:
             outputs: list = []
             if self._live_ids() or self._background_work():
                 try:
+                    started = time.perf_counter()
                     outputs = engine.step()
+                    self._activity.add(time.perf_counter() - started)
                 except Exception as e:  # an engine bug: fail the live requests, keep serving
                     self.last_error = f"{type(e).__name__}: {e}"
                     log.error("engine step failed:\n%s", traceback.format_exc())
@@ -540,6 +568,9 @@ class AsyncEngine:
                 self._stats_time = now
             except Exception:
                 log.error("engine.stats() failed:\n%s", traceback.format_exc())
+        if self._activity.due(now):
+            log.info("engine: %s; running %s, waiting %s, kv usage %.2f", self._activity.summary(now),
+                     self._stats.get("running"), self._stats.get("waiting"), self._stats.get("kv_usage") or 0.0)
         for hook in self.step_hooks:
             try:
                 hook(self.engine, outputs)

@@ -8,6 +8,8 @@ a scratch slot that no request owns and carry zero new tokens, which leaves ever
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,6 +24,9 @@ from k3jax.sampling import SamplingTensors
 from k3jax.speculative import target_step
 from serving import spec_decode
 from serving.config import EngineConfig, explicit_buckets
+
+
+log = logging.getLogger("k3jax.serving")
 
 
 def buckets(limit: int, start: int = 1, growth: int = 2) -> tuple[int, ...]:
@@ -113,6 +118,7 @@ class ModelRunner:
         self.scratch_slot = num_slots  # one extra row, owned by nobody, absorbs padding rows
         self.state = k3jax.init_state(cfg, num_slots + 1, num_pages, ecfg.page_size)
         self._set_buckets(ecfg)
+        self._shapes_seen: set[tuple] = set()  # (kind, rows, tokens, pages) programs run so far
         self.k = ecfg.speculative_k if drafter is not None else 0
         if self.k:
             self.dcfg, self.dparams = drafter[0].resolve(cfg), drafter[1]
@@ -132,6 +138,19 @@ class ModelRunner:
         self.slot_copy_buckets = buckets(max(ecfg.max_running, 8), growth=g)
 
     # --- steps -------------------------------------------------------------------------------
+    def _first_use(self, shape: tuple) -> float | None:
+        """The start time when `shape` (kind, rows, tokens, pages) has not run yet: its step compiles."""
+        if shape in self._shapes_seen:
+            return None
+        self._shapes_seen.add(shape)
+        return time.perf_counter()
+
+    def _log_first_use(self, shape: tuple, started: float | None, out) -> None:
+        if started is not None:
+            jax.block_until_ready(out)
+            log.info("new step shape %s rows=%d tokens=%d pages=%d: compiled and ran in %.1f s (%d shapes so far)",
+                     *shape, time.perf_counter() - started, len(self._shapes_seen))
+
     def _meta(self, rows: list[Row], b: int, max_pages: int, lengths: list[int]) -> StepMeta:
         slots = np.full(b, self.scratch_slot, np.int32)
         table = np.zeros((b, max_pages), np.int32)
@@ -156,13 +175,16 @@ class ModelRunner:
         t = fit(max(len(r.tokens) for r in rows), self.token_buckets)
         p = fit(max(len(r.pages) for r in rows), self.page_buckets)
         meta = self._meta(rows, b, p, [len(r.tokens) for r in rows])
+        shape = ("prefill", b, t, p)
+        started = self._first_use(shape)
         if self.k:
             logits, self.state, _, self._prefill_feats = target_step(
                 self.params, self.cfg, self.state, self._tokens(rows, b, t), meta, self.capture, False, self.ecfg.backend)
             self._prefill_meta, self._prefill_slots = meta, [r.slot for r in rows]
-            return logits
-        logits, self.state = k3jax.prefill(self.params, self.cfg, self.state, self._tokens(rows, b, t), meta,
-                                           backend_name=self.ecfg.backend)
+        else:
+            logits, self.state = k3jax.prefill(self.params, self.cfg, self.state, self._tokens(rows, b, t), meta,
+                                               backend_name=self.ecfg.backend)
+        self._log_first_use(shape, started, logits)
         return logits
 
     def decode(self, rows: list[Row]) -> jax.Array:
@@ -172,8 +194,11 @@ class ModelRunner:
         tokens = np.zeros(b, np.int32)
         tokens[: len(rows)] = [r.tokens[0] for r in rows]
         meta = self._meta(rows, b, p, [1] * len(rows))
+        shape = ("decode", b, 1, p)
+        started = self._first_use(shape)
         logits, self.state = k3jax.decode(self.params, self.cfg, self.state, jnp.asarray(tokens), meta,
                                           backend_name=self.ecfg.backend)
+        self._log_first_use(shape, started, logits)
         return logits
 
     # --- speculative decoding ----------------------------------------------------------------
@@ -299,6 +324,7 @@ class ModelRunner:
                 else:
                     _, self.state = k3jax.decode(self.params, self.cfg, self.state, jnp.zeros(b, jnp.int32), meta,
                                                  backend_name=self.ecfg.backend)
+                    self._shapes_seen.add(("decode", b, 1, p))
                 count += 1
                 for t in self.token_buckets if prefill else ():
                     tokens = jnp.full((b, t), self.cfg.pad_token_id, jnp.int32)
@@ -310,6 +336,7 @@ class ModelRunner:
                     else:
                         _, self.state = k3jax.prefill(self.params, self.cfg, self.state, tokens, meta,
                                                       backend_name=self.ecfg.backend)
+                    self._shapes_seen.add(("prefill", b, t, p))
                     count += 1
         return count
 

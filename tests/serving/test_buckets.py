@@ -50,3 +50,33 @@ def test_h200x2_deployments_fix_four_programs_and_warm_up_before_ready():
         argv = worker_argv(dep, dep.workers[0])
         assert argv[:3] == [sys.executable, "-m", "k3jax"] and "--warmup" in argv
         assert argv[argv.index("--row-buckets") + 1] == "8,64"
+
+
+def test_step_activity_summarises_a_window_and_starts_the_next():
+    from serving.async_engine import StepActivity
+
+    act = StepActivity(every_s=30.0)
+    act.since = 100.0
+    assert not act.due(200.0)  # no steps: nothing to say
+    for s in (0.010, 0.030, 12.0):
+        act.add(s)
+    assert not act.due(129.0) and act.due(130.0)
+    assert act.summary(130.0) == "3 steps in 30 s (busy 12.0 s, mean 4013.3 ms, longest 12000 ms)"
+    assert act.steps == 0 and act.since == 130.0 and not act.due(200.0)
+
+
+def test_the_runner_logs_each_new_step_shape_once(caplog):
+    from serving.engine import Engine
+    from serving.request import SamplingParams
+
+    engine = Engine(EngineConfig(page_size=4, num_pages=48, num_slots=8, max_running=4, max_model_len=64,
+                                 max_prefill_tokens=48, row_buckets="4", token_buckets="48", page_buckets="16"))
+    with caplog.at_level("INFO", logger="k3jax.serving"):
+        engine.generate([[5, 9, 11, 200, 7], [3, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0))
+        first = [r.getMessage() for r in caplog.records if "new step shape" in r.getMessage()]
+        caplog.clear()
+        engine.generate([[8, 1, 2]], SamplingParams(max_tokens=3, temperature=0.0))
+        again = [r.getMessage() for r in caplog.records if "new step shape" in r.getMessage()]
+    assert [m.split(":")[0] for m in first] == ["new step shape prefill rows=4 tokens=48 pages=16",
+                                               "new step shape decode rows=4 tokens=1 pages=16"]
+    assert again == []  # same buckets: no new program
