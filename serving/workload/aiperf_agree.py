@@ -2,7 +2,7 @@
 
 AIPerf 0.13.0 lives in its own environment, .venv-aiperf (scripts/extras/aiperf.sh); it runs the AgentX
 scenario (`--scenario inferencex-agentx-mvp --custom-dataset-type weka_trace`) on a trace written by
-write_weka_for_aiperf, and our replay (replay.py, chat endpoint) runs the same sessions at the same
+traces.write_weka, and our replay (replay.py, chat endpoint) runs the same sessions at the same
 concurrency. benchmarks/aiperf_agree.py is the command line; tests/workload/test_aiperf_agree.py a tiny run.
 
 What is compared, and what was changed to compare like with like (k3-tiny on CPU, 2026-11-30):
@@ -51,10 +51,10 @@ What is compared, and what was changed to compare like with like (k3-tiny on CPU
   hit the same 816 tokens while the prompt grew 885 -> 976). Our replay now sends user messages too
   (`chat_turn_role="user"`, AgreeConfig's default; the replay's own default stays "assistant", the
   history a real agent sends).
-  (2) traces.write_weka leaves a subagent entry's system_tokens/tool_tokens out, so AIPerf rendered a
+  (2) traces.write_weka left a subagent entry's system_tokens/tool_tokens out, so AIPerf rendered a
   subagent's system blocks as the start of a user message behind its cache-busting marker, and the server
   (which checkpoints at the end of the system messages) could not resume any subagent's first request at
-  the shared system prompt, while ours sent a system message and did. `write_weka_for_aiperf` declares them.
+  the shared system prompt, while ours sent a system message and did. write_weka now declares them.
   What still differs: AIPerf's prompt lengths. A chain's first prompt is 28 tokens longer than ours (its
   20-token marker; ours takes the template's tokens off the text), and later turns do not follow the
   trace's `in`: AIPerf keeps a synthetic partial tail in the history and sends only part of some turns'
@@ -174,25 +174,6 @@ class AgreeConfig:
 
 
 AIPERF_PROFILING_STARTED = "Phase profiling (profiling) started"  # AIPerf's log line when scoring starts
-
-
-def write_weka_for_aiperf(sessions: Sequence[Session], trace_dir: Path) -> list[Path]:
-    """traces.write_weka, plus each subagent entry's `system_tokens` / `tool_tokens` (the session's: our
-    generator's subagents start with the root's system blocks), fields of the weka format that write_weka
-    leaves out. Without them AIPerf 0.13.0 renders a subagent's system blocks as the start of a user
-    message behind its cache-busting marker, and the server, which checkpoints a conversation's state at the
-    end of its system messages, cannot resume a subagent there; our replay sends them as a system message."""
-    paths = write_weka(sessions, trace_dir)
-    by_id = {s.id: s for s in sessions}
-    for path in paths:
-        trace = json.loads(path.read_text())
-        session = by_id[trace["id"]]
-        for entry in trace["requests"]:
-            if entry.get("type") == "subagent":
-                entry.setdefault("system_tokens", session.system_tokens)
-                entry.setdefault("tool_tokens", session.tool_tokens)
-        path.write_text(json.dumps(trace, separators=(",", ":")))
-    return paths
 
 
 def run_aiperf(url: str, trace_dir: Path, work: Path, cfg: AgreeConfig, alongside=None) -> dict:
@@ -350,7 +331,7 @@ def compare_clients(sessions: Sequence[Session], url: str, work: str | Path, cfg
     trace_dir = work / "weka"
     if trace_dir.exists():
         shutil.rmtree(trace_dir)
-    write_weka_for_aiperf(sessions, trace_dir)
+    write_weka(sessions, trace_dir)
     warmup_runs = []
     for i in range(warmup_pairs):
         # ours first: on a cold worker the first requests wait for compilation longer than a short window

@@ -356,6 +356,10 @@ def session_to_weka(s: Session) -> dict:
             "total_tokens": sum(r.input_tokens + r.output_tokens for r in sub.requests),
             "tool_use_count": sub.tool_use_count, "status": sub.status,
             "models": sorted({r.model for r in sub.requests if r.model}),
+            # a subagent starts from the session's system prompt and tool definitions (the weka format's
+            # per-subagent fields): without them AIPerf renders those blocks as user text behind its
+            # cache-busting marker, and no subagent's first request can resume the shared system prompt
+            "tool_tokens": s.tool_tokens, "system_tokens": s.system_tokens,
             "requests": [_request_json(r) for r in sub.requests]}))
     items.sort(key=lambda x: (x[0], x[1]))
     all_reqs = s.all_requests()

@@ -101,6 +101,10 @@ def test_weka_round_trip(short, tmp_path):
     assert {d["type"] for d in entries} == {"s", "subagent"}
     # AIPerf 0.13's WekaSubagentEntry takes duration_ms as an integer (a fraction fails validation)
     assert all(isinstance(d["duration_ms"], int) for d in entries if d["type"] == "subagent")
+    # a subagent declares the session's system prompt and tools it starts from (AIPerf renders them as such)
+    for p, s in zip(paths, short):
+        subs = [d for d in json.loads(p.read_text())["requests"] if d["type"] == "subagent"]
+        assert all(d["system_tokens"] == s.system_tokens and d["tool_tokens"] == s.tool_tokens for d in subs)
     assert read_weka(tmp_path / "weka") == short
     assert read_weka(paths[0]) == [short[0]]
 
