@@ -249,7 +249,11 @@ def comm_per_layer(cfg: ModelConfig, dep: Deployment) -> dict[str, float]:
             2(n-1)/n * n*B * (2D + Dl) * s
       dep   dispatch + combine all-to-all, deduplicated: <= 2 * B*min(k, n) latent rows (the 2BK bound),
             routing 2k int32 words per dispatched row; with TP subgroups per TP'd GEMM input
-            (T-1)*B*D*s all-gather + (T-1)/T*B*D*s all-to-all back (the published per-token table)
+            (T-1)*B*D*s all-gather + (T-1)/T*B*D*s all-to-all back (the published per-token table:
+            "tp-all-gather" / "tp-all-to-all"), and what a whole layer of the model path sends for its
+            TP-selected projections and shared experts ("tp-kda-layer" / "tp-mla-layer": the attention
+            projections as k3jax.parallel.tp_subgroup.closed_form_bytes_per_token counts them, plus the
+            shared experts' (T-1)*B*D*s gathered in and (T-1)*B*D*s of partial sums back)
       dwdp  all-gather of the next layer's remote expert shards: (n-1)/n * one layer's routed experts;
             no token traffic
       dcp   per MLA layer: the partial latent outputs and log-sum-exps of B queries, merged by all-reduce:
@@ -268,6 +272,11 @@ def comm_per_layer(cfg: ModelConfig, dep: Deployment) -> dict[str, float]:
     if t > 1:
         out["tp-all-gather"] = (t - 1) * b * d * s
         out["tp-all-to-all"] = (t - 1) / t * b * d * s
+        from k3jax.parallel.tp_subgroup import closed_form_bytes_per_token  # it imports this module's TP lists
+
+        shared = 2 * (t - 1) * b * d * s if cfg.num_shared_experts else 0.0
+        for kind, parts in closed_form_bytes_per_token(cfg, t, s).items():
+            out[f"tp-{kind}-layer"] = b * (parts["all-gather"] + parts["all-to-all"]) + shared
     return out
 
 

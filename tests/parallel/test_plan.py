@@ -68,4 +68,14 @@ def test_cli_plan_json(capsys):
     assert cli.main(["plan", "--model", "k3", "--tp", "4", "--pool-tb", "5.45", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests_per_gpu"] == 36 and out["histories_in_pool"] == pytest.approx(1600, rel=0.03)
-    assert set(out["comm_per_layer"]) == {"all-to-all", "tp-all-gather", "tp-all-to-all"}
+    comm = out["comm_per_layer"]
+    assert set(comm) == {"all-to-all", "tp-all-gather", "tp-all-to-all", "tp-kda-layer", "tp-mla-layer"}
+    # a whole layer's TP traffic = the selected attention projections (closed form) + the shared experts
+    from k3jax.parallel.tp_subgroup import closed_form_bytes_per_token
+
+    cfg = load_config("k3")
+    per_token = closed_form_bytes_per_token(cfg, 4, 2)
+    for kind in ("kda", "mla"):
+        want = sum(per_token[kind].values()) + 2 * 3 * cfg.hidden_size * 2
+        assert comm[f"tp-{kind}-layer"] == pytest.approx(want)
+    assert comm["tp-kda-layer"] > comm["tp-all-gather"] + comm["tp-all-to-all"]  # several GEMMs, not one
