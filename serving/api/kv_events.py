@@ -1,8 +1,9 @@
 """KV-cache events for the gateway's cache-aware routing (SubscribeKvEvents, smg.grpc.common).
 
 The worker's device prefix cache is a forest of full pages keyed by chained SHA-256 page hashes
-(serving.cache.hashing). After each engine step the publisher diffs the set of cached pages against
-what it reported before and publishes one `KvEventBatch`:
+(serving.cache.hashing). The publisher listens to the cache (`PrefixCache.add_listener`) and nets
+the pages stored and removed since its last batch; after an engine step with changes it publishes one
+`KvEventBatch`:
 - `KvBlocksStored` per chain of new pages (parents before children; `parent_block_hash` links a
   chain to its cached parent), each block with its page's token ids and `block_size` = page size;
 - `KvBlocksRemoved` for pages that left the cache (eviction, reset); `KvCacheCleared` when it emptied.
@@ -15,8 +16,11 @@ gets the retained history after s if it reaches back that far, else a snapshot (
 the current sequence: Cleared, then every cached page); then live batches. Each batch carries the
 engine's load (EngineLoad). The engine thread publishes; subscribers live on asyncio loops.
 
-Reading the cache: `PrefixCache` has no iteration API or insert/evict listener yet, so `_cached_pages`
-reads its private `_entries` dict (O(cached pages) per diff, done at most every `min_interval_s`).
+Netting keeps the batches what a diff of the cached set against the reported one would give: a page
+stored and removed again between two batches is not reported, one removed and stored again (same hash,
+so the same tokens and parent) neither. The publisher attaches to the engine's cache at its first step
+(starting from `PrefixCache.keys()`), and re-attaches if the engine's cache object changes. Cost:
+O(pages changed) per batch, not O(cached pages).
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ class KvEventPublisher:
         self.page_size = page_size
         self.min_interval_s = min_interval_s
         self._known: dict[str, tuple[str | None, tuple[int, ...], int]] = {}  # hash -> (parent, tokens, depth)
+        # the cache listened to, and its changes since the last batch (engine thread only). Invariant:
+        # cached pages == known + stored - removed, with stored disjoint from known, removed within it
+        self._cache = None
+        self._pending_stored: dict[str, tuple[str | None, tuple[int, ...], int]] = {}
+        self._pending_removed: dict[str, None] = {}  # an ordered set
         self._seq = 0
         self._history: deque = deque(maxlen=history)
         self._subscribers: set[_Subscriber] = set()
@@ -83,15 +92,16 @@ class KvEventPublisher:
         now = time.monotonic()
         if outputs:
             self._last_output = now
+        cache = _prefix_cache(engine)
+        if cache is not self._cache:
+            self._attach(cache)
         # throttled only while requests run: the step that finishes the last one must be reported now,
         # as the engine thread then sleeps until the next command
         if outputs and engine.requests and now - self._last_diff < self.min_interval_s:
             return
         self._last_diff = now
-        entries = _cached_pages(engine)
         known = self._known
-        added = [h for h in entries.keys() - known.keys()]
-        removed = [h for h in known.keys() - entries.keys()]
+        added, removed = self._pending_stored, list(self._pending_removed)
         if not added and not removed:
             if now - self._load_time > HEARTBEAT_S / 2:
                 self._load, self._load_time = _engine_load(engine), now
@@ -101,18 +111,16 @@ class KvEventPublisher:
         with self._lock:  # `_known` and the sequence change together, as a snapshot reads them
             events = []
             if removed:
-                if not entries:
+                if cache is None or len(cache) == 0:
                     events.append(common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared()))
                 else:
                     events.append(common_pb2.KvCacheEvent(removed=common_pb2.KvBlocksRemoved(
                         block_hashes=[block_hash(h) for h in removed], tier=common_pb2.KV_CACHE_TIER_DEVICE)))
                 for h in removed:
                     del known[h]
-            new = {}
-            for h in added:
-                e = entries[h]
-                new[h] = known[h] = (e.parent, tuple(e.tokens), e.depth)
-            events.extend(self._stored_events(new))
+            known.update(added)
+            events.extend(self._stored_events(added))
+            self._pending_stored, self._pending_removed = {}, {}
             self._seq += 1
             batch = common_pb2.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), events=events,
                                             load=load)
@@ -124,6 +132,34 @@ class KvEventPublisher:
             subscribers = list(self._subscribers)
         for sub in subscribers:
             sub.put(batch)
+
+    def _attach(self, cache) -> None:
+        """Listen to `cache` (None: no prefix cache, so nothing is cached) instead of the previous one;
+        the pending changes become the difference between what it holds and what was reported."""
+        if self._cache is not None:
+            self._cache.remove_listener(self._on_cache_change)
+        self._cache = cache
+        current = cache.keys() if cache is not None else []
+        current_set = set(current)
+        self._pending_removed = {h: None for h in self._known if h not in current_set}
+        self._pending_stored = {}
+        self._on_cache_change("stored", tuple(h for h in current if h not in self._known))
+        if cache is not None:
+            cache.add_listener(self._on_cache_change)
+
+    def _on_cache_change(self, kind: str, keys: tuple[str, ...]) -> None:
+        """PrefixCache listener (engine thread): net the change into the pending stored/removed sets."""
+        if kind == "stored":
+            for h in keys:
+                if h in self._pending_removed:  # reported, removed, now back (same hash, same page): no change
+                    del self._pending_removed[h]
+                    continue
+                e = self._cache.entry(h)
+                self._pending_stored[h] = (e.parent, tuple(e.tokens), e.depth)
+        elif kind == "removed":
+            for h in keys:
+                if self._pending_stored.pop(h, None) is None:  # not stored since the last batch: it was reported
+                    self._pending_removed[h] = None
 
     def _stored_events(self, pages: dict[str, tuple[str | None, tuple[int, ...], int]]) -> list:
         """One KvBlocksStored per chain of pages (by depth, so parents come first)."""
@@ -200,11 +236,10 @@ class KvEventPublisher:
         return common_pb2.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), events=events, load=self._load)
 
 
-def _cached_pages(engine) -> dict:
+def _prefix_cache(engine):
+    """The engine's device PrefixCache, or None when it runs without one."""
     kv = engine.kv
-    if not getattr(kv, "use_prefix_cache", False):
-        return {}
-    return kv.prefix._entries  # see the module docstring: no public iteration API yet
+    return kv.prefix if getattr(kv, "use_prefix_cache", False) else None
 
 
 def _engine_load(engine):

@@ -27,6 +27,13 @@ ones, then sessions waiting for their next turn (a waiting session is stale afte
 `on_evict(entry, checkpoint_only)` runs before anything is freed (the engine copies the page and the
 checkpoint to the host tier there); if it raises, that entry is left as it was.
 
+Listeners (`add_listener(fn)`): fn("stored", keys) after `insert` cached new pages (parents before
+children), fn("removed", keys) after `evict` or `clear` uncached pages (children before parents), so
+an observer (the KV-event publisher) follows the set of cached page hashes in O(changes) without
+diffing. Checkpoint-only drops and session re-tags keep the key set, so they are not reported. Each
+call comes once the cache is consistent again (also when `on_evict` raises part-way through `evict`:
+the pages removed before it are reported); `keys()` lists the current set to start from.
+
 Not thread-safe: the scheduler thread owns the cache. `evict` is O(leaves + k log leaves).
 """
 
@@ -131,6 +138,7 @@ class PrefixCache:
         self._tick = 0
         self._queries = self._query_tokens = self._hit_tokens = 0
         self._evicted_pages = self._evicted_checkpoints = 0
+        self._listeners: list[Callable[[str, tuple[str, ...]], None]] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -140,6 +148,33 @@ class PrefixCache:
 
     def entry(self, key: str) -> CacheEntry | None:
         return self._entries.get(key)
+
+    def keys(self) -> list[str]:
+        """A snapshot of the cached page hashes, parents before children. O(cached pages)."""
+        return sorted(self._entries, key=lambda h: self._entries[h].depth)
+
+    # ------------------------------------------------------------------ change listeners
+
+    def add_listener(self, fn: Callable[[str, tuple[str, ...]], None]) -> None:
+        """Call fn("stored" | "removed", page hashes) whenever pages enter or leave the cache (see
+        the module docstring). Runs on the cache owner's thread, inside insert/evict/clear: keep it
+        short and do not raise (an exception reaches the caller, and later listeners miss the call)."""
+        if not callable(fn):
+            raise ValueError(f"a listener must be callable, got {fn!r}")
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[str, tuple[str, ...]], None]) -> None:
+        """Stop calling fn; ValueError if it is not a listener."""
+        try:
+            self._listeners.remove(fn)
+        except ValueError:
+            raise ValueError(f"{fn!r} is not a listener of this cache") from None
+
+    def _notify(self, kind: str, keys: list[str]) -> None:
+        if keys:
+            batch = tuple(keys)
+            for fn in list(self._listeners):
+                fn(kind, batch)
 
     # ------------------------------------------------------------------ lookup and locking
 
@@ -256,7 +291,7 @@ class PrefixCache:
                 raise ValueError(f"slot {checkpoint_slot} is the checkpoint of another page")
 
         self._tick += 1
-        parent, num_cached = None, 0
+        parent, stored = None, []
         for i, (h, p) in enumerate(zip(hashes, pages)):
             e = self._entries.get(h)
             if e is None:
@@ -264,7 +299,7 @@ class PrefixCache:
                 e = CacheEntry(h, p, parent, page_tokens, depth=i + 1, session=session)
                 self._add(e)
                 self.pages.incref([p])
-                num_cached += 1
+                stored.append(h)
             elif session is not None and e.session != session:
                 self._retag(e, session)
             e.last_access = self._tick
@@ -277,7 +312,8 @@ class PrefixCache:
                 self._by_slot[checkpoint_slot] = last
                 self.slots.incref([checkpoint_slot])
                 taken = True
-        return InsertResult(num_cached, taken)
+        self._notify("stored", stored)
+        return InsertResult(len(stored), taken)
 
     def _add(self, e: CacheEntry) -> None:
         self._entries[e.hash] = e
@@ -342,18 +378,23 @@ class PrefixCache:
             heap = [self._evict_key(self._entries[h], now) for h in self._leaves]
             heap = [k for k in heap if self.pages.refcount(k[-1].page) == 1]
             heapq.heapify(heap)
-            while heap and pages_freed < num_pages_needed:
-                e = heapq.heappop(heap)[-1]
-                if self.on_evict is not None:
-                    self.on_evict(e, False)
-                self._evicted_checkpoints += e.checkpoint_slot is not None
-                parent, freed_slot = self._remove(e)
-                self._evicted_pages += 1
-                pages_freed += 1
-                slots_freed += freed_slot
-                if parent is not None and parent.num_children == 0:
-                    if self.pages.refcount(parent.page) == 1:
-                        heapq.heappush(heap, self._evict_key(parent, now))
+            removed: list[str] = []
+            try:
+                while heap and pages_freed < num_pages_needed:
+                    e = heapq.heappop(heap)[-1]
+                    if self.on_evict is not None:
+                        self.on_evict(e, False)
+                    self._evicted_checkpoints += e.checkpoint_slot is not None
+                    parent, freed_slot = self._remove(e)
+                    removed.append(e.hash)
+                    self._evicted_pages += 1
+                    pages_freed += 1
+                    slots_freed += freed_slot
+                    if parent is not None and parent.num_children == 0:
+                        if self.pages.refcount(parent.page) == 1:
+                            heapq.heappush(heap, self._evict_key(parent, now))
+            finally:  # an on_evict that raises leaves the pages removed so far removed: report them
+                self._notify("removed", removed)
         if slots_freed < num_slots_needed:
             cands = [e for s, e in self._by_slot.items() if self.slots.refcount(s) == 1]
             for key in sorted(self._evict_key(e, now) for e in cands):
@@ -406,16 +447,17 @@ class PrefixCache:
             if self.slots.refcount(slot) == 1:
                 self._drop_checkpoint(e)
         stack = [self._entries[h] for h in self._leaves]
-        removed = 0
+        removed: list[str] = []
         while stack:
             e = stack.pop()
             if self.pages.refcount(e.page) != 1:
                 continue
             parent, _ = self._remove(e)
-            removed += 1
+            removed.append(e.hash)
             if parent is not None and parent.num_children == 0:
                 stack.append(parent)
-        return removed
+        self._notify("removed", removed)
+        return len(removed)
 
     def num_evictable_pages(self) -> int:
         """Pages that `evict` could free now (cache-only, no locked descendant). O(entries)."""

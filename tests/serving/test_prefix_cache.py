@@ -376,6 +376,85 @@ def test_clear_keeps_locked_entries_and_frees_the_rest():
     cache.check_integrity()
 
 
+# ------------------------------------------------------------------------------------ listeners
+
+
+def test_listener_sees_exactly_the_stored_and_removed_keys():
+    clock = Clock()
+    cache, pages, slots = make(clock=clock, waiting_ttl_s=60)
+    calls = []
+    cache.add_listener(lambda kind, keys: calls.append((kind, keys)))
+    a, b = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [3, 1, 4, 1, 7, 7, 7]  # ragged: 2 and 1 full pages
+    ha = prefix_hashes(a, PS)
+    compute(cache, a, session="old")
+    assert calls == [("stored", tuple(ha))]  # one call per insert, parents first
+    compute(cache, b, session="new")  # its one full page is a's first: cached already, no call
+    assert calls[1:] == [] and cache.keys() == ha
+    hb2 = prefix_hashes(b + [8], PS)[1]
+    compute(cache, b + [8], session="new")
+    assert calls[1:] == [("stored", (hb2,))]
+    assert cache.keys()[0] == ha[0] and set(cache.keys()) == {ha[0], ha[1], hb2}
+    compute(cache, a, session="old")  # cached already (a re-tag): no call
+    assert len(calls) == 2
+    # session expiry: "old" waits past its TTL, so its leaf goes first although used last
+    cache.set_session_state("old", "waiting")
+    cache.set_session_state("new", "waiting")
+    clock.t = 61
+    cache.set_session_state("new", "waiting")
+    assert cache.evict(1) == (1, 1) and calls[2:] == [("removed", (ha[1],))]
+    assert cache.evict(0, 0) == (0, 0) and len(calls) == 3  # nothing removed: no call
+    cache.evict(0, 1)  # a checkpoint-only drop keeps the key set: no call
+    assert len(calls) == 3 and len(cache) == 2
+    # reset: children before parents; locked pages stay and are not reported
+    compute(cache, [6] * 9)
+    h6 = prefix_hashes([6] * 9, PS)
+    hit = cache.match([6] * 9)
+    cache.lock(hit)
+    n = len(calls)
+    assert calls[n - 1] == ("stored", tuple(h6)) and cache.clear() == 2
+    assert calls[n:] == [("removed", (hb2, ha[0]))] and cache.keys() == h6
+    cache.unlock(hit)
+    assert cache.clear() == 2 and calls[n + 1:] == [("removed", (h6[1], h6[0]))]
+    cache.check_integrity()
+
+
+def test_listener_hears_pages_removed_before_on_evict_fails():
+    cache, _, _ = make()
+    compute(cache, [2] * 4)
+    compute(cache, [1] * 4)  # more recently used: evicted second
+    seen, calls = [], []
+    cache.add_listener(lambda kind, keys: calls.append((kind, keys)))
+
+    def fail_second(entry, checkpoint_only):
+        seen.append(entry.hash)
+        if len(seen) == 2:
+            raise RuntimeError("host tier full")
+
+    cache.on_evict = fail_second
+    with pytest.raises(RuntimeError):
+        cache.evict(2)
+    assert calls == [("removed", (page_hash([2] * 4, None),))] and len(cache) == 1
+    cache.check_integrity()
+
+
+def test_listener_registration():
+    cache, _, _ = make()
+    calls = []
+
+    def listener(kind, keys):
+        calls.append(kind)
+
+    with pytest.raises(ValueError, match="callable"):
+        cache.add_listener("not a function")
+    cache.add_listener(listener)
+    compute(cache, [5] * 5)
+    cache.remove_listener(listener)
+    cache.clear()
+    assert calls == ["stored"]
+    with pytest.raises(ValueError, match="not a listener"):
+        cache.remove_listener(listener)
+
+
 def test_check_integrity_catches_corruption():
     cache, pages, _ = make()
     compute(cache, [1] * 8)
@@ -427,6 +506,17 @@ def test_random_sessions_against_a_fake_device(seed):
         evicted.append(entry.hash)
 
     cache = PrefixCache(PS, pages, slots, on_evict=on_evict, waiting_ttl_s=50, clock=clock)
+    mirror: set[str] = set()  # the key set as a listener follows it
+
+    def follow(kind, keys):
+        if kind == "stored":
+            assert mirror.isdisjoint(keys) and all(cache.entry(k) for k in keys)
+            mirror.update(keys)
+        else:
+            assert mirror >= set(keys) and not any(k in cache for k in keys)
+            mirror.difference_update(keys)
+
+    cache.add_listener(follow)
     system = [rng.randrange(8) for _ in range(6)]
     history = {f"s{i}": list(system) for i in range(5)}
     active: list[Req] = []
@@ -494,9 +584,10 @@ def test_random_sessions_against_a_fake_device(seed):
 
     def check():
         cache.check_integrity()
+        assert mirror == set(cache.keys())
         page_refs: dict[int, int] = {}
         slot_refs: dict[int, int] = {}
-        for key in list(cache._entries):  # the cache's own references, and what they hold
+        for key in cache.keys():  # the cache's own references, and what they hold
             e = cache.entry(key)
             page_refs[e.page] = 1
             assert page_data[e.page] == e.tokens
