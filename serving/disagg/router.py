@@ -29,6 +29,32 @@ prompt's tokens beyond the longest prefix the router has sent to that worker bef
 host caches hold those; a shared pool serves the rest of the history to any worker, but a local hit is
 cheaper than a pool fetch). Ties go to fewer in-flight requests, then the lower index. A worker's
 outstanding prefill tokens drop when its first token arrives.
+
+Failed workers: a leg that fails with a worker error (not INVALID_ARGUMENT or a cancel) counts a failure
+against its worker and marks it failed; failed workers get no requests while any worker of their kind
+is not failed. The health probe (serving/disagg/health.py) sends each failed worker a gRPC HealthCheck
+every `health_interval_s` and puts it back into rotation after `healthy_after` healthy answers in a row.
+Both transitions are logged at INFO.
+
+GET /metrics (Prometheus text; every series carries `model_name`; counts and gauges are read from
+`Router.stats()` at scrape time, the same numbers GET /router/stats shows):
+- k3jax_router_requests_total{leg,outcome}: legs by how they ended. leg: prefill | decode (one of each per
+  P/D request) | colocated. outcome: success | worker_error (counted against the worker) | rejected (the
+  worker refused the request: INVALID_ARGUMENT) | cancelled (the client went away, or the other leg of
+  the request failed first).
+- k3jax_router_prompt_tokens_total, k3jax_router_estimated_cached_tokens_total: prompt tokens routed and
+  the router's estimate of how many of them the workers' caches held (the policy's prefix estimate).
+- k3jax_router_worker_inflight{leg,worker}: legs in flight per worker (worker: its gRPC target).
+- k3jax_router_worker_outstanding_prefill_tokens{leg,worker}: the estimate the policy ranks prefill and
+  colocated workers by (prompt tokens still to compute, beyond the estimated cache hits).
+- k3jax_router_worker_outstanding_decode_tokens{worker}: max_tokens still to generate per decode worker.
+- k3jax_router_worker_failures_total{leg,worker}: worker errors per worker.
+- k3jax_router_worker_failed{leg,worker}: 1 while the worker is marked failed, else 0.
+- k3jax_router_workers_failed{leg}: workers marked failed now.
+- k3jax_router_health_probes_total: HealthChecks sent to failed workers.
+- k3jax_router_time_to_first_token_seconds, k3jax_router_e2e_request_latency_seconds: histograms (vLLM's
+  buckets) as the router sees a request: from routing (after tokenization) to the first streamed
+  response and to the last; e2e observes successful requests only.
 """
 
 from __future__ import annotations
@@ -44,15 +70,21 @@ from dataclasses import dataclass, field
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pb_grpc
 
+from serving.api.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TTFT_BUCKETS
 from serving.api.protocol import APIError, chat_messages, check_unsupported, completion_prompt, sampling_params, stream_options
 from serving.api.tokenizer import TextStream, load_tokenizer
 from serving.cache.hashing import prefix_hashes
+from serving.disagg.health import HealthProbe
 
 log = logging.getLogger("k3jax.router")
 MAX_REMEMBERED_PAGES = 1 << 20
+LEGS = ("prefill", "decode", "colocated")
+OUTCOMES = ("success", "worker_error", "rejected", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -70,6 +102,8 @@ class RouterConfig:
     page_size: int = 16
     max_model_len: int = 4096
     request_timeout_s: float = 600.0
+    health_interval_s: float = 5.0  # how often failed workers are sent a HealthCheck
+    healthy_after: int = 2  # healthy answers in a row that put a failed worker back into rotation
 
     def __post_init__(self):
         problems = []
@@ -88,6 +122,9 @@ class RouterConfig:
                 problems.append(f"decode worker {target!r} must be host:port")
         if self.page_size < 1 or self.max_model_len < 2:
             problems.append("page_size must be >= 1 and max_model_len >= 2")
+        if not self.health_interval_s > 0 or self.healthy_after < 1:
+            problems.append(f"health_interval_s must be > 0 and healthy_after >= 1, got {self.health_interval_s!r} "
+                            f"and {self.healthy_after!r}")
         if problems:
             raise ValueError("invalid RouterConfig: " + "; ".join(problems))
 
@@ -99,7 +136,8 @@ class _Worker:
     stub: object = None
     inflight: int = 0
     outstanding_tokens: int = 0  # prefill: estimated tokens left to compute; decode: tokens still to generate
-    failures: int = 0
+    failures: int = 0  # worker errors, ever (a counter)
+    failed: bool = False  # out of rotation: set by a worker error, cleared by the health probe only
 
 
 @dataclass
@@ -136,34 +174,58 @@ class Router:
         self.colocated = [_Worker(t) for t in cfg.colocated]
         # per colocated worker: the prefixes it has computed (its own caches), the affinity half of its policy
         self.local = [_Estimate(cfg.page_size) for _ in cfg.colocated]
+        # failed: requests that ended with an error (worker or request), client disconnects not counted
         self.counters = {"requests": 0, "failed": 0, "estimated_cached_tokens": 0, "prompt_tokens": 0}
+        self.outcomes = {leg: dict.fromkeys(OUTCOMES, 0) for leg in LEGS}  # legs by how they ended
+        self.health = HealthProbe(self.workers, interval_s=cfg.health_interval_s, healthy_after=cfg.healthy_after)
+        self.metrics = RouterMetrics(self)
         self._channels = []
 
+    def workers(self) -> list[tuple[str, _Worker]]:
+        """(leg, worker) for every worker."""
+        return [*(("prefill", w) for w in self.prefill), *(("decode", w) for w in self.decode),
+                *(("colocated", w) for w in self.colocated)]
+
     async def start(self) -> None:
-        for w in [*self.prefill, *self.decode, *self.colocated]:
-            channel = grpc.aio.insecure_channel(w.target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        # gRPC's reconnect backoff grows to 120 s while a worker is down, and a probe on a channel in backoff
+        # fails without dialling: capped at the probe interval, a restarted worker is seen within ~one interval
+        backoff_ms = max(1000, int(self.cfg.health_interval_s * 1000))
+        for _, w in self.workers():
+            channel = grpc.aio.insecure_channel(w.target, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                                   ("grpc.max_reconnect_backoff_ms", backoff_ms)])
             self._channels.append(channel)
             w.stub = pb_grpc.SglangSchedulerStub(channel)
+        self.health.start()
 
     async def close(self) -> None:
+        await self.health.stop()
         for channel in self._channels:
             await channel.close()
+
+    def _leg_ended(self, leg: str, worker: _Worker, outcome: str) -> None:
+        self.outcomes[leg][outcome] += 1
+        if outcome == "worker_error":
+            worker.failures += 1
+            if not worker.failed:
+                worker.failed = True
+                log.info("%s worker %s marked failed (failure %d); out of rotation until it answers healthy "
+                         "%d health checks in a row", leg, worker.target, worker.failures, self.cfg.healthy_after)
 
     # --- policy ------------------------------------------------------------------------------
     def pick(self, ids: list[int], max_tokens: int) -> tuple[_Worker, _Worker, int]:
         """(prefill worker, decode worker, estimated tokens to compute)."""
         cached = self.estimate.cached_tokens(ids)
         work = len(ids) - cached
-        # ties go to the lower index (deterministic); a worker that failed goes last until it is the only one
-        prefill = min(self.prefill, key=lambda w: (w.failures > 0, w.outstanding_tokens, w.inflight))
-        decode = min(self.decode, key=lambda w: (w.failures > 0, w.inflight, w.outstanding_tokens))
+        # ties go to the lower index (deterministic); a failed worker goes last until it is the only one
+        prefill = min(self.prefill, key=lambda w: (w.failed, w.outstanding_tokens, w.inflight))
+        decode = min(self.decode, key=lambda w: (w.failed, w.inflight, w.outstanding_tokens))
         self.counters["estimated_cached_tokens"] += cached
         self.counters["prompt_tokens"] += len(ids)
         return prefill, decode, work
 
     def pick_colocated(self, ids: list[int]) -> tuple[int, int]:
         """(index of the colocated worker, its estimated prefill tokens): see the module docstring."""
-        healthy = [i for i, w in enumerate(self.colocated) if w.failures == 0] or list(range(len(self.colocated)))
+        healthy = [i for i, w in enumerate(self.colocated) if not w.failed] or list(range(len(self.colocated)))
         loads = [self.colocated[i].inflight for i in healthy]
         slack = max(2, -(-sum(loads) // (4 * len(loads))))
         eligible = [i for i in healthy if self.colocated[i].inflight <= min(loads) + slack]
@@ -175,11 +237,27 @@ class Router:
 
     # --- one request -------------------------------------------------------------------------
     async def generate(self, ids: list[int], sp: pb.SamplingParams, max_tokens: int, request_id: str):
-        """Yields the decode leg's GenerateResponses; raises APIError (prefill failure) or grpc.RpcError."""
-        if self.colocated:
-            async for item in self._generate_colocated(ids, sp, request_id):
+        """Yields the decode leg's GenerateResponses; raises APIError (a leg failed). Observes the
+        request's latencies as the router sees them (from here: tokenization is done)."""
+        start = time.monotonic()
+        legs = (self._generate_colocated(ids, sp, request_id) if self.colocated
+                else self._generate_pd(ids, sp, max_tokens, request_id))
+        first = True
+        try:
+            async for item in legs:
+                if first:
+                    self.metrics.ttft.observe(time.monotonic() - start)
+                    first = False
                 yield item
-            return
+        except Exception:
+            self.counters["failed"] += 1
+            raise
+        else:
+            self.metrics.e2e.observe(time.monotonic() - start)
+        finally:
+            await legs.aclose()  # the client went away: the legs' accounting runs now, not at GC
+
+    async def _generate_pd(self, ids: list[int], sp: pb.SamplingParams, max_tokens: int, request_id: str):
         prefill, decode, work = self.pick(ids, max_tokens)
         room = random.randrange(0, 2**31 - 1)
         self.counters["requests"] += 1
@@ -194,14 +272,22 @@ class Router:
         decode.outstanding_tokens += max_tokens
 
         async def prefill_leg():
+            outcome = "cancelled"
             try:
-                return [r async for r in prefill.stub.Generate(pb.GenerateRequest(**base, stream=False), timeout=timeout)]
+                responses = [r async for r in prefill.stub.Generate(pb.GenerateRequest(**base, stream=False), timeout=timeout)]
+                outcome = "success"
+                return responses
+            except BaseException as e:
+                outcome = _outcome(e)
+                raise
             finally:
                 prefill.inflight -= 1
                 prefill.outstanding_tokens -= work
+                self._leg_ended("prefill", prefill, outcome)
 
         prefill_task = asyncio.ensure_future(prefill_leg())
         call = decode.stub.Generate(pb.GenerateRequest(**base, stream=True), timeout=timeout)
+        outcome = "cancelled"  # also when the prefill leg fails first (it cancels this one)
         try:
             stream = call.__aiter__()
             while True:
@@ -212,9 +298,7 @@ class Router:
                     if prefill_task in done and prefill_task.exception() is not None:
                         next_item.cancel()
                         call.cancel()
-                        err = prefill_task.exception()
-                        prefill.failures += not _is_client_error(err)
-                        raise _api_error(err, "prefill")
+                        raise _api_error(prefill_task.exception(), "prefill")
                     if next_item in done:
                         break
                 try:
@@ -222,14 +306,19 @@ class Router:
                 except StopAsyncIteration:
                     break
                 yield item
+            outcome = "success"
             self.estimate.published(ids)
-            await prefill_task
+            try:
+                await prefill_task
+            except Exception as e:  # the prefill leg failed after the decode leg finished (its own leg counted it)
+                raise _api_error(e, "prefill") from None
         except grpc.RpcError as e:
-            decode.failures += not _is_client_error(e)
+            outcome = _outcome(e)
             raise _api_error(e, "decode") from None
         finally:
             decode.inflight -= 1
             decode.outstanding_tokens -= max_tokens
+            self._leg_ended("decode", decode, outcome)
             if not prefill_task.done():
                 prefill_task.cancel()
             call.cancel()
@@ -244,35 +333,116 @@ class Router:
         call = worker.stub.Generate(pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids),
                                                        sampling_params=sp, stream=True),
                                     timeout=self.cfg.request_timeout_s)
+        outcome = "cancelled"
         try:
             async for item in call:
                 if pending:
                     worker.outstanding_tokens -= pending
                     pending = 0
                 yield item
+            outcome = "success"
             self.local[index].published(ids)
             self.estimate.published(ids)
         except grpc.RpcError as e:
-            worker.failures += not _is_client_error(e)
+            outcome = _outcome(e)
             raise _api_error(e, "colocated") from None
         finally:
             worker.inflight -= 1
             worker.outstanding_tokens -= pending
+            self._leg_ended("colocated", worker, outcome)
             call.cancel()
 
     def stats(self) -> dict:
-        return {**self.counters,
-                "colocated": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
-                               "failures": w.failures} for w in self.colocated],
-                "prefill": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
-                             "failures": w.failures} for w in self.prefill],
-                "decode": [{"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
-                            "failures": w.failures} for w in self.decode]}
+        def worker(w):
+            return {"target": w.target, "inflight": w.inflight, "outstanding_tokens": w.outstanding_tokens,
+                    "failures": w.failures, "failed": w.failed}
+
+        return {**self.counters, "outcomes": {leg: dict(n) for leg, n in self.outcomes.items()},
+                "health_probes": self.health.probes,
+                "colocated": [worker(w) for w in self.colocated], "prefill": [worker(w) for w in self.prefill],
+                "decode": [worker(w) for w in self.decode]}
 
 
-def _is_client_error(e) -> bool:
-    return isinstance(e, grpc.RpcError) and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                                         grpc.StatusCode.CANCELLED)
+class RouterMetrics:
+    """The router's Prometheus metrics (names in the module docstring): the two latency histograms are
+    observed per request; every count and gauge is read from Router.stats() at scrape time."""
+
+    def __init__(self, router: Router):
+        self.registry = CollectorRegistry()
+        name = router.cfg.model_name
+        self.ttft = Histogram("k3jax_router_time_to_first_token_seconds", "Routing to the first streamed response.",
+                              ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry).labels(name)
+        self.e2e = Histogram("k3jax_router_e2e_request_latency_seconds", "Routing to the last response (successful requests).",
+                             ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry).labels(name)
+        self.registry.register(_RouterCollector(name, router.stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RouterCollector:
+    def __init__(self, model_name: str, stats_source):
+        self.model_name = model_name
+        self.stats_source = stats_source
+
+    def describe(self):
+        return []  # collected lazily; nothing to check at registration
+
+    def collect(self):
+        s = self.stats_source()
+        m = [self.model_name]
+
+        def family(kind, name, doc, labels=()):
+            return kind(name, doc, labels=["model_name", *labels])
+
+        requests = family(CounterMetricFamily, "k3jax_router_requests", "Request legs by how they ended.", ("leg", "outcome"))
+        for leg, by_outcome in s["outcomes"].items():
+            if s[leg]:  # only the legs this router has workers for
+                for outcome, n in by_outcome.items():
+                    requests.add_metric([*m, leg, outcome], float(n))
+        yield requests
+        for key, doc in (("prompt_tokens", "Prompt tokens routed."),
+                         ("estimated_cached_tokens", "Prompt tokens the router estimated the workers' caches held.")):
+            c = family(CounterMetricFamily, f"k3jax_router_{key}", doc)
+            c.add_metric(m, float(s[key]))
+            yield c
+        per_worker = ("leg", "worker")
+        inflight = family(GaugeMetricFamily, "k3jax_router_worker_inflight", "Legs in flight per worker.", per_worker)
+        prefill_tokens = family(GaugeMetricFamily, "k3jax_router_worker_outstanding_prefill_tokens",
+                                "Estimated prompt tokens still to compute per worker (the policy's load).", per_worker)
+        decode_tokens = family(GaugeMetricFamily, "k3jax_router_worker_outstanding_decode_tokens",
+                               "max_tokens still to generate per decode worker.", ("worker",))
+        failures = family(CounterMetricFamily, "k3jax_router_worker_failures", "Worker errors per worker.", per_worker)
+        failed = family(GaugeMetricFamily, "k3jax_router_worker_failed", "1 while the worker is marked failed.", per_worker)
+        failed_count = family(GaugeMetricFamily, "k3jax_router_workers_failed", "Workers marked failed.", ("leg",))
+        for leg in LEGS:
+            for w in s[leg]:
+                labels = [*m, leg, w["target"]]
+                inflight.add_metric(labels, float(w["inflight"]))
+                if leg == "decode":
+                    decode_tokens.add_metric([*m, w["target"]], float(w["outstanding_tokens"]))
+                else:
+                    prefill_tokens.add_metric(labels, float(w["outstanding_tokens"]))
+                failures.add_metric(labels, float(w["failures"]))
+                failed.add_metric(labels, float(w["failed"]))
+            if s[leg]:
+                failed_count.add_metric([*m, leg], float(sum(w["failed"] for w in s[leg])))
+        yield from (inflight, prefill_tokens, decode_tokens, failures, failed, failed_count)
+        probes = family(CounterMetricFamily, "k3jax_router_health_probes", "HealthChecks sent to failed workers.")
+        probes.add_metric(m, float(s["health_probes"]))
+        yield probes
+
+
+def _outcome(e: BaseException) -> str:
+    """How a leg that raised `e` ended (see k3jax_router_requests_total)."""
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    if isinstance(e, grpc.RpcError):
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return "rejected"
+        if e.code() == grpc.StatusCode.CANCELLED:
+            return "cancelled"
+    return "worker_error"
 
 
 def _api_error(e: BaseException, leg: str) -> APIError:
@@ -315,6 +485,10 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/router/stats")
     async def stats():
         return router.stats()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
     async def handle(request: Request, chat: bool):
         try:
@@ -433,6 +607,8 @@ async def run_router(cfg: RouterConfig, *, ready: asyncio.Event | None = None, s
 
     import uvicorn
 
+    if not logging.getLogger().handlers:  # a bare `k3jax router` process: show the INFO worker transitions
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = Router(cfg)
     await router.start()
     stop = stop or asyncio.Event()
@@ -461,4 +637,4 @@ async def run_router(cfg: RouterConfig, *, ready: asyncio.Event | None = None, s
     print("k3jax router: stopped", flush=True)
 
 
-__all__ = ["Router", "RouterConfig", "build_app", "run_router"]
+__all__ = ["Router", "RouterConfig", "RouterMetrics", "build_app", "run_router"]
