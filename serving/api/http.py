@@ -161,7 +161,7 @@ def build_app(state) -> FastAPI:
         sampling = sampling_params(body, len(prompt_ids), state.engine.max_model_len, chat=True,
                                    default_max_tokens=None)
         handle = await _submit(state, prompt_ids, sampling, request, "chatcmpl",
-                               cache_boundaries=_system_prefix_end(state, body, text))
+                               cache_boundaries=_chat_cache_boundaries(state, body, text))
         base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion", "created": int(handle.created),
                 "model": state.model_name}
         if stream:
@@ -236,22 +236,32 @@ def _cache_boundaries(body: dict) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _system_prefix_end(state, body: dict, text: str) -> tuple[int, ...]:
-    """Token count of the leading system/developer messages as rendered, when the full prompt starts with
-    that rendering: the engine checkpoints there so conversations sharing the system prompt (subagents,
-    new sessions of one agent) reuse it, not just continuations of the same conversation."""
+def _chat_cache_boundaries(state, body: dict, text: str) -> tuple[int, ...]:
+    """Where the rendered prompt's shareable prefixes end, in tokens, for the engine to checkpoint there (a
+    hybrid model resumes only at a KDA checkpoint, so a prefix needs one at its end):
+    - the leading system/developer messages: conversations sharing the system prompt (subagents, new
+      sessions of one agent) reuse it, not only continuations of the same conversation;
+    - the conversation before the generation prompt: a next request that renders this history the same
+      way but continues it differently (its next turn as a user message, as AIPerf's weka replay sends it,
+      or a template that re-renders the last assistant turn) still resumes there, not at an older
+      checkpoint. A continuation of the whole prompt resumes at the prompt's own end as before.
+    Each counts only when the full prompt starts with that rendering."""
     messages = chat_messages(body)
+    kwargs = dict(tools=body.get("tools"), **(body.get("chat_template_kwargs") or {}))
     n = 0
     while n < len(messages) and messages[n].get("role") in ("system", "developer"):
         n += 1
-    if n == 0 or n == len(messages):
-        return ()
-    try:
-        head = state.tokenizer.apply_chat_template(messages[:n], add_generation_prompt=False, tools=body.get("tools"),
-                                                   **(body.get("chat_template_kwargs") or {}))
-    except ValueError:
-        return ()
-    return (len(state.tokenizer.encode(head)),) if head and text.startswith(head) else ()
+    out = []
+    for head_messages in ((messages[:n] if 0 < n < len(messages) else None), messages):
+        if not head_messages:
+            continue
+        try:
+            head = state.tokenizer.apply_chat_template(head_messages, add_generation_prompt=False, **kwargs)
+        except ValueError:
+            continue
+        if head and text.startswith(head) and len(head) < len(text):
+            out.append(len(state.tokenizer.encode(head)))
+    return tuple(sorted(set(out)))
 
 
 async def _submit(state, prompt_ids, sampling, request: Request, kind: str,

@@ -89,6 +89,26 @@ def test_chats_sharing_a_system_prompt_reuse_it(client):
     assert usage[1].prompt_tokens_details.cached_tokens >= 4 * 16  # the system turn renders to > 64 tokens
 
 
+def test_a_chat_continued_by_a_user_turn_resumes_at_the_end_of_its_history(client):
+    """The next request renders the same conversation but continues it with a user message (as AIPerf's weka
+    replay sends agent turns), so it leaves the previous prompt at the previous generation prompt's role. The
+    server checkpoints the end of the conversation before the generation prompt too, so the hit reaches that
+    page, not the system prompt's (the previous prompt's own end lies past the divergence here)."""
+    from serving.api.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    system = {"role": "system", "content": "You are a careful coding agent."}
+    first_turn = {"role": "user", "content": "Read the failing test and the module it covers, then explain why. ok ok"}
+    history = [system, first_turn]
+    history_end = len(tok.encode(tok.apply_chat_template(history, add_generation_prompt=False)))
+    prompt_end = len(tok.encode(tok.apply_chat_template(history, add_generation_prompt=True)))
+    assert prompt_end // 16 > history_end // 16  # the previous prompt's last page ends past the divergence
+    client.chat.completions.create(model="k3-tiny", messages=history, max_tokens=2, extra_body={"ignore_eos": True})
+    nxt = client.chat.completions.create(model="k3-tiny", messages=[*history, {"role": "user", "content": "Go on."}],
+                                         max_tokens=2, extra_body={"ignore_eos": True})
+    assert nxt.usage.prompt_tokens_details.cached_tokens == history_end // 16 * 16
+
+
 def test_completions_declare_a_shared_prefix(client):
     shared = "Shared tool preamble for every subagent of this run. " * 2  # 108 tokens
     client.completions.create(model="k3-tiny", prompt=shared + "First task.", max_tokens=2,
