@@ -377,6 +377,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=d.tokenizer, help="the workers' tokenizer (default: the bundled one)")
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"the workers' page size (default {d.page_size})")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help=f"(default {d.max_model_len})")
+    p.add_argument("--health-interval-s", type=float, default=d.health_interval_s,
+                   help=f"how often a worker marked failed is sent a HealthCheck (default {d.health_interval_s})")
+    p.add_argument("--healthy-after", type=int, default=d.healthy_after,
+                   help=f"healthy answers in a row that put it back into rotation (default {d.healthy_after})")
     p.set_defaults(_run=run_router)
 
 
@@ -389,7 +393,8 @@ def run_router(ns: argparse.Namespace) -> int:
         prefill = tuple((t, int(b)) for t, b in ns.prefill)
         cfg = RouterConfig(prefill=prefill, decode=tuple(ns.decode), colocated=tuple(ns.colocated), host=ns.host, port=ns.port,
                            model_name=ns.model_name, tokenizer=ns.tokenizer, page_size=ns.page_size,
-                           max_model_len=ns.max_model_len)
+                           max_model_len=ns.max_model_len, health_interval_s=ns.health_interval_s,
+                           healthy_after=ns.healthy_after)
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
