@@ -7,33 +7,20 @@ Run: python -m pytest -q tests/serving/test_async_engine.py
 import asyncio
 import threading
 
-import jax
 import numpy as np
 import pytest
 
-import k3jax
 from serving.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
-from serving.config import EngineConfig
-from serving.engine import Engine
 from serving.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=7, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = k3jax.load_config("k3-tiny")
-    return cfg, k3jax.init_params(cfg, jax.random.key(0))
-
-
-def make_engine(model, **kw):
-    cfg, params = model
-    # Few shape buckets, each a CPU compile: rows {1, 2} x prefill tokens {16} x pages {1, 8}; prompts are
-    # longer than a page, so only the 8-page bucket is used.
-    opts = dict(page_size=16, num_pages=64, num_slots=24, max_running=2, max_prefill_tokens=16, max_model_len=128,
-                bucket_growth=64)
-    opts.update(kw)
-    return Engine(EngineConfig(**opts), cfg=cfg, params=params)
+# The `make_engine` fixture's defaults (tests/serving/conftest.py). Few shape buckets, each a CPU compile:
+# rows {1, 2} x prefill tokens {16} x pages {1, 8}; prompts are longer than a page, so only the 8-page bucket
+# is used.
+ENGINE_OPTS = dict(page_size=16, num_pages=64, num_slots=24, max_running=2, max_prefill_tokens=16, max_model_len=128,
+                   bucket_growth=64)
 
 
 def prompts(seed, n, lo=17, hi=50):
@@ -42,9 +29,9 @@ def prompts(seed, n, lo=17, hi=50):
 
 
 @pytest.fixture(scope="module")
-def served(model):
+def served(make_engine):
     """One engine for the module: reference outputs computed synchronously first, then served async."""
-    engine = make_engine(model)
+    engine = make_engine()
     ps = prompts(0, 5)
     expected = engine.generate(ps, GREEDY)
     ae = AsyncEngine(engine, max_pending=6).start()
@@ -158,8 +145,8 @@ def test_overload_and_reset_prefix_cache(served):
     assert stats["prefix_cache"]["cached_pages"] == 0
 
 
-def test_stop_drains_running_requests(model):
-    ae = AsyncEngine(make_engine(model)).start()
+def test_stop_drains_running_requests(make_engine):
+    ae = AsyncEngine(make_engine()).start()
     done = threading.Event()
 
     async def main():

@@ -4,7 +4,6 @@ workload with aborts and preemptions, and input validation.
 Run: python -m pytest tests/serving/test_engine.py -q
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,18 +16,9 @@ from serving.request import SamplingParams
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = k3jax.load_config("k3-tiny")
-    return cfg, k3jax.init_params(cfg, jax.random.key(0))
-
-
-def make_engine(model, **kw):
-    cfg, params = model
-    opts = dict(page_size=4, num_pages=96, num_slots=24, max_running=4, max_prefill_tokens=32, max_model_len=128,
-                bucket_growth=64)  # few shape buckets: each costs a CPU compile
-    opts.update(kw)
-    return Engine(EngineConfig(**opts), cfg=cfg, params=params)
+# the `make_engine` fixture's defaults (tests/serving/conftest.py); few shape buckets: each costs a CPU compile
+ENGINE_OPTS = dict(page_size=4, num_pages=96, num_slots=24, max_running=4, max_prefill_tokens=32, max_model_len=128,
+                   bucket_growth=64)
 
 
 def argmax_chain(model, prompt, n):
@@ -49,8 +39,8 @@ def prompts(seed, n, lo=3, hi=30, vocab=256):
     return [rng.integers(0, vocab, rng.integers(lo, hi)).tolist() for _ in range(n)]
 
 
-def test_greedy_matches_forward_argmax(model):
-    engine = make_engine(model)
+def test_greedy_matches_forward_argmax(model, make_engine):
+    engine = make_engine()
     ps = prompts(0, 3)
     outs = engine.generate(ps, GREEDY)
     for p, o in zip(ps, outs):
@@ -58,10 +48,10 @@ def test_greedy_matches_forward_argmax(model):
     engine.check_integrity()
 
 
-def test_a_reused_slot_does_not_leak_its_previous_state(model):
+def test_a_reused_slot_does_not_leak_its_previous_state(model, make_engine):
     """A cache-miss request on a slot that served another request (3 slots, 5 requests, one at a time)
     still decodes its own greedy chain: the engine never clears slots, the model starts context 0 at zero."""
-    engine = make_engine(model, num_slots=3, max_running=1, prefix_cache=False)
+    engine = make_engine(num_slots=3, max_running=1, prefix_cache=False)
     ps = prompts(7, 5, lo=9, hi=26)
     outs = [engine.generate([p], GREEDY)[0] for p in ps]
     assert outs[-1] == argmax_chain(model, ps[-1], 6) and outs[-2] == argmax_chain(model, ps[-2], 6)
@@ -69,10 +59,10 @@ def test_a_reused_slot_does_not_leak_its_previous_state(model):
 
 
 @pytest.mark.parametrize("budget", [4, 12])
-def test_chunked_prefill_budgets_and_cache_do_not_change_greedy_outputs(model, budget):
+def test_chunked_prefill_budgets_and_cache_do_not_change_greedy_outputs(make_engine, budget):
     ps = prompts(1, 5)
-    base = make_engine(model, prefix_cache=False, max_prefill_tokens=64).generate(ps, GREEDY)
-    engine = make_engine(model, max_prefill_tokens=budget)
+    base = make_engine(prefix_cache=False, max_prefill_tokens=64).generate(ps, GREEDY)
+    engine = make_engine(max_prefill_tokens=budget)
     assert engine.generate(ps, GREEDY) == base
     # the same prompts again: now served from the prefix cache, still the same tokens
     assert engine.generate(ps, GREEDY) == base
@@ -80,8 +70,8 @@ def test_chunked_prefill_budgets_and_cache_do_not_change_greedy_outputs(model, b
     engine.check_integrity()
 
 
-def test_multi_turn_session_reuses_history(model):
-    engine = make_engine(model, max_prefill_tokens=64)
+def test_multi_turn_session_reuses_history(make_engine):
+    engine = make_engine(max_prefill_tokens=64)
     history = prompts(2, 1, 40, 41)[0]
     for turn in range(3):
         before = engine.kv.hit_tokens
@@ -94,11 +84,11 @@ def test_multi_turn_session_reuses_history(model):
     engine.check_integrity()
 
 
-def test_history_evicted_to_host_tier_comes_back(model):
+def test_history_evicted_to_host_tier_comes_back(make_engine):
     """Turn 2 after the device cache was emptied: the history is restored from the host L2 tier, the hit
     is attributed to it, and greedy outputs equal a cache-free engine's."""
-    engine = make_engine(model, host_cache_gb=0.01, max_prefill_tokens=64)
-    plain = make_engine(model, prefix_cache=False, max_prefill_tokens=64)
+    engine = make_engine(host_cache_gb=0.01, max_prefill_tokens=64)
+    plain = make_engine(prefix_cache=False, max_prefill_tokens=64)
     history = prompts(7, 1, 37, 38)[0]
     sp = SamplingParams(max_tokens=7, ignore_eos=True)
     [out] = engine.generate([history], sp, sessions=["agent-2"])
@@ -115,18 +105,18 @@ def test_history_evicted_to_host_tier_comes_back(model):
     engine.check_integrity()
 
 
-def test_preemption_keeps_greedy_outputs(model):
+def test_preemption_keeps_greedy_outputs(make_engine):
     ps = prompts(3, 4, 20, 30)
-    base = make_engine(model).generate(ps, SamplingParams(max_tokens=12, ignore_eos=True))
-    tight = make_engine(model, num_pages=34, max_running=4)  # 4 requests x ~10 pages do not fit at once
+    base = make_engine().generate(ps, SamplingParams(max_tokens=12, ignore_eos=True))
+    tight = make_engine(num_pages=34, max_running=4)  # 4 requests x ~10 pages do not fit at once
     assert tight.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True)) == base
     assert tight.counters["preemptions"] > 0
     tight.check_integrity()
 
 
-def test_random_workload_with_aborts_ends_clean(model):
+def test_random_workload_with_aborts_ends_clean(make_engine):
     rng = np.random.default_rng(4)
-    engine = make_engine(model, num_pages=40, max_running=4)
+    engine = make_engine(num_pages=40, max_running=4)
     live = []
     for step in range(120):
         if rng.random() < 0.3 and len(live) < 10:
@@ -156,8 +146,8 @@ def test_random_workload_with_aborts_ends_clean(model):
         (list(range(120)), SamplingParams(max_tokens=20)),  # over max_model_len 128
     ],
 )
-def test_bad_requests_raise_and_engine_keeps_serving(model, prompt, sampling):
-    engine = make_engine(model)
+def test_bad_requests_raise_and_engine_keeps_serving(make_engine, prompt, sampling):
+    engine = make_engine()
     with pytest.raises(ValueError):
         engine.add_request(prompt, sampling)
     assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
@@ -170,14 +160,14 @@ def test_bad_sampling_params_raise():
             SamplingParams(**bad)
 
 
-def test_stream_yields_the_generate_tokens(model):
-    engine = make_engine(model)
+def test_stream_yields_the_generate_tokens(model, make_engine):
+    engine = make_engine()
     p = prompts(5, 1)[0]
     streamed = [t for chunk in engine.stream(p, GREEDY) for t in chunk]
     assert streamed == argmax_chain(model, p, 6)
 
 
-def test_stop_strings_and_stop_ids(model):
+def test_stop_strings_and_stop_ids(model, make_engine):
     """A byte-level detokenizer; the greedy chain's text is cut at a stop string taken from its middle."""
     detok = lambda ids: "".join(chr(65 + i % 26) for i in ids)
     cfg, params = model
@@ -194,14 +184,14 @@ def test_stop_strings_and_stop_ids(model):
     rid = engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(chain[1],)))
     engine.run_until_done([rid])
     assert engine.requests[rid].output_ids == chain[: chain.index(chain[1]) + 1]
-    plain = make_engine(model)
+    plain = make_engine()
     with pytest.raises(ValueError, match="tokenizer"):
         plain.add_request(p, SamplingParams(stop=("x",)))
 
 
-def test_steady_state_never_recompiles(model):
+def test_steady_state_never_recompiles(make_engine):
     """After warm-up (every rows x tokens x pages bucket), serving a mixed workload compiles nothing."""
-    engine = make_engine(model)
+    engine = make_engine()
     assert engine.runner.warmup() == len(engine.runner.row_buckets) * len(engine.runner.page_buckets) * (
         1 + len(engine.runner.token_buckets))
     sizes = (k3jax.prefill._cache_size(), k3jax.decode._cache_size())
