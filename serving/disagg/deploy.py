@@ -195,36 +195,50 @@ def worker_env(w: WorkerSpec) -> dict:
     return env
 
 
-class _Child:
-    """A child process whose output is echoed with a name prefix and searched for a readiness line."""
+class ChildProcess:
+    """A child process in its own session (SIGKILL takes its group) whose output is read on a thread;
+    `wait_for(text)` blocks until a line contains `text`. echo: print each line with a name prefix (the
+    deployment's console); otherwise (the API tests) a failure message carries the last lines instead."""
 
-    def __init__(self, name: str, argv: list[str], env: dict):
-        self.name, self.lines = name, []
+    def __init__(self, name: str, argv: list[str], env: dict, *, echo: bool = True, cwd: str | Path | None = None):
+        self.name, self.echo, self.lines = name, echo, []
         self._cond = threading.Condition()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
-        threading.Thread(target=self._pump, daemon=True).start()
+                                     cwd=cwd, start_new_session=True)
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
 
     def _pump(self):
         for line in self.proc.stdout:
-            print(f"[{self.name}] {line}", end="", flush=True)
+            if self.echo:
+                print(f"[{self.name}] {line}", end="", flush=True)
             with self._cond:
-                self.lines.append(line)
+                self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines[-60:])
+
+    def _tail(self) -> str:  # an echoing child's output is on the console already
+        return "" if self.echo else f":\n{self.log}"
 
     def wait_for(self, text: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._cond:
             while not any(text in line for line in self.lines):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before it was ready")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} not ready within {timeout:.0f} s")
-                self._cond.wait(1.0)
+                # exited and all its output read: the line cannot come any more
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before {text!r}{self._tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: no {text!r} within {timeout:.0f} s{self._tail()}")
+                self._cond.wait(min(left, 1.0))
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float = 30.0) -> int:
+        """SIGINT (the child drains and exits), SIGKILL to its group after `grace` s; its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -232,20 +246,23 @@ class _Child:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self._reader.join(5)
+        return self.proc.returncode
 
 
 def run_deployment(dep: DeploymentConfig, *, ready_timeout_s: float = 900.0, grace_s: float = 30.0) -> int:
     """Starts everything, serves until Ctrl-C / SIGTERM (or a child dies), stops everything; exit code."""
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    children: list[_Child] = []
+    children: list[ChildProcess] = []
     code = 0
     try:
         if dep.pool is not None:
-            pool = _Child("pool", dep.pool.argv, dict(os.environ, PYTHONUNBUFFERED="1"))
+            pool = ChildProcess("pool", dep.pool.argv, dict(os.environ, PYTHONUNBUFFERED="1"))
             children.append(pool)
             pool.wait_for(dep.pool.ready, ready_timeout_s)
-        workers = [_Child(f"{w.role}{i}", worker_argv(dep, w), worker_env(w)) for i, w in enumerate(dep.workers)]
+        workers = [ChildProcess(f"{w.role}{i}", worker_argv(dep, w), worker_env(w))
+                   for i, w in enumerate(dep.workers)]
         children += workers
         for child in workers:
             child.wait_for("k3jax serve: ready", ready_timeout_s)
@@ -259,7 +276,7 @@ def run_deployment(dep: DeploymentConfig, *, ready_timeout_s: float = 900.0, gra
             argv += [a for t in rcfg.colocated for a in ("--colocated", t)]
             if rcfg.tokenizer:
                 argv += ["--tokenizer", rcfg.tokenizer]
-            router = _Child("router", argv, dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"))
+            router = ChildProcess("router", argv, dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"))
             children.append(router)
             router.wait_for("k3jax router: ready", 120)
         print(f"k3jax serve: deployment ready ({len(dep.workers)} workers)", flush=True)
@@ -288,5 +305,5 @@ def run_deployment(dep: DeploymentConfig, *, ready_timeout_s: float = 900.0, gra
     return code
 
 
-__all__ = ["DeploymentConfig", "PoolSpec", "RouterSpec", "WorkerSpec", "load_deployment", "run_deployment",
-           "worker_argv"]
+__all__ = ["ChildProcess", "DeploymentConfig", "PoolSpec", "RouterSpec", "WorkerSpec", "load_deployment",
+           "run_deployment", "worker_argv"]

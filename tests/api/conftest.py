@@ -4,21 +4,20 @@ One worker (HTTP + gRPC) serves the whole session; the SMG test adds a second gR
 share a session-temporary XLA compilation cache, so the second one loads what the first compiled. The
 engine configuration keeps shape buckets few (one running request, 16-token prefill chunks, prompts
 longer than a page): compilation dominates the run time on a 2-core CPU machine.
-Every process is stopped (SIGINT: drain, then exit; SIGKILL after a grace period) at the end.
+Every process is stopped (SIGINT: drain, then exit; SIGKILL after a grace period) at the end, by the
+deployment launcher's child wrapper (serving.disagg.deploy.ChildProcess).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
+
+from serving.disagg.deploy import ChildProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
@@ -34,51 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Process:
-    """A child process whose output is collected on a thread; `wait_for(text)` blocks until it appears."""
-
-    def __init__(self, argv: list[str], env: dict, name: str):
-        self.name = name
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=ROOT, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines[-60:])
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not any(text in line for line in self.lines):
-                if self.proc.poll() is not None and not self._reader.is_alive():
-                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before {text!r}:\n{self.log}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self.name}: no {text!r} within {timeout} s:\n{self.log}")
-                self._cond.wait(min(left, 1.0))
-
-    def stop(self, grace: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._reader.join(5)
-        return self.proc.returncode
+def Process(argv: list[str], env: dict, name: str) -> ChildProcess:
+    """A child in the repository root whose output is kept (not echoed) for failure messages."""
+    return ChildProcess(name, argv, env, echo=False, cwd=ROOT)
 
 
 def child_env(compile_cache: Path) -> dict:
