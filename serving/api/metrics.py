@@ -87,8 +87,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _EngineCollector:
-    """Gauges and counters read from the engine's stats snapshot at scrape time."""
+class StatsCollector:
+    """A Prometheus collector whose series are read from a stats snapshot at scrape time
+    (`stats_source()`); every series carries `model_name`. Subclasses implement `collect`."""
 
     def __init__(self, model_name: str, stats_source):
         self.model_name = model_name
@@ -96,6 +97,10 @@ class _EngineCollector:
 
     def describe(self):
         return []  # collected lazily; nothing to check at registration
+
+
+class _EngineCollector(StatsCollector):
+    """Gauges and counters read from the engine's stats snapshot at scrape time."""
 
     def collect(self):
         s = self.stats_source() or {}

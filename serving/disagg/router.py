@@ -75,7 +75,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pb_grpc
 
-from serving.api.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TTFT_BUCKETS
+from serving.api.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TTFT_BUCKETS, StatsCollector
 from serving.api.protocol import APIError, chat_messages, check_unsupported, completion_prompt, sampling_params, stream_options
 from serving.api.tokenizer import TextStream, load_tokenizer
 from serving.cache.hashing import prefix_hashes
@@ -380,13 +380,8 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-class _RouterCollector:
-    def __init__(self, model_name: str, stats_source):
-        self.model_name = model_name
-        self.stats_source = stats_source
-
-    def describe(self):
-        return []  # collected lazily; nothing to check at registration
+class _RouterCollector(StatsCollector):
+    """The router's counts and gauges, read from Router.stats() at scrape time."""
 
     def collect(self):
         s = self.stats_source()
