@@ -93,7 +93,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,28 +176,49 @@ class AgreeConfig:
 AIPERF_PROFILING_STARTED = "Phase profiling (profiling) started"  # AIPerf's log line when scoring starts
 
 
+def aiperf_command(work: Path, artifacts: str, *, model: str, url: str) -> tuple[list[str], dict, Path]:
+    """What every `aiperf profile` run here shares: (the command's common part -- streaming chat, the server's
+    token counts, no UI / telemetry / server-metrics scraping, a fresh artifact dir --, its environment -- the
+    byte tokenizer from an offline HF cache, without our PYTHONPATH --, the artifact dir). Callers append their
+    dataset / load flags. RuntimeError when AIPerf is not installed."""
+    if not aiperf_available():
+        raise RuntimeError(f"AIPerf is not installed at {AIPERF_BIN} (bash scripts/extras/aiperf.sh)")
+    art = work / artifacts
+    if art.exists():
+        shutil.rmtree(art)
+    hf_home = hf_home_with_tokenizer(work / "hf_home")
+    cmd = [str(AIPERF_BIN), "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming",
+           "--tokenizer", TOKENIZER_REPO_ID, "--use-server-token-count", "--ui-type", "none", "--no-gpu-telemetry",
+           "--no-server-metrics", "--artifact-dir", str(art)]
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)  # AIPerf's own environment, not ours
+    return cmd, env, art
+
+
+def aiperf_exports(art: Path) -> tuple[dict, list[tuple[dict, dict, Callable[[str], float | None]]]]:
+    """AIPerf's summary (profile_export_aiperf.json) and, per request record of profile_export.jsonl,
+    (the record, its metadata, metric name -> value or None)."""
+    summary = json.loads((art / "profile_export_aiperf.json").read_text())
+    records = []
+    for line in (art / "profile_export.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        metrics = d.get("metrics", {})
+        records.append((d, d.get("metadata", {}), lambda k, m=metrics: (m.get(k) or {}).get("value")))
+    return summary, records
+
+
 def run_aiperf(url: str, trace_dir: Path, work: Path, cfg: AgreeConfig, alongside=None) -> dict:
     """One AIPerf AgentX run; returns its summary numbers and per-request profiling records.
 
     `alongside`: a callable run (in this thread) as soon as AIPerf logs that its profiling phase started,
     while AIPerf runs; its return value comes back under "alongside"."""
-    if not aiperf_available():
-        raise RuntimeError(f"AIPerf is not installed at {AIPERF_BIN} (bash scripts/extras/aiperf.sh)")
-    art = work / "aiperf_artifacts"
-    if art.exists():
-        shutil.rmtree(art)
-    hf_home = hf_home_with_tokenizer(work / "hf_home")
-    cmd = [str(AIPERF_BIN), "profile", "--scenario", "inferencex-agentx-mvp", "--unsafe-override",
-           "--model", cfg.model, "--url", url, "--endpoint-type", "chat", "--streaming",
-           "--tokenizer", TOKENIZER_REPO_ID, "--input-file", str(trace_dir), "--custom-dataset-type", "weka_trace",
-           "--trajectory-start-min-ratio", str(cfg.start_min_ratio),
-           "--trajectory-start-max-ratio", str(cfg.start_max_ratio),
-           "--concurrency", str(cfg.concurrency), "--benchmark-duration", str(cfg.duration_s),
-           "--benchmark-grace-period", str(cfg.grace_s), "--random-seed", str(cfg.seed),
-           "--use-server-token-count", "--ui-type", "none", "--no-gpu-telemetry", "--no-server-metrics",
-           "--artifact-dir", str(art)]
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)
+    cmd, env, art = aiperf_command(work, "aiperf_artifacts", model=cfg.model, url=url)
+    cmd += ["--scenario", "inferencex-agentx-mvp", "--unsafe-override",
+            "--input-file", str(trace_dir), "--custom-dataset-type", "weka_trace",
+            "--trajectory-start-min-ratio", str(cfg.start_min_ratio),
+            "--trajectory-start-max-ratio", str(cfg.start_max_ratio),
+            "--concurrency", str(cfg.concurrency), "--benchmark-duration", str(cfg.duration_s),
+            "--benchmark-grace-period", str(cfg.grace_s), "--random-seed", str(cfg.seed)]
     t0 = time.monotonic()
     cpu0 = _cpu_s(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work)
@@ -236,14 +257,11 @@ def run_aiperf(url: str, trace_dir: Path, work: Path, cfg: AgreeConfig, alongsid
     if proc.returncode != 0 or not summary_path.is_file() or (alongside is not None and not started.is_set()):
         tail = "".join(lines[-30:])
         raise RuntimeError(f"aiperf exited {proc.returncode} after {wall:.0f} s:\n{tail}")
-    summary = json.loads(summary_path.read_text())
+    summary, exported = aiperf_exports(art)
     records = []
-    for line in (art / "profile_export.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        meta, m = d.get("metadata", {}), d.get("metrics", {})
+    for d, meta, val in exported:
         if meta.get("benchmark_phase") != "profiling" or meta.get("was_cancelled"):
             continue
-        val = lambda k: (m.get(k) or {}).get("value")  # noqa: E731
         records.append({"start_ns": meta["request_start_ns"], "end_ns": meta.get("request_end_ns"),
                         "ttft_ms": val("time_to_first_token"), "itl_ms": val("inter_token_latency"),
                         "output_tokens": val("output_sequence_length"), "prompt_tokens": val("usage_prompt_tokens"),

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -56,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.workload.aiperf_agree import AIPERF_BIN, TOKENIZER_REPO_ID, aiperf_available, hf_home_with_tokenizer
+from serving.workload.aiperf_agree import aiperf_command, aiperf_exports
 from serving.workload.traces import MooncakeRow, Session, generate, load_preset, read_mooncake, to_mooncake
 
 # the server counters a run is checked against (Prometheus names without the _total suffix)
@@ -163,22 +161,12 @@ def run_aiperf_profile(url: str, work: str | Path, dataset_args: Sequence[str], 
     """One `aiperf profile` run (streaming chat, server token counts, ignore_eos) with `dataset_args` (the
     synthetic or trace flags); returns the summary numbers, the per-request records, the server counters' gains
     over the run and the command. Raises RuntimeError when AIPerf is missing or fails."""
-    if not aiperf_available():
-        raise RuntimeError(f"AIPerf is not installed at {AIPERF_BIN} (bash scripts/extras/aiperf.sh)")
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    art = work / "artifacts"
-    if art.exists():
-        shutil.rmtree(art)
-    hf_home = hf_home_with_tokenizer(work / "hf_home")
-    cmd = [str(AIPERF_BIN), "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming",
-           "--tokenizer", TOKENIZER_REPO_ID, "--use-server-token-count", *dataset_args,
-           "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed), "--ui-type", "none",
-           "--no-gpu-telemetry", "--no-server-metrics", "--artifact-dir", str(art)]
+    cmd, env, art = aiperf_command(work, "artifacts", model=model, url=url)
+    cmd += [*dataset_args, "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed)]
     if api_key:
         cmd += ["--api-key", api_key]
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)  # AIPerf's own environment, not ours
     before = settled_counters(url)
     t0 = time.monotonic()
     try:
@@ -192,12 +180,9 @@ def run_aiperf_profile(url: str, work: str | Path, dataset_args: Sequence[str], 
     if proc.returncode != 0 or not summary_path.is_file():
         raise RuntimeError(f"aiperf exited {proc.returncode} after {wall:.0f} s:\n{proc.stdout[-3000:]}")
     after = settled_counters(url)
-    summary = json.loads(summary_path.read_text())
+    summary, exported = aiperf_exports(art)
     records = []
-    for line in (art / "profile_export.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        meta, m = d.get("metadata", {}), d.get("metrics", {})
-        val = lambda k: (m.get(k) or {}).get("value")  # noqa: E731
+    for d, meta, val in exported:
         records.append({"conversation_id": meta.get("conversation_id"), "turn_index": meta.get("turn_index"),
                         "phase": meta.get("benchmark_phase"), "cancelled": bool(meta.get("was_cancelled")),
                         "error": d.get("error"), "prompt_tokens": val("usage_prompt_tokens"),
