@@ -22,6 +22,10 @@ class EngineConfig:
     num_slots: int | None = None  # KDA rows: running requests + checkpoints
     max_running: int = 64  # decode batch limit
     max_prefill_tokens: int = 512  # token budget of the prefill part of one step
+    # Requests prefilled in one step; None = max_running. A prefill step is padded to (rows bucket x the longest
+    # row's tokens bucket), so on a large model a small cap (1-4) keeps the padded shape near the token budget
+    # (64 rows x 1024 tokens would pad ~64x and, on the reference path, hold 64 rows of attention scores).
+    max_prefill_rows: int | None = None
     max_model_len: int = 4096
     cache_memory_fraction: float = 0.5  # of free device memory, when sizing pools automatically
     preemption: str = "recompute"  # "recompute": drop private state, recompute from a prefix hit; "swap": park it on the host
@@ -55,6 +59,8 @@ class EngineConfig:
         for name in ("page_size", "max_running", "max_prefill_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if self.max_prefill_rows is not None and not 1 <= self.max_prefill_rows <= self.max_running:
+            problems.append("max_prefill_rows must be in [1, max_running] or None")
         for name in ("num_pages", "num_slots"):
             if getattr(self, name) is not None and getattr(self, name) < 2:
                 problems.append(f"{name} must be >= 2 or None")

@@ -315,6 +315,8 @@ class ModelRunner:
         rows x tokens x pages buckets: on a large configuration prefer a coarser `bucket_growth`.
         """
         count = 0
+        # prefill steps never have more rows than the scheduler's cap, so larger row buckets need no prefill program
+        prefill_rows = fit(self.ecfg.max_prefill_rows or self.ecfg.max_running, self.row_buckets)
         for b in self.row_buckets:
             for p in self.page_buckets:
                 rows = [Row(self.scratch_slot, [0] * p, 0, []) for _ in range(b)]
@@ -326,7 +328,7 @@ class ModelRunner:
                                                  backend_name=self.ecfg.backend)
                     self._shapes_seen.add(("decode", b, 1, p))
                 count += 1
-                for t in self.token_buckets if prefill else ():
+                for t in self.token_buckets if prefill and b <= prefill_rows else ():
                     tokens = jnp.full((b, t), self.cfg.pad_token_id, jnp.int32)
                     if self.k:
                         _, self.state, _, self._prefill_feats = target_step(

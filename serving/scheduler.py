@@ -89,8 +89,9 @@ class Scheduler:
                 plan.decode.append(req)
         # 2. prefill: continue admitted requests, then admit new ones
         budget = self.ecfg.max_prefill_tokens
+        max_rows = self.ecfg.max_prefill_rows or self.ecfg.max_running
         for req in self.running:
-            if budget <= 0:
+            if budget <= 0 or len(plan.prefill) >= max_rows:
                 break
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining > 1:
@@ -98,7 +99,7 @@ class Scheduler:
                 if n:
                     plan.prefill.append((req, n))
                     budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_running:
+        while self.waiting and budget > 0 and len(plan.prefill) < max_rows and len(self.running) < self.ecfg.max_running:
             req = self.waiting[0]
             if req.swapped is not None:
                 if not self.kv.swap_in(req):

@@ -46,10 +46,12 @@ def test_h200x2_deployments_fix_four_programs_and_warm_up_before_ready():
         rows = explicit_buckets(ecfg.row_buckets, ecfg.max_running)
         tokens = explicit_buckets(ecfg.token_buckets, ecfg.max_prefill_tokens)
         pages = explicit_buckets(ecfg.page_buckets, ecfg.max_pages_per_request)
-        assert len(rows) * len(pages) * (len(tokens) + 1) == 4  # prefill + decode programs per worker
+        prefill_rows = [b for b in rows if b <= ecfg.max_prefill_rows]
+        assert len(rows) * len(pages) + len(prefill_rows) * len(tokens) * len(pages) == 4  # decode + prefill programs
         argv = worker_argv(dep, dep.workers[0])
         assert argv[:3] == [sys.executable, "-m", "k3jax"] and "--warmup" in argv
-        assert argv[argv.index("--row-buckets") + 1] == "8,64"
+        assert argv[argv.index("--row-buckets") + 1] == "1,8,64"
+        assert argv[argv.index("--max-prefill-rows") + 1] == "1"
 
 
 def test_step_activity_summarises_a_window_and_starts_the_next():
@@ -80,3 +82,25 @@ def test_the_runner_logs_each_new_step_shape_once(caplog):
     assert [m.split(":")[0] for m in first] == ["new step shape prefill rows=4 tokens=48 pages=16",
                                                "new step shape decode rows=4 tokens=1 pages=16"]
     assert again == []  # same buckets: no new program
+
+
+def test_prefill_rows_cap_limits_each_step_and_the_warmup():
+    """max_prefill_rows: a step prefills at most that many requests (the rest wait their turn), the greedy tokens
+    do not change, and the warm-up compiles prefill programs only up to the cap's row bucket."""
+    from serving.engine import Engine
+    from serving.request import SamplingParams
+
+    opts = dict(page_size=4, num_pages=64, num_slots=12, max_running=4, max_model_len=64, max_prefill_tokens=48,
+                row_buckets="1,4", token_buckets="48", page_buckets="16")
+    prompts = [[5, 9, 11, 200, 7], [3, 4, 5, 6], [8, 1, 2, 9, 9, 4, 17], [21, 22]]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    base = Engine(EngineConfig(**opts)).generate(prompts, greedy)
+    capped = Engine(EngineConfig(**opts, max_prefill_rows=1))
+    seen = []
+    step = capped.scheduler.schedule
+    capped.scheduler.schedule = lambda *a, **k: (plan := step(*a, **k), seen.append(len(plan.prefill)))[0]
+    assert capped.generate(prompts, greedy) == base
+    assert max(seen) == 1 and seen.count(1) >= len(prompts)  # one request per prefill step, each prefilled
+    assert capped.runner.warmup() == 3  # decode at rows 1 and 4, prefill at rows 1 only
+    with pytest.raises(ValueError, match="max_prefill_rows"):
+        EngineConfig(**opts, max_prefill_rows=5)
