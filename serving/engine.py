@@ -64,6 +64,10 @@ class Engine:
         other workers); default a private HostStore of ecfg.host_cache_gb, or none."""
         self.ecfg = ecfg = ecfg or EngineConfig()
         self.detokenize = detokenize
+        # Ids at or above this are never sampled (None: the whole output layer). The API layer sets its tokenizer's
+        # size when the output layer is wider (a vocabulary padded for the GEMMs, or k3-small's random weights with
+        # the 263-id byte tokenizer): such ids render as nothing, so a stream of them shows no tokens at all.
+        self.sample_vocab_size: int | None = None
         self.matchers: dict[str, StopStringMatcher] = {}
         self.cfg = cfg or k3jax.load_config(ecfg.model)
         if params is None:
@@ -283,6 +287,8 @@ class Engine:
             seeds=[r.seed for r in reqs], pad_to=logits.shape[0],
             suppress_eos=[r.num_output < r.sampling.min_tokens for r in reqs], eos_id=self.cfg.eos_token_id,
         )
+        if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[-1]:
+            logits = logits[:, : self.sample_vocab_size]
         tokens = np.asarray(sample(logits, tensors))
         return {r.request_id: [int(t)] for r, t in zip(reqs, tokens)}
 

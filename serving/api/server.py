@@ -113,6 +113,10 @@ class ServerState:
         if tokenizer.vocab_size > engine.cfg.vocab_size:
             raise ValueError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but {engine.cfg.name} only "
                              f"{engine.cfg.vocab_size}: its ids would not fit the model")
+        if tokenizer.vocab_size < engine.cfg.vocab_size:  # ids the tokenizer cannot render are never sampled
+            engine.sample_vocab_size = tokenizer.vocab_size
+            log.info("sampling ids below %d (the tokenizer's size) of %s's %d logits", tokenizer.vocab_size,
+                     engine.cfg.name, engine.cfg.vocab_size)
         if config.warmup:
             t = time.perf_counter()
             engine.runner.warmup()

@@ -503,7 +503,7 @@ class Replay:
             "itl_s": {"mean": float(itl.mean()) if len(itl) else math.nan, "p50": pct(itl, 50), "p90": p90_itl,
                       "p99": pct(itl, 99)},
             "p90_interactivity_tokens_per_s": 1.0 / p90_itl if p90_itl > 0 else math.nan,
-            "median_interactivity_tokens_per_s": 1.0 / pct(itl, 50) if len(itl) else math.nan,
+            "median_interactivity_tokens_per_s": 1.0 / pct(itl, 50) if len(itl) and pct(itl, 50) > 0 else math.nan,
             "ttft_s": {"mean": float(ttft.mean()) if len(ttft) else math.nan, "p50": pct(ttft, 50),
                        "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
             "cache_hit_rate": {
