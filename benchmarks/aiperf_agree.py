@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import tempfile
 from pathlib import Path
 
 from serving.workload.aiperf_agree import (
+    AIPERF_WEKA_BLOCK_SIZE,
     TINY_CPU_SERVE_ARGS,
     AgreeConfig,
     aiperf_available,
@@ -54,9 +56,14 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="the started server's prefix cache (the clients' prompt lengths differ, so their hits differ "
                         "session by session; --no-prefix-cache takes that out)")
-    p.add_argument("--chat-turn-role", choices=("user", "assistant"), default="user",
-                   help="our replay's later-turn messages: user (as AIPerf 0.13.0 sends them, so the server's "
-                        "prefix cache serves both clients alike) or assistant (our replay's default)")
+    p.add_argument("--chat-turn-role", choices=("aiperf", "user", "assistant"), default="aiperf",
+                   help="our replay's chat prompts: aiperf (AIPerf 0.13.0's weka layout: the same roles, token counts "
+                        "and cache-bust marker position, turn by turn), or our layout with later turns as one user / "
+                        "assistant message")
+    p.add_argument("--raw-export", action="store_true",
+                   help="AIPerf --export-level raw, and check every request it sent, rendered with the server's chat "
+                        "template and tokenizer, against the prompt tokens the server reported for our replay's "
+                        "request of the same (conversation, turn)")
     p.add_argument("--work", help="directory for the trace and both clients' artifacts (default: a temp dir)")
     p.add_argument("--out", default=str(ROOT / "docs" / "results" / "aiperf_agree_cpu_same_work_2026-11-30.json"))
     a = p.parse_args(argv)
@@ -65,21 +72,27 @@ def main(argv=None) -> int:
         return 2
     cfg = AgreeConfig(concurrency=a.concurrency, duration_s=a.duration_s, grace_s=a.grace_s, warmup_s=a.warmup_s,
                       seed=a.seed, model=a.model, chat_turn_role=a.chat_turn_role)
-    sessions = generate(load_preset(a.preset, num_sessions=a.num_sessions))
+    # AIPerf reads weka_trace files with 64-token blocks whatever they declare (AIPERF_WEKA_BLOCK_SIZE)
+    sessions = generate(load_preset(a.preset, num_sessions=a.num_sessions, block_size=AIPERF_WEKA_BLOCK_SIZE))
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="aiperf_agree_"))
     work.mkdir(parents=True, exist_ok=True)
     server = None
     if a.url is None:
         serve_args = [x for x in TINY_CPU_SERVE_ARGS if not (a.prefix_cache and x == "--no-prefix-cache")]
-        server = ServerProcess(serve_args, log_path=work / "server.log", env={"JAX_PLATFORMS": "cpu"}).start()
+        # JAX_LOG_COMPILES: every XLA compilation in the log, so compare_clients counts those inside each run
+        server = ServerProcess(serve_args, log_path=work / "server.log",
+                               env={"JAX_PLATFORMS": "cpu", "JAX_LOG_COMPILES": "1"}).start()
     url = a.url or server.url
     try:
         if a.prime_s > 0:
             run_ours(sessions, url, AgreeConfig(concurrency=a.concurrency, duration_s=a.prime_s, grace_s=a.grace_s,
                                                 warmup_s=0.0, seed=a.seed + 1000, model=a.model,
                                                 chat_turn_role=a.chat_turn_role))
+        load = [os.getloadavg()]
         result = compare_clients(sessions, url, work, cfg, repeats=a.repeats, warmup_pairs=a.warmup_pairs,
-                                 simultaneous=a.simultaneous)
+                                 simultaneous=a.simultaneous, server_log=None if a.url else work / "server.log",
+                                 aiperf_export_level="raw" if a.raw_export else None)
+        load.append(os.getloadavg())
     finally:
         if server is not None:
             server.stop()
@@ -87,7 +100,9 @@ def main(argv=None) -> int:
     result["date_utc"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     result["command"] = ["python", "benchmarks/aiperf_agree.py", *(sys.argv[1:] if argv is None else argv)]
     result["serve_args"] = None if a.url else serve_args
-    result["preset"] = {"name": a.preset, "num_sessions": a.num_sessions, "prime_s": a.prime_s}
+    result["preset"] = {"name": a.preset, "num_sessions": a.num_sessions, "prime_s": a.prime_s,
+                        "block_size": AIPERF_WEKA_BLOCK_SIZE}
+    result["load_average_1_5_15"] = {"start": load[0], "end": load[1]}
     print(format_table(result))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

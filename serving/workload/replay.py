@@ -40,7 +40,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +98,10 @@ class ReplayConfig:
     # sends, whose next prompt replaces the previous generation prompt's role, so a server's prefix match ends
     # a few tokens before the previous prompt's end (serving/workload/aiperf_agree.py)
     chat_turn_role: str = "assistant"
+    # chat: another prompt layout instead of the one above, as a factory (session, tree name, the chain's requests,
+    # tokens_of(request, turn)) -> an object with messages_for(tokens, prev, r, block_size); the AIPerf agreement
+    # uses it to send AIPerf 0.13.0's weka_trace layout (serving/workload/aiperf_agree.py)
+    chat_layout: Callable | None = None
     # completions: declare where the shared system prompt ends (the k3jax `cache_boundaries` extension), so a
     # subagent's first request resumes from its parent's system prompt; turn off against other servers
     declare_shared_prefix: bool = True
@@ -271,12 +275,7 @@ class Replay:
         if self._stop.is_set():
             return
         cfg = self.cfg
-        tokens = scope.tokens(r.hash_ids, r.input_tokens, cfg.token_id_range if cfg.endpoint == "completions"
-                              else len(_CHAT_ALPHABET))
-        if len(tokens) < r.input_tokens:  # a trace without hash_ids for part of the input: fresh content
-            extra = np.random.default_rng([*scope.seed_words, 1 << 31, turn]).integers(
-                0, cfg.token_id_range, r.input_tokens - len(tokens))
-            tokens = np.concatenate([tokens, extra])
+        tokens = self._prompt_tokens(scope, r, turn)
         rec = RequestRecord(lane=lane, session=scope.name, agent=agent, turn=turn, warmup=warmup, start=self.now(),
                             trace_input_tokens=r.input_tokens, trace_output_tokens=r.output_tokens,
                             theoretical_cached_tokens=scope.theoretical(r))
@@ -340,13 +339,26 @@ class Replay:
             rec.itl = (end - first) / (rec.completion_tokens - 1)
 
     # --- one session tree ----------------------------------------------------------------------
-    def _chat_history(self, session: Session) -> _ChatHistory | None:
+    def _prompt_tokens(self, scope: _Scope, r: TraceRequest, turn: int) -> np.ndarray:
+        cfg = self.cfg
+        tokens = scope.tokens(r.hash_ids, r.input_tokens, cfg.token_id_range if cfg.endpoint == "completions"
+                              else len(_CHAT_ALPHABET))
+        if len(tokens) < r.input_tokens:  # a trace without hash_ids for part of the input: fresh content
+            extra = np.random.default_rng([*scope.seed_words, 1 << 31, turn]).integers(
+                0, cfg.token_id_range, r.input_tokens - len(tokens))
+            tokens = np.concatenate([tokens, extra])
+        return tokens
+
+    def _chat_history(self, session: Session, scope: _Scope, chain: Sequence[TraceRequest]):
         if self.cfg.endpoint != "chat":
             return None
+        if self.cfg.chat_layout is not None:
+            return self.cfg.chat_layout(session, scope.name, chain,
+                                        lambda r, turn: self._prompt_tokens(scope, r, turn))
         return _ChatHistory(session.system_tokens, self.cfg.chat_overhead_tokens, self.cfg.chat_turn_role)
 
     async def _chain(self, client, lane, scope, session, agent, reqs: Sequence[TraceRequest], first_delay: float):
-        chat = self._chat_history(session)
+        chat = self._chat_history(session, scope, reqs)
         if not await self._sleep(first_delay):
             return
         prev = None
@@ -366,7 +378,7 @@ class Replay:
         index = self.sessions.index(session)
         scope = _Scope(f"{self.salt}-{session.id}-p{pass_index}", session.block_size,
                        [self._salt_word, index, pass_index])
-        chat = self._chat_history(session)
+        chat = self._chat_history(session, scope, root)
         prev = None
         if j > 0:
             prev = root[j - 1]
@@ -483,7 +495,8 @@ class Replay:
         prompt_sum = sum(r.prompt_tokens for r in scored)
         trace_in = sum(r.trace_input_tokens for r in scored)
         report = {
-            "config": {**dataclasses.asdict(cfg), "salt": self.salt, "model": self.model},
+            "config": {**dataclasses.asdict(cfg), "salt": self.salt, "model": self.model,
+                       "chat_layout": getattr(cfg.chat_layout, "__qualname__", None)},
             "sessions": len(self.sessions),
             "window": {"start_s": self.window_start, "end_s": self.window_end, "grace_s": cfg.grace_s,
                        "elapsed_s": elapsed},
