@@ -528,21 +528,31 @@ def build_app(router: Router) -> FastAPI:
 
         if not stream:
             reason, output_ids = None, []
-            async for r in responses:
-                account(r)
-                # streamed: the chunks carry every id (the GenerateComplete repeats the last step's)
-                ids_now = list(r.chunk.token_ids) if r.HasField("chunk") else []
-                output_ids += ids_now
-                text_out.push(ids_now)
-                if r.HasField("complete"):
-                    reason = r.complete.finish_reason
+
+            async def collect():
+                nonlocal reason
+                async for r in responses:
+                    account(r)
+                    # streamed: the chunks carry every id (the GenerateComplete repeats the last step's)
+                    ids_now = list(r.chunk.token_ids) if r.HasField("chunk") else []
+                    output_ids.extend(ids_now)
+                    text_out.push(ids_now)
+                    if r.HasField("complete"):
+                        reason = r.complete.finish_reason
+                return True
+
+            if not await _unless_client_gone(collect(), responses, request):
+                return Response(status_code=CLIENT_GONE)
             text_out.push([])
             out = choice(text_out.text + text_out.finish(), reason)
             if body.get("return_token_ids"):  # vLLM's extension: the output ids as well as the text
                 out["token_ids"] = output_ids
             return {**base, "choices": [out], "usage": usage}
 
-        first = await _first(responses)  # errors before the first token become HTTP errors
+        first = await _unless_client_gone(_first(responses), responses, request, gone=_GONE)
+        if first is _GONE:
+            return Response(status_code=CLIENT_GONE)
+        # errors before the first token became HTTP errors (raised above); later ones end the stream
 
         async def events():
             chunk_base = {**base, "object": "chat.completion.chunk"} if chat else base
@@ -580,6 +590,31 @@ def build_app(router: Router) -> FastAPI:
         return await handle(request, chat=True)
 
     return app
+
+
+CLIENT_GONE = 499  # nginx's "client closed request": the status of a response nobody reads
+DISCONNECT_POLL_S = 0.25
+_GONE = object()
+
+
+async def _unless_client_gone(coro, responses, request: Request, gone=None):
+    """coro's result, or `gone` once the HTTP client has disconnected. Until a response starts, nothing is
+    written to the client, so nothing else notices it left: a request queued behind others' prefill (seconds
+    on a busy prefill worker) would stay queued, be prefilled and decoded for nobody, and delay the requests
+    behind it. Closing `responses` ends the legs, which cancels the workers' calls (they abort the request)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return gone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            await responses.aclose()
 
 
 async def _first(responses):

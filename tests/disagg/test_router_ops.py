@@ -315,3 +315,51 @@ def test_health_settings_are_validated():
         RouterConfig(colocated=("127.0.0.1:1",), healthy_after=0)
     with pytest.raises(ValueError, match="healthy_after must be >= 1"):
         HealthProbe(list, interval_s=1.0, healthy_after=0)
+
+
+async def _post_then_leave(app, path: str, body: dict, leave_after_s: float) -> list[dict]:
+    """Drives the ASGI app as uvicorn would: the request body, then (after leave_after_s) the client's
+    disconnect; returns what the app sent."""
+    import json
+
+    sent, pending = [], [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    gone = asyncio.Event()
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "client": ("127.0.0.1", 9),
+             "server": ("r", 80), "headers": [(b"content-type", b"application/json")]}
+    app_task = asyncio.ensure_future(app(scope, receive, send))
+    await asyncio.sleep(leave_after_s)
+    gone.set()
+    await asyncio.wait_for(app_task, 5.0)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_its_first_token_cancels_both_legs(stream):
+    """H200, 2026-11-30: in a 1P+1D AgentX run, requests whose clients had gone (the replay's drain cancels
+    them) stayed queued on the saturated prefill worker (waiting 73 at concurrency 40), because nothing is
+    written to a client before its first token, so nothing noticed it left. The router now watches the
+    connection until then: both legs end cancelled, the decode call is cancelled, accounting returns to zero."""
+    router = pd_router(1, 1)
+    p0, d0 = router.prefill[0], router.decode[0]
+    p0.stub.gate, d0.stub.gate = asyncio.Event(), asyncio.Event()  # never set: a long prefill queue
+    body = {"model": MODEL, "prompt": list(range(1, 40)), "max_tokens": 4, "stream": stream}
+    sent = asyncio.run(_post_then_leave(build_app(router), "/v1/completions", body, leave_after_s=0.6))
+    assert sent[0]["status"] == 499
+    assert len(p0.stub.calls) == len(d0.stub.calls) == 1 and d0.stub.calls[0].cancelled
+    assert (p0.inflight, p0.outstanding_tokens, d0.inflight, d0.outstanding_tokens) == (0, 0, 0, 0)
+    m = scrape(router)
+    for leg in ("prefill", "decode"):
+        assert value(m, "k3jax_router_requests_total", leg=leg, outcome="cancelled") == 1
+        assert value(m, "k3jax_router_requests_total", leg=leg, outcome="success") == 0
+    assert not p0.failed and not d0.failed
