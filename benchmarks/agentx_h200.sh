@@ -25,14 +25,13 @@
 #   START_MAX_RATIO=0.1  PRESET=small  READY_TIMEOUT_S=300  NUM_GPUS=<distinct devices>  TIMELINE_BIN_S=15
 #   DEADLINE_S=540: a level that would end later than this many seconds after the script started is
 #   skipped (and the prime shortened), so the tarball is always written inside the device's 600 s limit.
-# Planned wall time on the H200 x2 (not yet measured): start + weights ~1.5 min, prime 100 + 10 s, level
-# 40: 80 + 30 + <= 10 s, level 12: 24 + 30 + <= 10 s, level 4: 15 + 30 + <= 10 s (+ ~5 s per level to
-# generate the trace), stop + tar ~20 s: ~8.3 min at most, ~7.5 typical. The level-40 warm-up covers the cold prefill of 40 sessions (~7.7k tokens each, ~300k
-# tokens: ~75 s at the ~4k tokens/s reference prefill of one H200, the P/D case).
-# Measured 2026-11-30 (colocated, H200 x2): with powers-of-4 shape buckets (~120 programs per worker, ~30 s
-# each) no request reached its first token in 5 minutes while the workers logged a large-program compile
-# every ~30 s (the likely cause; step times were not logged). The h200x2 files now fix 4 programs per worker (row/token/page buckets) and `warmup: true`, which
-# compiles them before the workers report ready (READY_TIMEOUT_S covers it; not yet run on the GPUs).
+# Measured 2026-11-30 on the H200 x2 (docs/benchmarks.md, "AgentX replay on two H200s"): colocated, start to tarball
+# 462 s (deployment ready after 136 s: weights + a warm-up compiling the 4 programs per worker in 88 s), with
+# PRIME_S=60; 1P+1D 346 s with PRIME_S=45 and a JAX compilation cache carried from the colocated run (ready after
+# 38 s). Export JAX_COMPILATION_CACHE_DIR (workers inherit it) under an ignored path such as .bench_out/jax_cache and
+# carry it to the next call: the 4 programs are the same in both deployment files.
+# Before that: powers-of-4 shape buckets (~120 programs per worker, ~30 s each) let no request reach its first token
+# in 5 minutes; the h200x2 files now fix 4 programs per worker and `warmup: true`.
 # AGENTX_TINY=1: the same path on this CPU with k3-tiny: the deployment's model, devices and engine sizes
 # are swapped (k3-tiny, "cpu", the CPU tests' few shape buckets, free ports), the short preset, levels
 # 4,2,1 and a long prime (CPU compiles are slow).
