@@ -28,8 +28,9 @@
 # Measured 2026-11-30 on the H200 x2 (docs/benchmarks.md, "AgentX replay on two H200s"): colocated, start to tarball
 # 462 s (deployment ready after 136 s: weights + a warm-up compiling the 4 programs per worker in 88 s), with
 # PRIME_S=60; 1P+1D 346 s with PRIME_S=45 and a JAX compilation cache carried from the colocated run (ready after
-# 38 s). Export JAX_COMPILATION_CACHE_DIR (workers inherit it) under an ignored path such as .bench_out/jax_cache and
-# carry it to the next call: the 4 programs are the same in both deployment files.
+# 38 s). `k3jax serve` keeps compiled programs in ~/.cache/k3jax/xla (K3JAX_COMPILE_CACHE), which a fresh device
+# machine lacks: export JAX_COMPILATION_CACHE_DIR (it takes precedence; workers inherit it) under an ignored path
+# such as .bench_out/jax_cache, and carry it to the next call: the 4 programs are the same in both deployment files.
 # Before that: powers-of-4 shape buckets (~120 programs per worker, ~30 s each) let no request reach its first token
 # in 5 minutes; the h200x2 files now fix 4 programs per worker and `warmup: true`.
 # AGENTX_TINY=1: the same path on this CPU with k3-tiny: the deployment's model, devices and engine sizes
