@@ -1,34 +1,59 @@
-"""Model forward speed on one device, reference path: prefill tokens/s, batched decode and its roofline.
+"""Model forward speed on one device, per compute backend: prefill tokens/s, batched decode and its roofline,
+and how far each backend's results are from the first one's.
 
     PYTHONPATH=. python benchmarks/model_forward.py --out .bench_out/model_forward.json   # k3-small, H200
-    python benchmarks/model_forward.py --model k3-tiny --tokens 64 --batch 4            # CPU smoke run
+    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/model_forward.py \
+        --backends reference,pallas --budget-s 280 --out $OUT/model_backends_h200.json       # kernels vs reference
+    python benchmarks/model_forward.py --model k3-tiny --backends reference,interpret \
+        --tokens 64 --batch 4 --context 100 --page-size 16                                 # CPU smoke run
 
-Measures, for a random-init model (jitted init, so the weights are created on the device):
-  (a) prefill: `k3jax.prefill` of --tokens tokens for one request (B=1) into a paged state: median
-      tokens/s over --iters runs after a warm-up (compile) run.
-  (b) decode: `k3jax.decode` with --batch rows, each with a --context-token history, one token per row
-      per step: median ms/step over --steps synchronised steps after warm-up; tokens/s = batch / step.
-      The history is synthetic (random latents and KDA states written straight into the pools, no
-      prefill): the reference path's cost does not depend on the values, only on the lengths.
+One process, one random-init parameter set, and for every backend of --backends (a comma list; --backend is
+the one-element form) the same inputs:
+  (a) decode: `k3jax.decode` with --batch rows, each with a --context-token history, one token per row per
+      step: median ms/step over --steps synchronised steps after warm-up; tokens/s = batch / step. The
+      history is synthetic (random latents and KDA states written straight into the pools, no prefill),
+      rebuilt from the same key for each backend (the step donates its state). Step i feeds every backend
+      the same random tokens (teacher forcing, not the argmax), so every step's logits are comparable.
+  (b) prefill: `k3jax.prefill` of --tokens tokens for one request (B=1) into a fresh paged state per
+      backend: median tokens/s over --iters runs after the warm-up (compile) runs. Every run rewrites the
+      same pages and slot from position 0, so the state after the last run is the state one prefill writes.
   (c) the decode memory roofline: bytes one step must move -- every non-expert weight (only the batch's
       rows of the embedding), the experts the batch activates (expected distinct experts under uniform
       routing, E * (1 - (1 - k/E)^B) per MoE layer), the MLA latents of every row's history, and the KDA
       recurrent + conv states read and written -- divided by a device copy bandwidth measured in the same
-      run (a large elementwise jnp op, bytes read + written). ratio = measured step / floor (>= 1).
-  Peak device memory comes from `memory_stats()` (absent on CPU).
-Prints a table and writes the JSON to --out; the numbers go to docs/benchmarks.md with the command.
+      run (a large elementwise jnp op, bytes read + written). ratio = measured step / floor (>= 1), per
+      backend (the bytes do not depend on the backend).
+  (d) cross-backend checks against the FIRST backend of the list, relative error ||a - b|| / ||b|| in fp32:
+      decode logits of the first and the last timed step, prefill logits (last token), and the state the
+      prefill wrote (KDA recurrent and conv states of the request's slot, MLA latents of its tokens; per
+      layer too). Pass when every error is finite and below its phase's bar (--decode-tol 5e-2, --prefill-tol
+      0.2 for bf16: CHECK_TOL says why).
+      A failed check is reported beside the timings, never instead of them.
+  (e) dispatch: which implementation each registered op (k3jax/backend.py) ran under each backend, recorded
+      while the step is traced (its first call), including the MLA kernels' own shape fallback to the
+      reference inside the "pallas" implementation (k3jax/mla.py: Triton tiles need C, R powers of two).
+Phases run decode first (the issues' decode roofline is the number most wanted), then prefill, each for all
+backends in order. A phase that raises is recorded with its error and the run goes on. --budget-s bounds the
+wall time from the start of main() (the imports before it take ~2 s): once spent, remaining phases are
+recorded as skipped and a running timed loop stops after its first timed iteration (a compile that is under
+way cannot be cut). The JSON is rewritten after every phase, so a killed run still leaves what it measured.
+Peak device memory comes from `memory_stats()` (absent on CPU; it is the process peak so far).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import math
 import platform
 import statistics
 import sys
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -36,12 +61,28 @@ import jax.numpy as jnp
 import numpy as np
 
 import k3jax
-from k3jax import StepMeta
+from k3jax import StepMeta, backend
+
+PHASES = ("decode", "prefill")
+# Cross-backend pass bars (relative L2 error) for bf16 models, per phase. Each kernel matches its reference within
+# ~3-5e-3 in bf16 on the GPU (tests/gpu: KDA 4e-3, MLA <= 2 * 2^-9, MoE ~3e-3), but a bf16 model compounds rounding
+# over depth, and the reference path is no closer to exact than the kernels. Measured on CPU (2026-11-30) with
+# k3-small's layer pattern at tiny widths (25 layers, MLA at 3, 7, ..., 23, 24, AttnRes blocks of 6, MLA latent
+# 32 + 16 so the MLA kernels run; bf16):
+#   prefill (256 tokens): "interpret" kernels vs the reference 9.8e-2 on logits, 8.0e-2 KDA states, 5.3e-2 conv
+#     states, 7.0e-2 MLA latents, growing smoothly with depth (KDA 6e-3 at layer 1 to 0.14 at the last); the bf16
+#     reference alone is as far (5.5-7.5e-2) from the same weights in fp32, at 256 and at 2048 tokens alike;
+#   decode (B8, 300-token history): 6.4e-3 on the first step's logits, 9.9e-3 after 3 steps.
+# A wiring error (wrong page, slot, layout or gate) moves results by O(1) (0.5 and more) and shows as a jump in
+# the per-layer errors, not a smooth growth. Bars: prefill 0.2 (2x the measured band), decode 5e-2 (5x).
+# fp32 models (k3-tiny) differ by summation order only (~1e-6): the CPU test passes 1e-4.
+CHECK_TOL = {"decode": 5e-2, "prefill": 2e-1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="k3-small", help="preset name or config path (default k3-small)")
+    p.add_argument("--dtype", default=None, help="override the config's activation/weight dtype (e.g. bfloat16)")
     p.add_argument("--tokens", type=int, default=8192, help="prefill tokens, one request (default 8192)")
     p.add_argument("--batch", type=int, default=64, help="decode rows (default 64)")
     p.add_argument("--context", type=int, default=8192,
@@ -51,21 +92,56 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5, help="timed prefill runs (default 5)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps (default 20)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs/steps first (default 2)")
-    p.add_argument("--backend", default="reference", help="k3jax backend for the hot ops (default reference)")
+    p.add_argument("--backends", default=None,
+                   help=f"comma list of k3jax backends ({', '.join(backend.BACKENDS)}); the first is the "
+                        "reference of the cross-backend checks (default: --backend)")
+    p.add_argument("--backend", default=None, help="one backend, same as --backends NAME (default reference)")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {PHASES}, run in this order")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds from the start (of main) after which remaining phases are skipped and running timed "
+                        "loops stop; a compile under way is not cut")
+    for phase in PHASES:
+        p.add_argument(f"--{phase}-tol", type=float, default=CHECK_TOL[phase],
+                       help=f"pass bar of the {phase} cross-backend relative errors (default {CHECK_TOL[phase]}, "
+                            "see CHECK_TOL)")
     p.add_argument("--init", choices=("auto", "jit", "eager"), default="auto",
                    help="parameter init: jit (one program) or eager (op by op, still on the device); auto = "
                         "eager: compiling the whole init took 247 s for k3-small on the H200 (2026-11-29)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 MiB on accelerators, 256 on CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every phase)")
     args = p.parse_args(argv)
     for name in ("tokens", "batch", "page_size", "iters", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.context < 0 or args.warmup < 1:
         p.error("--context must be >= 0 and --warmup >= 1")
+    if args.backends is not None and args.backend is not None:
+        p.error("give --backends or --backend, not both")
+    args.backend_list = [b.strip() for b in (args.backends or args.backend or "reference").split(",") if b.strip()]
+    unknown = [b for b in args.backend_list if b not in backend.BACKENDS]
+    if not args.backend_list or unknown or len(set(args.backend_list)) != len(args.backend_list):
+        p.error(f"--backends must name distinct backends of {backend.BACKENDS}; got {args.backend_list}")
+    args.phase_list = [x.strip() for x in args.phases.split(",") if x.strip()]
+    if not args.phase_list or any(x not in PHASES for x in args.phase_list) or len(set(args.phase_list)) != len(args.phase_list):
+        p.error(f"--phases must name distinct phases of {PHASES}; got {args.phases!r}")
+    if args.budget_s is not None and args.budget_s <= 0:
+        p.error("--budget-s must be > 0")
     return args
+
+
+class Budget:
+    """Wall-clock budget: seconds left until `budget_s` after `start` (perf_counter), or no limit."""
+
+    def __init__(self, budget_s: float | None, start: float):
+        self.budget_s, self.start = budget_s, start
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def spent(self) -> bool:
+        return self.budget_s is not None and self.elapsed() >= self.budget_s
 
 
 def _sync(x):
@@ -102,37 +178,91 @@ def copy_bandwidth(mib: int, reps: int = 10) -> float:
     return 2 * n * 4 / statistics.median(times)
 
 
-def bench_prefill(params, cfg, args) -> dict:
-    n, ps = args.tokens, args.page_size
-    num_pages = -(-n // ps)
-    state = k3jax.init_state(cfg, num_slots=1, num_pages=num_pages, page_size=ps)
-    rng = np.random.default_rng(args.seed)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, n), dtype=np.int32))
-    meta = StepMeta(
-        slots=jnp.zeros((1,), jnp.int32),
-        page_table=jnp.arange(num_pages, dtype=jnp.int32)[None],
-        context_lens=jnp.zeros((1,), jnp.int32),
-        lengths=jnp.full((1,), n, jnp.int32),
-    )
-    times = []
-    for i in range(args.warmup + args.iters):  # every run rewrites the same pages from position 0
-        t = time.perf_counter()
-        logits, state = k3jax.prefill(params, cfg, state, tokens, meta, backend_name=args.backend)
-        _sync(logits)
-        if i == 0:
-            first = time.perf_counter() - t
-        elif i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    finite = bool(jnp.isfinite(logits).all())
-    del state
-    ms = _median_ms(times)
-    return {"tokens": n, "first_call_s": first, "median_ms": ms, "tokens_per_s": n / (ms / 1e3),
-            "all_ms": [x * 1e3 for x in times], "logits_finite": finite}
+# ------------------------------------------------------------------------------------------------------------
+# dispatch: which implementation each op ran
 
 
-def synthetic_history(cfg, batch: int, pages_per_row: int, page_size: int, seed: int):
-    """A decode state whose pools hold random latents and small random KDA/conv states."""
+@contextlib.contextmanager
+def record_dispatch(backend_name: str):
+    """Within the block, counts the ops the model looks up in the registry (`backend.get`) and which
+    implementation each resolved to, plus the MLA kernel choice inside the "pallas" / "interpret"
+    implementation (mla_decode, mla_prefill, or its shape fallback to the reference). Works while a step
+    is traced: wrap a jitted step's first call (or `jax.eval_shape` of its `__wrapped__`)."""
+    from k3jax import mla
 
+    calls: Counter = Counter()
+    mla_paths: Counter = Counter()
+    get = backend.get
+
+    def recording_get(op, name="reference"):
+        calls[(op, name if name in backend.implemented(op) else "reference")] += 1
+        return get(op, name)
+
+    def counted(path, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            mla_paths[path] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    patches = [(backend, "get", recording_get),
+               (mla, "paged_attention_reference", counted("reference (shape fallback)", mla.paged_attention_reference))]
+    try:  # the kernels' modules import Pallas (k3jax imports them on use only)
+        from pallas_kernels import mla_decode, mla_prefill
+    except ImportError:
+        pass
+    else:
+        patches += [(mla_decode, "mla_decode", counted("mla_decode", mla_decode.mla_decode)),
+                    (mla_prefill, "mla_prefill", counted("mla_prefill", mla_prefill.mla_prefill))]
+    saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
+    record = {"ops": {}, "traced": False}
+    try:
+        for mod, attr, fn in patches:
+            setattr(mod, attr, fn)
+        yield record
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+        record["traced"] = bool(calls)
+        for (op, impl), n in sorted(calls.items()):
+            entry = {"impl": impl, "calls": n}
+            if op == "mla_paged_attention" and impl != "reference":
+                entry["kernels"] = dict(mla_paths)
+            record["ops"][op] = entry
+
+
+def traced_dispatch(step, cfg, args: tuple, backend_name: str, record: dict) -> dict:
+    """`record` from the first call, or (when that call hit jax's trace cache and recorded nothing) from
+    tracing the step's unjitted body once more under `jax.eval_shape` (nothing runs)."""
+    if record["traced"]:
+        return record
+    with record_dispatch(backend_name) as again:
+        params, state, tokens, meta = args
+        jax.eval_shape(lambda p, s, t, m: step.__wrapped__(p, cfg, s, t, m, backend_name=backend_name),
+                       params, state, tokens, meta)
+    return again
+
+
+def non_reference_ops(dispatch: dict) -> list[str]:
+    """'op' (or 'op (kernel)' for MLA) for every op that ran an implementation other than the reference; an MLA
+    op whose implementation only fell back to the reference (unsupported latent widths) is left out."""
+    out = []
+    for op, entry in dispatch["ops"].items():
+        if entry["impl"] == "reference":
+            continue
+        kernels = entry.get("kernels", {})
+        if kernels and set(kernels) == {"reference (shape fallback)"}:
+            continue
+        out.append(op + (f" ({', '.join(sorted(kernels))})" if kernels else ""))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# phases
+
+
+@functools.lru_cache(maxsize=None)
+def _history_builder(cfg, batch: int, pages_per_row: int, page_size: int):
     @jax.jit
     def build(key):
         k1, k2, k3 = jax.random.split(key, 3)
@@ -143,41 +273,169 @@ def synthetic_history(cfg, batch: int, pages_per_row: int, page_size: int, seed:
         conv = jax.random.normal(k3, (cfg.num_kda_layers, batch, cfg.kda_conv_kernel - 1, cfg.conv_channels), act)
         return k3jax.DecodeState(kda=kda, conv=conv, kv_pages=kv)
 
+    return build
+
+
+def synthetic_history(cfg, batch: int, pages_per_row: int, page_size: int, seed: int):
+    """A decode state whose pools hold random latents and small random KDA/conv states (same seed, same
+    values: each backend gets its own, equal copy)."""
     like = jax.eval_shape(lambda: k3jax.init_state(cfg, batch, batch * pages_per_row, page_size))
-    state = _sync(build(jax.random.key(seed)))
+    state = _sync(_history_builder(cfg, batch, pages_per_row, page_size)(jax.random.key(seed)))
     same = jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype), state, like)
     if not all(jax.tree.leaves(same)):
         raise RuntimeError("synthetic_history no longer matches k3jax.init_state's layout")
     return state
 
 
-def bench_decode(params, cfg, args) -> dict:
+def _timed_loop(run, warmup: int, count: int, budget: Budget) -> dict:
+    """Calls run(i) for i = 0 .. warmup + count - 1 (run syncs), timing those from i = warmup on. Once the
+    budget is spent, warm-up stops and the loop ends after its first timed call."""
+    times, first, cut = [], None, False
+    for i in range(warmup + count):
+        timed = i >= warmup or (i > 0 and budget.spent())
+        t = time.perf_counter()
+        run(i)
+        dt = time.perf_counter() - t
+        if i == 0:
+            first = dt
+        if timed and i > 0:
+            times.append(dt)
+        if times and budget.spent() and i < warmup + count - 1:
+            cut = True
+            break
+    return {"first_call_s": first, "times": times, "cut_by_budget": cut}
+
+
+def bench_decode(params, cfg, args, backend_name: str, budget: Budget) -> tuple[dict, dict, dict]:
+    """Timings, dispatch and the outputs the checks compare (logits of the first and last step run)."""
     b, ctx, ps = args.batch, args.context, args.page_size
     total_steps = args.warmup + args.steps
     pages_per_row = -(-(ctx + total_steps) // ps)
+    t_build = time.perf_counter()
     state = synthetic_history(cfg, b, pages_per_row, ps, args.seed)
+    build_s = time.perf_counter() - t_build
     page_table = jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(b, pages_per_row)
     slots = jnp.arange(b, dtype=jnp.int32)
     ones = jnp.ones((b,), jnp.int32)
-    next_token = jax.jit(lambda logits: jnp.argmax(logits, -1).astype(jnp.int32))
-    tokens = jnp.asarray(np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (b,), dtype=np.int32))
-    _sync(next_token(jnp.zeros((b, cfg.vocab_size), jnp.float32)))
-    times = []
-    for i in range(total_steps):
-        meta = StepMeta(slots, page_table, jnp.full((b,), ctx + i, jnp.int32), ones)
-        t = time.perf_counter()
-        logits, state = k3jax.decode(params, cfg, state, tokens, meta, backend_name=args.backend)
-        tokens = _sync(next_token(logits))
-        if i == 0:
-            first = time.perf_counter() - t
-        elif i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    finite = bool(jnp.isfinite(logits).all())
+    step_tokens = jnp.asarray(np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (total_steps, b), dtype=np.int32))
+    box = {"state": state}
+    outputs = {}
     del state
+    meta_at = lambda i: StepMeta(slots, page_table, jnp.full((b,), ctx + i, jnp.int32), ones)  # noqa: E731
+
+    def run(i):
+        with record_dispatch(backend_name) if i == 0 else contextlib.nullcontext() as rec:
+            if i == 0:  # shapes only: the dispatch fallback may retrace with these
+                outputs["trace_args"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                     (params, box["state"], step_tokens[0], meta_at(0)))
+            logits, box["state"] = k3jax.decode(params, cfg, box["state"], step_tokens[i], meta_at(i),
+                                                backend_name=backend_name)
+            _sync(logits)
+        if i == 0:
+            outputs["record"] = rec
+            outputs["first_logits"] = logits
+        outputs["last_logits"], outputs["last_step"] = logits, i
+
+    loop = _timed_loop(run, args.warmup, args.steps, budget)
+    box.clear()
+    dispatch = traced_dispatch(k3jax.decode, cfg, outputs.pop("trace_args"), backend_name,
+                               outputs.pop("record"))
+    times = loop["times"]
     ms = _median_ms(times)
-    return {"batch": b, "context": ctx, "first_call_s": first, "median_ms_per_step": ms,
-            "mean_ms_per_step": statistics.mean(times) * 1e3, "tokens_per_s": b / (ms / 1e3),
-            "logits_finite": finite}
+    result = {"batch": b, "context": ctx, "history_build_s": build_s, "first_call_s": loop["first_call_s"],
+              "median_ms_per_step": ms, "mean_ms_per_step": statistics.mean(times) * 1e3,
+              "tokens_per_s": b / (ms / 1e3), "timed_steps": len(times), "cut_by_budget": loop["cut_by_budget"],
+              "all_ms": [x * 1e3 for x in times],
+              "logits_finite": bool(jnp.isfinite(outputs["first_logits"]).all() & jnp.isfinite(outputs["last_logits"]).all())}
+    return result, dispatch, outputs
+
+
+def bench_prefill(params, cfg, args, backend_name: str, budget: Budget) -> tuple[dict, dict, dict]:
+    """Timings, dispatch and the outputs the checks compare (logits and the request's state after a run)."""
+    n, ps = args.tokens, args.page_size
+    num_pages = -(-n // ps)
+    box = {"state": k3jax.init_state(cfg, num_slots=1, num_pages=num_pages, page_size=ps)}
+    tokens = jnp.asarray(np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (1, n), dtype=np.int32))
+    meta = StepMeta(
+        slots=jnp.zeros((1,), jnp.int32),
+        page_table=jnp.arange(num_pages, dtype=jnp.int32)[None],
+        context_lens=jnp.zeros((1,), jnp.int32),
+        lengths=jnp.full((1,), n, jnp.int32),
+    )
+    outputs = {}
+
+    def run(i):  # every run rewrites the same pages and slot from position 0
+        with record_dispatch(backend_name) if i == 0 else contextlib.nullcontext() as rec:
+            if i == 0:
+                outputs["trace_args"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                     (params, box["state"], tokens, meta))
+            logits, box["state"] = k3jax.prefill(params, cfg, box["state"], tokens, meta, backend_name=backend_name)
+            _sync(logits)
+        if i == 0:
+            outputs["record"] = rec
+        outputs["logits"] = logits
+
+    loop = _timed_loop(run, args.warmup, args.iters, budget)
+    state = box.pop("state")
+    mla_tokens = state.kv_pages.reshape(state.kv_pages.shape[0], -1, state.kv_pages.shape[-1])[:, :n]
+    outputs.update(kda_state=state.kda[:, 0], conv_state=state.conv[:, 0], mla_latents=mla_tokens)
+    del state
+    dispatch = traced_dispatch(k3jax.prefill, cfg, outputs.pop("trace_args"), backend_name,
+                               outputs.pop("record"))
+    times = loop["times"]
+    ms = _median_ms(times)
+    result = {"tokens": n, "first_call_s": loop["first_call_s"], "median_ms": ms, "tokens_per_s": n / (ms / 1e3),
+              "timed_runs": len(times), "cut_by_budget": loop["cut_by_budget"], "all_ms": [x * 1e3 for x in times],
+              "logits_finite": bool(jnp.isfinite(outputs["logits"]).all())}
+    return result, dispatch, outputs
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cross-backend checks
+
+
+def rel_error(a: jax.Array, b: jax.Array, layer_axis: int | None = None):
+    """||a - b|| / ||b|| in fp32 (None if not finite); with layer_axis, also per index of that axis."""
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    if a32.shape != b32.shape:
+        raise ValueError(f"shapes differ: {a32.shape} vs {b32.shape}")
+    sq = lambda x, axes=None: jnp.sum(jnp.square(x), axis=axes)  # noqa: E731
+    finite = lambda x: float(x) if math.isfinite(float(x)) else None  # noqa: E731
+    d = a32 - b32
+    total = finite(jnp.sqrt(sq(d)) / jnp.sqrt(sq(b32)))
+    if layer_axis is None:
+        return total, None
+    others = tuple(i for i in range(d.ndim) if i != layer_axis)
+    per_layer = jnp.sqrt(sq(d, others)) / jnp.sqrt(sq(b32, others))
+    return total, [finite(x) for x in np.asarray(per_layer)]
+
+
+# what each phase compares, and the axis that holds the layer (None: no per-layer breakdown)
+CHECKS = {
+    "decode": {"logits_first_step": None, "logits_last_step": None},
+    "prefill": {"logits": None, "kda_state": 0, "conv_state": 0, "mla_latents": 0},
+}
+_OUTPUT_OF = {"logits_first_step": "first_logits", "logits_last_step": "last_logits"}
+
+
+def compare(phase: str, got: dict, want: dict, tol: float) -> dict:
+    """The phase's checks of `got` against `want` (the first backend's outputs)."""
+    out = {}
+    for name, layer_axis in CHECKS[phase].items():
+        if name == "logits_last_step" and got["last_step"] != want["last_step"]:
+            out[name] = {"skipped": f"last steps differ ({got['last_step']} vs {want['last_step']}: budget cut)"}
+            continue
+        key = _OUTPUT_OF.get(name, name)
+        total, per_layer = rel_error(got[key], want[key], layer_axis)
+        entry = {"rel_error": total, "passed": total is not None and total < tol}
+        if per_layer is not None:
+            entry["per_layer"] = per_layer
+        out[name] = entry
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# roofline, memory, report
 
 
 def _nbytes(tree) -> int:
@@ -226,13 +484,162 @@ def _gb(x) -> str:
     return f"{x:.0f} B"
 
 
+def _fmt_err(x) -> str:
+    return "non-finite" if x is None else f"{x:.2e}"
+
+
+def _write(result: dict, out: Path | None) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        tmp.replace(out)  # a kill mid-write leaves the previous complete file
+
+
+def report_rows(result: dict) -> list[tuple[str, str]]:
+    """The printed table: per backend and phase, then speed-ups and checks against the first backend."""
+    model, roof = result["model"], result["decode_roofline"]
+    moved = roof["bytes_per_step"]
+    rows = [
+        ("model", f"{model['name']} ({model['dtype']}), {model['params'] / 1e9:.4g} B params, "
+                  f"{_gb(moved['all_weights'])} ({model['init']} init {model['init_s']:.1f} s)"),
+        ("decode bytes/step", f"{_gb(moved['total'])} = dense weights {_gb(moved['dense_weights'])} + experts "
+                              f"{_gb(moved['activated_experts'])} + MLA {_gb(moved['mla_latents'])} + KDA "
+                              f"{_gb(moved['kda_state'] + moved['conv_state'])}"),
+        ("copy bandwidth", f"{roof['copy_bandwidth_gbps']:,.1f} GB/s (read + write, {roof['copy_probe_mib']} MiB); "
+                           f"decode floor {roof['floor_ms_per_step']:.3f} ms/step"),
+    ]
+    names = list(result["backends"])
+    for name in names:
+        r = result["backends"][name]
+        for phase in PHASES:
+            p = r.get(phase)
+            if p is None:
+                continue
+            if "skipped" in p or "error" in p:
+                rows.append((f"{phase} [{name}]", p.get("skipped") or f"FAILED: {p['error']}"))
+            elif phase == "prefill":
+                rows.append((f"prefill [{name}]", f"B=1 T={p['tokens']}: {p['median_ms']:.1f} ms, {p['tokens_per_s']:,.0f} "
+                                                  f"tokens/s ({p['timed_runs']} runs; first call {p['first_call_s']:.1f} s)"))
+            else:
+                rr = r["decode_roofline"]
+                rows.append((f"decode [{name}]", f"B={p['batch']} context {p['context']}: {p['median_ms_per_step']:.2f} "
+                                                 f"ms/step, {p['tokens_per_s']:,.0f} tokens/s; roofline {rr['ratio']:.2f}x "
+                                                 f"floor ({rr['attained_gbps']:,.0f} GB/s) ({p['timed_steps']} steps; "
+                                                 f"first call {p['first_call_s']:.1f} s)"))
+        ops = r.get("non_reference_ops")
+        if ops is not None and name != "reference":
+            rows.append((f"kernels [{name}]", "; ".join(f"{ph}: {', '.join(v) or 'none'}" for ph, v in ops.items())))
+    for name in names[1:]:
+        for phase, checks in result["checks"].get(name, {}).items():
+            text = ", ".join(f"{k} {v['skipped']}" if "skipped" in v else
+                             f"{k} {_fmt_err(v['rel_error'])}{'' if v['passed'] else ' FAIL'}" for k, v in checks.items())
+            rows.append((f"{phase} vs {names[0]}", f"[{name}] {text}"))
+    if len(names) > 1:
+        verdict = "PASS" if result["checks_passed"] else "FAIL"
+        bars = ", ".join(f"{phase} {tol:g}" for phase, tol in result["check_tol"].items())
+        rows.append(("checks", f"{verdict} (relative error below the bar on every compared output: {bars})"))
+    mem = result["memory"]
+    rows.append(("peak memory", f"{_gb(mem['peak_bytes_in_use'])} (weights {_gb(mem['weights_bytes_in_use'])})"))
+    return rows
+
+
+def speedup_table(result: dict) -> list[list[str]]:
+    """Rows of: phase | each backend's time (decode: with its roofline ratio) | each later backend's speed-up
+    over the first (tokens/s ratio, > 1 = faster)."""
+    names = list(result["backends"])
+    header = ["phase"] + names + [f"{name} / {names[0]}" for name in names[1:]]
+    rows = [header]
+    for phase in PHASES:
+        cells = [phase]
+        for name in names:
+            r = result["backends"][name]
+            p = r.get(phase)
+            if p is None or "median_ms" not in p and "median_ms_per_step" not in p:
+                cells.append("n/a" if p is None else ("skipped" if "skipped" in p else "failed"))
+            elif phase == "decode":
+                cells.append(f"{p['median_ms_per_step']:.2f} ms/step ({r['decode_roofline']['ratio']:.2f}x roofline)")
+            else:
+                cells.append(f"{p['median_ms']:.1f} ms ({p['tokens_per_s']:,.0f} tokens/s)")
+        for name in names[1:]:
+            speedup = result["speedup"].get(name, {}).get(phase)
+            cells.append("n/a" if speedup is None else f"{speedup:.2f}x")
+        if any(c not in ("n/a",) for c in cells[1:]):
+            rows.append(cells)
+    return rows
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    line = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    print(line(rows[0]))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows[1:]:
+        print(line(r))
+
+
+def run_phase(phase: str, name: str, result: dict, params, cfg, args, budget: Budget, first_outputs: dict,
+              floor_ms: float, bytes_per_step: float) -> None:
+    """Runs (or skips, once the budget is spent) one phase for one backend and records it in `result`: timings,
+    dispatch, roofline ratio, and -- for a later backend -- the checks against and speed-up over the first
+    backend, whose outputs it keeps in `first_outputs`. An exception is recorded, not raised."""
+    names = result["backends_run"]
+    entry = result["backends"][name]
+    if budget.spent():
+        entry[phase] = {"skipped": f"budget of {args.budget_s} s spent at {budget.elapsed():.1f} s"}
+        print(f"{phase} [{name}]: skipped (budget)", file=sys.stderr, flush=True)
+        return
+    t = time.perf_counter()
+    try:
+        bench = bench_decode if phase == "decode" else bench_prefill
+        timing, dispatch, outputs = bench(params, cfg, args, name, budget)
+    except Exception as e:  # noqa: BLE001 -- one failing backend must not lose the others' results
+        entry[phase] = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "traceback": traceback.format_exc()[-4000:],
+                        "phase_s": time.perf_counter() - t, "peak_bytes_after": peak_memory()}
+        print(f"{phase} [{name}]: FAILED {type(e).__name__}: {str(e)[:500]}", file=sys.stderr, flush=True)
+        return
+    timing["phase_s"] = time.perf_counter() - t
+    timing["peak_bytes_after"] = peak_memory()
+    entry[phase] = timing
+    entry.setdefault("dispatch", {})[phase] = dispatch
+    entry.setdefault("non_reference_ops", {})[phase] = non_reference_ops(dispatch)
+    if phase == "decode":
+        ms = timing["median_ms_per_step"]
+        entry["decode_roofline"] = {"ratio": ms / floor_ms, "attained_gbps": bytes_per_step / (ms / 1e3) / 1e9}
+        speed = f"{ms:.2f} ms/step, roofline {entry['decode_roofline']['ratio']:.2f}x"
+    else:
+        speed = f"{timing['median_ms']:.1f} ms, {timing['tokens_per_s']:,.0f} tokens/s"
+    versus = ""
+    if name == names[0]:
+        first_outputs[phase] = outputs
+    elif phase in first_outputs:
+        checks = compare(phase, outputs, first_outputs[phase], getattr(args, f"{phase}_tol"))
+        result["checks"].setdefault(name, {})[phase] = checks
+        base = result["backends"][names[0]][phase]
+        result["speedup"].setdefault(name, {})[phase] = timing["tokens_per_s"] / base["tokens_per_s"]
+        verdicts = [c["passed"] for per in result["checks"].values() for ph in per.values() for c in ph.values()
+                    if "passed" in c]
+        result["checks_passed"] = all(verdicts) if verdicts else None
+        errors = [c["rel_error"] for c in checks.values() if "rel_error" in c]
+        versus = f", max rel error vs {names[0]} {'non-finite' if None in errors else f'{max(errors):.2e}'}"
+    print(f"{phase} [{name}]: {speed}{versus}; done in {timing['phase_s']:.1f} s (first call "
+          f"{timing['first_call_s']:.1f} s; at {budget.elapsed():.1f} s)", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> dict:
+    started = time.perf_counter()
     args = parse_args(argv)
+    budget = Budget(args.budget_s, started)
+    out = Path(args.out) if args.out else None
     device = jax.devices()[0]
     cfg = k3jax.load_config(args.model)
+    if args.dtype:
+        cfg = cfg.replace(dtype=jnp.dtype(args.dtype).name)
     copy_mib = args.copy_mib or (256 if device.platform == "cpu" else 4096)
+    names = args.backend_list
     print(f"model_forward: {cfg.name} ({cfg.dtype}) on {device.device_kind} [{device.platform}], "
-          f"jax {jax.__version__}, backend={args.backend}", file=sys.stderr, flush=True)
+          f"jax {jax.__version__}, backends={','.join(names)}, phases={','.join(args.phase_list)}, "
+          f"budget {args.budget_s} s", file=sys.stderr, flush=True)
 
     weights = _nbytes(k3jax.param_shapes(cfg))
     pages_per_row = -(-(args.context + args.warmup + args.steps) // args.page_size)
@@ -246,14 +653,10 @@ def main(argv=None) -> dict:
     n_params = k3jax.count_params(params)
     weights_in_use = (device.memory_stats() or {}).get("bytes_in_use")
     bandwidth = copy_bandwidth(copy_mib)
-    prefill = bench_prefill(params, cfg, args)
-    peak_after_prefill = peak_memory()
-    decode = bench_decode(params, cfg, args)
     moved = decode_bytes(params, cfg, args.batch, args.context)
     floor_ms = moved["total"] / bandwidth * 1e3
-    roofline = {"bytes_per_step": moved, "copy_bandwidth_gbps": bandwidth / 1e9, "copy_probe_mib": copy_mib,
-                "floor_ms_per_step": floor_ms, "ratio": decode["median_ms_per_step"] / floor_ms,
-                "attained_gbps": moved["total"] / (decode["median_ms_per_step"] / 1e3) / 1e9}
+    print(f"init {init_s:.1f} s, copy bandwidth {bandwidth / 1e9:,.1f} GB/s, at {budget.elapsed():.1f} s",
+          file=sys.stderr, flush=True)
 
     result = {
         "benchmark": "model_forward",
@@ -263,36 +666,45 @@ def main(argv=None) -> dict:
                     "host": platform.node(), "jax": jax.__version__, "python": platform.python_version()},
         "model": {"name": cfg.name, "dtype": cfg.dtype, "params": n_params,
                   "weight_bytes": moved["all_weights"], "init": init_mode, "init_s": init_s},
-        "args": vars(args),
-        "prefill": prefill,
-        "decode": decode,
-        "decode_roofline": roofline,
-        "memory": {"weights_bytes_in_use": weights_in_use, "peak_after_prefill": peak_after_prefill,
-                   "peak_bytes_in_use": peak_memory()},
+        "args": {k: v for k, v in vars(args).items() if k not in ("backend_list", "phase_list")},
+        "backends_run": names,
+        "decode_roofline": {"bytes_per_step": moved, "copy_bandwidth_gbps": bandwidth / 1e9, "copy_probe_mib": copy_mib,
+                            "floor_ms_per_step": floor_ms},
+        "backends": {name: {} for name in names},
+        "speedup": {},
+        "checks": {},
+        "check_tol": {phase: getattr(args, f"{phase}_tol") for phase in PHASES},
+        "checks_passed": None,
+        "memory": {"weights_bytes_in_use": weights_in_use, "peak_bytes_in_use": peak_memory()},
+        "complete": False,  # True once every phase has run or been skipped (a killed run leaves False)
     }
+    _write(result, out)
 
-    rows = [
-        ("model", f"{cfg.name}, {n_params / 1e9:.4g} B params, {_gb(moved['all_weights'])} ({init_mode} init {init_s:.1f} s)"),
-        ("prefill", f"B=1 T={prefill['tokens']} page {args.page_size}: {prefill['median_ms']:.1f} ms, "
-                    f"{prefill['tokens_per_s']:,.0f} tokens/s (first call {prefill['first_call_s']:.1f} s)"),
-        ("decode", f"B={decode['batch']} context {decode['context']}: {decode['median_ms_per_step']:.2f} ms/step, "
-                   f"{decode['tokens_per_s']:,.0f} tokens/s (first call {decode['first_call_s']:.1f} s)"),
-        ("decode bytes/step", f"{_gb(moved['total'])} = dense weights {_gb(moved['dense_weights'])} + experts "
-                              f"{_gb(moved['activated_experts'])} + MLA {_gb(moved['mla_latents'])} + KDA "
-                              f"{_gb(moved['kda_state'] + moved['conv_state'])}"),
-        ("copy bandwidth", f"{bandwidth / 1e9:,.1f} GB/s (read + write, {copy_mib} MiB)"),
-        ("decode roofline", f"floor {floor_ms:.3f} ms/step; measured / floor = {roofline['ratio']:.1f}x "
-                            f"({roofline['attained_gbps']:,.1f} GB/s attained)"),
-        ("peak memory", f"{_gb(result['memory']['peak_bytes_in_use'])} (after prefill {_gb(peak_after_prefill)})"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print(f"\n{'metric':<{width}} | value\n{'-' * width}-|-{'-' * 60}")
-    for k, v in rows:
-        print(f"{k:<{width}} | {v}")
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    first_outputs: dict[str, dict] = {}  # the first backend's outputs of the phase under way
+    for phase in args.phase_list:
+        for name in names:
+            run_phase(phase, name, result, params, cfg, args, budget, first_outputs, floor_ms, moved["total"])
+            result["memory"]["peak_bytes_in_use"] = peak_memory()
+            result["elapsed_s"] = budget.elapsed()
+            _write(result, out)
+        first_outputs.pop(phase, None)
+    if names[0] in result["backends"]:  # the single-backend layout of earlier runs: the first backend's numbers
+        first = result["backends"][names[0]]
+        for phase in PHASES:
+            if phase in first:
+                result[phase] = first[phase]
+        if "decode_roofline" in first:
+            result["decode_roofline"].update(first["decode_roofline"])
+    result["complete"] = True
+    result["elapsed_s"] = budget.elapsed()
+    _write(result, out)
+
+    print()
+    _print_table([["metric", "value"]] + [list(r) for r in report_rows(result)])
+    if len(names) > 1:
+        print()
+        _print_table(speedup_table(result))
+    if out is not None:
         print(f"\nwrote {out}")
     return result
 

@@ -1,5 +1,5 @@
 """Smoke runs of benchmarks/model_forward.py and benchmarks/engine.py on k3-tiny (CPU): they run end to
-end and their JSON is sane.
+end and their JSON is sane; model_forward compares the Pallas kernels (interpret mode) with the reference.
 
 Run: python -m pytest -q tests/test_benchmark_smoke.py
 """
@@ -7,6 +7,12 @@ Run: python -m pytest -q tests/test_benchmark_smoke.py
 import importlib.util
 import json
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import k3jax
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "model_forward.py"
 
@@ -18,26 +24,120 @@ def load_benchmark():
     return module
 
 
-def test_model_forward_smoke(tmp_path, capsys):
+# k3-tiny is fp32: the Pallas kernels (interpret mode) and the reference differ by summation order only (measured
+# <= 1.6e-6 relative on logits and states, 2026-11-30), so 1e-4 catches any wiring error with a wide margin.
+TINY_TOL = "1e-4"
+TINY_ARGS = ["--model", "k3-tiny", "--tokens", "64", "--batch", "4", "--context", "100", "--page-size", "16",
+             "--iters", "2", "--steps", "3", "--warmup", "1", "--copy-mib", "16"]
+
+
+def test_model_forward_smoke_reference_vs_interpret(tmp_path, capsys):
+    """Both backends measured on the same inputs; the kernels ran (dispatch), their results match the
+    reference's, and the single-backend layout of earlier runs (top-level prefill/decode/roofline) remains."""
     out = tmp_path / "model_forward.json"
-    argv = ["--model", "k3-tiny", "--tokens", "64", "--batch", "4", "--context", "100", "--page-size", "16",
-            "--iters", "2", "--steps", "3", "--warmup", "1", "--copy-mib", "16", "--out", str(out)]
-    result = load_benchmark().main(argv)
+    argv = TINY_ARGS + ["--backends", "reference,interpret", "--decode-tol", TINY_TOL, "--prefill-tol", TINY_TOL,
+                        "--out", str(out)]
+    module = load_benchmark()
+    result = module.main(argv)
     table = capsys.readouterr().out
     assert json.loads(out.read_text()) == json.loads(json.dumps(result, default=str))
-    assert result["model"]["name"] == "k3-tiny" and result["model"]["params"] > 0
-    assert result["prefill"]["tokens"] == 64 and result["prefill"]["tokens_per_s"] > 0
-    assert result["prefill"]["logits_finite"] and result["decode"]["logits_finite"]
-    assert result["decode"]["batch"] == 4 and result["decode"]["tokens_per_s"] > 0
+    assert result["model"]["name"] == "k3-tiny" and result["model"]["params"] > 0 and result["complete"]
+    assert result["backends_run"] == ["reference", "interpret"]
+    for name in ("reference", "interpret"):
+        r = result["backends"][name]
+        assert r["prefill"]["tokens"] == 64 and r["prefill"]["tokens_per_s"] > 0 and r["prefill"]["logits_finite"]
+        assert r["decode"]["batch"] == 4 and r["decode"]["tokens_per_s"] > 0 and r["decode"]["logits_finite"]
+        assert r["decode"]["timed_steps"] == 3 and r["prefill"]["timed_runs"] == 2
+        assert r["decode_roofline"]["ratio"] > 0
+    # what ran: the reference backend only references; "interpret" the kernels, except MLA, whose kernels
+    # take no k3-tiny latent width (24 + 8: not powers of two) and fall back inside the op
+    ref_ops = result["backends"]["reference"]["dispatch"]
+    assert {e["impl"] for ph in ref_ops.values() for e in ph["ops"].values()} == {"reference"}
+    assert result["backends"]["reference"]["non_reference_ops"] == {"decode": [], "prefill": []}
+    assert result["backends"]["interpret"]["non_reference_ops"] == {
+        "decode": ["attn_res_mix_norm", "kda_decode_fused", "moe_experts"],
+        "prefill": ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused", "moe_experts"],
+    }
+    mla_op = result["backends"]["interpret"]["dispatch"]["decode"]["ops"]["mla_paged_attention"]
+    assert mla_op == {"impl": "interpret", "calls": 3, "kernels": {"reference (shape fallback)": 3}}
+    # cross-backend checks: every compared output, per layer where it has layers
+    checks = result["checks"]["interpret"]
+    assert set(checks["decode"]) == {"logits_first_step", "logits_last_step"}
+    assert set(checks["prefill"]) == {"logits", "kda_state", "conv_state", "mla_latents"}
+    for phase in checks.values():
+        for c in phase.values():
+            assert c["passed"] and 0 <= c["rel_error"] < float(TINY_TOL), c
+    assert len(checks["prefill"]["kda_state"]["per_layer"]) == 6 and len(checks["prefill"]["mla_latents"]["per_layer"]) == 3
+    assert result["checks_passed"] is True
+    assert set(result["speedup"]["interpret"]) == {"decode", "prefill"}
+    # earlier runs' layout: the first backend's numbers at the top level
+    assert result["prefill"] == result["backends"]["reference"]["prefill"]
     roof = result["decode_roofline"]
     parts = roof["bytes_per_step"]
     assert parts["total"] == sum(parts[k] for k in ("dense_weights", "activated_experts", "mla_latents",
                                                      "kda_state", "conv_state"))
     # k3-tiny: 7 experts, top 3, batch 4 -> 7 * (1 - (4/7)^4) of each MoE layer's experts are touched
     assert 0 < parts["activated_experts"] < parts["all_weights"]
-    assert roof["copy_bandwidth_gbps"] > 0 and roof["ratio"] > 0
-    for metric in ("prefill", "decode", "decode roofline", "peak memory"):
+    assert roof["copy_bandwidth_gbps"] > 0 and roof["ratio"] == result["backends"]["reference"]["decode_roofline"]["ratio"]
+    for metric in ("prefill [interpret]", "decode [reference]", "prefill vs reference", "kernels [interpret]",
+                   "checks", "peak memory", "interpret / reference"):
         assert metric in table
+    assert "PASS" in table
+    header, decode_row, prefill_row = module.speedup_table(result)
+    assert header == ["phase", "reference", "interpret", "interpret / reference"]
+    assert decode_row[0] == "decode" and "roofline" in decode_row[1] and "roofline" in decode_row[2]
+    assert prefill_row[0] == "prefill" and prefill_row[3] == f"{result['speedup']['interpret']['prefill']:.2f}x"
+
+
+def test_model_forward_failed_phase_and_spent_budget_keep_the_rest(tmp_path, monkeypatch):
+    """A phase that raises is recorded with its error; once the budget is spent every later phase is recorded
+    as skipped; the JSON on disk holds all of it."""
+    module = load_benchmark()
+    spent = {"now": False}
+
+    def failing_decode(*args, **kwargs):
+        spent["now"] = True  # as if the failure had used up the budget
+        raise RuntimeError("Triton compile failed")
+
+    monkeypatch.setattr(module, "bench_decode", failing_decode)
+    monkeypatch.setattr(module.Budget, "spent", lambda self: spent["now"])
+    # no phase runs the model here: its shapes stand in for the weights (an eager init costs ~10 s)
+    monkeypatch.setattr(module, "init_params", lambda cfg, seed, mode: (k3jax.param_shapes(cfg), "shapes", 0.0))
+    out = tmp_path / "model_forward.json"
+    result = module.main(TINY_ARGS + ["--backends", "reference,interpret", "--budget-s", "100", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result, default=str))
+    ref, ker = result["backends"]["reference"], result["backends"]["interpret"]
+    assert ref["decode"]["error"] == "RuntimeError: Triton compile failed" and "traceback" in ref["decode"]
+    for entry in (ker["decode"], ref["prefill"], ker["prefill"]):
+        assert entry["skipped"].startswith("budget of 100.0 s spent")
+    assert result["checks"] == {} and result["checks_passed"] is None and result["speedup"] == {}
+
+
+def test_model_forward_dispatch_from_a_cached_trace():
+    """A step whose first call hits jax's trace cache records nothing; the dispatch then comes from tracing
+    the step's body once more (shapes only)."""
+    module = load_benchmark()
+    cfg = k3jax.load_config("k3-tiny")
+    b, pages = 3, 5
+    state = jax.eval_shape(lambda: k3jax.init_state(cfg, b, b * pages, 16))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = (k3jax.param_shapes(cfg), state, i32(b), k3jax.StepMeta(i32(b), i32(b, pages), i32(b), i32(b)))
+    dispatch = module.traced_dispatch(k3jax.decode, cfg, args, "interpret", {"ops": {}, "traced": False})
+    assert dispatch["traced"] and module.non_reference_ops(dispatch) == ["attn_res_mix_norm", "kda_decode_fused",
+                                                                         "moe_experts"]
+    assert dispatch["ops"]["mla_paged_attention"]["kernels"] == {"reference (shape fallback)": 3}
+
+
+def test_model_forward_backend_options():
+    parse = load_benchmark().parse_args
+    assert parse([]).backend_list == ["reference"]
+    assert parse(["--backend", "pallas"]).backend_list == ["pallas"]
+    assert parse(["--backends", "reference, pallas"]).backend_list == ["reference", "pallas"]
+    assert parse(["--phases", "prefill"]).phase_list == ["prefill"]
+    for bad in (["--backend", "pallas", "--backends", "reference"], ["--backends", "reference,reference"],
+                ["--backends", "cuda"], ["--phases", "train"], ["--budget-s", "0"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
 
 
 def test_engine_benchmark_smoke(tmp_path, capsys):
