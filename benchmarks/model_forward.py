@@ -2,10 +2,11 @@
 and how far each backend's results are from the first one's.
 
     PYTHONPATH=. python benchmarks/model_forward.py --out .bench_out/model_forward.json   # k3-small, H200
-    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/model_forward.py \
-        --backends reference,pallas --budget-s 280 --out $OUT/model_backends_h200.json       # kernels vs reference
+    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/model_forward.py --backends reference,pallas \
+        --warmup 1 --iters 3 --budget-s 240 --out $OUT/model_backends_h200.json             # kernels vs reference
     python benchmarks/model_forward.py --model k3-tiny --backends reference,interpret \
         --tokens 64 --batch 4 --context 100 --page-size 16                                 # CPU smoke run
+    python benchmarks/model_forward.py --dispatch-only --backends reference,pallas        # k3-small ops, any machine
 
 One process, one random-init parameter set, and for every backend of --backends (a comma list; --backend is
 the one-element form) the same inputs:
@@ -32,6 +33,7 @@ the one-element form) the same inputs:
   (e) dispatch: which implementation each registered op (k3jax/backend.py) ran under each backend, recorded
       while the step is traced (its first call), including the MLA kernels' own shape fallback to the
       reference inside the "pallas" implementation (k3jax/mla.py: Triton tiles need C, R powers of two).
+      --dispatch-only reports just this, from shapes (no weights, nothing runs), on any machine.
 Phases run decode first (the issues' decode roofline is the number most wanted), then prefill, each for all
 backends in order. A phase that raises is recorded with its error and the run goes on. --budget-s bounds the
 wall time from the start of main() (the imports before it take ~2 s): once spent, remaining phases are
@@ -104,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{phase}-tol", type=float, default=CHECK_TOL[phase],
                        help=f"pass bar of the {phase} cross-backend relative errors (default {CHECK_TOL[phase]}, "
                             "see CHECK_TOL)")
+    p.add_argument("--dispatch-only", action="store_true",
+                   help="trace each backend's steps at these shapes (no weights, nothing runs; any machine) and "
+                        "report which implementation every op dispatches to")
     p.add_argument("--init", choices=("auto", "jit", "eager"), default="auto",
                    help="parameter init: jit (one program) or eager (op by op, still on the device); auto = "
                         "eager: compiling the whole init took 247 s for k3-small on the H200 (2026-11-29)")
@@ -255,6 +260,33 @@ def non_reference_ops(dispatch: dict) -> list[str]:
             continue
         out.append(op + (f" ({', '.join(sorted(kernels))})" if kernels else ""))
     return out
+
+
+def step_shapes(cfg, args, phase: str) -> tuple:
+    """(params, state, tokens, meta) shapes of the phase's step as the benchmark calls it."""
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    if phase == "decode":
+        b, pages = args.batch, -(-(args.context + args.warmup + args.steps) // args.page_size)
+        tokens = i32(b)
+    else:
+        b, pages = 1, -(-args.tokens // args.page_size)
+        tokens = i32(1, args.tokens)
+    state = jax.eval_shape(lambda: k3jax.init_state(cfg, b, b * pages, args.page_size))
+    return k3jax.param_shapes(cfg), state, tokens, StepMeta(i32(b), i32(b, pages), i32(b), i32(b))
+
+
+def dispatch_report(cfg, args) -> dict:
+    """--dispatch-only: per backend and phase, the dispatch found by tracing the step at the run's shapes."""
+    steps = {"decode": k3jax.decode, "prefill": k3jax.prefill}
+    report = {}
+    for name in args.backend_list:
+        for phase in args.phase_list:
+            dispatch = traced_dispatch(steps[phase], cfg, step_shapes(cfg, args, phase), name, {"ops": {}, "traced": False})
+            report.setdefault(name, {})[phase] = {"dispatch": dispatch, "non_reference_ops": non_reference_ops(dispatch)}
+            ops = ", ".join(f"{op} -> {e['impl']}" + (f" {e['kernels']}" if "kernels" in e else "") + f" x{e['calls']}"
+                            for op, e in dispatch["ops"].items())
+            print(f"{phase} [{name}]: {ops}")
+    return report
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -490,6 +522,10 @@ def _fmt_err(x) -> str:
     return "non-finite" if x is None else f"{x:.2e}"
 
 
+def _recorded_args(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("backend_list", "phase_list")}
+
+
 def _write(result: dict, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -637,6 +673,11 @@ def main(argv=None) -> dict:
     cfg = k3jax.load_config(args.model)
     if args.dtype:
         cfg = cfg.replace(dtype=jnp.dtype(args.dtype).name)
+    if args.dispatch_only:
+        result = {"benchmark": "model_forward --dispatch-only", "model": cfg.name, "args": _recorded_args(args),
+                  "backends": dispatch_report(cfg, args)}
+        _write(result, out)
+        return result
     copy_mib = args.copy_mib or (256 if device.platform == "cpu" else 4096)
     names = args.backend_list
     print(f"model_forward: {cfg.name} ({cfg.dtype}) on {device.device_kind} [{device.platform}], "
@@ -668,7 +709,7 @@ def main(argv=None) -> dict:
                     "host": platform.node(), "jax": jax.__version__, "python": platform.python_version()},
         "model": {"name": cfg.name, "dtype": cfg.dtype, "params": n_params,
                   "weight_bytes": moved["all_weights"], "init": init_mode, "init_s": init_s},
-        "args": {k: v for k, v in vars(args).items() if k not in ("backend_list", "phase_list")},
+        "args": _recorded_args(args),
         "backends_run": names,
         "decode_roofline": {"bytes_per_step": moved, "copy_bandwidth_gbps": bandwidth / 1e9, "copy_probe_mib": copy_mib,
                             "floor_ms_per_step": floor_ms},

@@ -8,8 +8,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 import k3jax
@@ -113,19 +111,21 @@ def test_model_forward_failed_phase_and_spent_budget_keep_the_rest(tmp_path, mon
     assert result["checks"] == {} and result["checks_passed"] is None and result["speedup"] == {}
 
 
-def test_model_forward_dispatch_from_a_cached_trace():
-    """A step whose first call hits jax's trace cache records nothing; the dispatch then comes from tracing
-    the step's body once more (shapes only)."""
-    module = load_benchmark()
-    cfg = k3jax.load_config("k3-tiny")
-    b, pages = 3, 5
-    state = jax.eval_shape(lambda: k3jax.init_state(cfg, b, b * pages, 16))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    args = (k3jax.param_shapes(cfg), state, i32(b), k3jax.StepMeta(i32(b), i32(b, pages), i32(b), i32(b)))
-    dispatch = module.traced_dispatch(k3jax.decode, cfg, args, "interpret", {"ops": {}, "traced": False})
-    assert dispatch["traced"] and module.non_reference_ops(dispatch) == ["attn_res_mix_norm", "kda_decode_fused",
-                                                                         "moe_experts"]
-    assert dispatch["ops"]["mla_paged_attention"]["kernels"] == {"reference (shape fallback)": 3}
+def test_model_forward_dispatch_only(tmp_path):
+    """--dispatch-only traces each backend's steps from shapes alone (the path a step takes when its first call
+    hits jax's trace cache and records nothing): k3-tiny's MLA latents (24 + 8) fall back inside the kernel op."""
+    out = tmp_path / "dispatch.json"
+    result = load_benchmark().main(["--model", "k3-tiny", "--dispatch-only", "--backends", "interpret,reference",
+                                    "--batch", "3", "--context", "50", "--tokens", "40", "--page-size", "16",
+                                    "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    ker, ref = result["backends"]["interpret"], result["backends"]["reference"]
+    assert ker["decode"]["non_reference_ops"] == ["attn_res_mix_norm", "kda_decode_fused", "moe_experts"]
+    assert ker["prefill"]["non_reference_ops"] == ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused",
+                                                   "moe_experts"]
+    assert ker["decode"]["dispatch"]["ops"]["mla_paged_attention"]["kernels"] == {"reference (shape fallback)": 3}
+    assert ref["decode"]["dispatch"]["ops"]["kda_recurrent"] == {"impl": "reference", "calls": 6}
+    assert ref["prefill"]["non_reference_ops"] == []
 
 
 def test_model_forward_backend_options():
