@@ -7,7 +7,9 @@
 Generates a short-preset trace, starts `k3jax serve` (k3-tiny, CPU) unless --url is given, then runs
 AIPerf (`--scenario inferencex-agentx-mvp --custom-dataset-type weka_trace`) and our replay in
 alternating pairs (the first pair unscored: it compiles the shapes both clients hit), prints a table and
-writes JSON (default docs/results/aiperf_agree_cpu_same_work_2026-11-30.json).
+writes JSON (docs/results/aiperf_agree_cpu_aligned_2026-11-30.json holds the concurrency 1 and 2 runs of
+`--duration-s 60 --repeats 4 --raw-export`). The trace uses 64-token blocks (AIPerf's weka block size); the
+server compiles its shapes at start-up and logs XLA compilations, counted per run.
 What is compared and why the windows are aligned: serving/workload/aiperf_agree.py.
 """
 
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
                         "template and tokenizer, against the prompt tokens the server reported for our replay's "
                         "request of the same (conversation, turn)")
     p.add_argument("--work", help="directory for the trace and both clients' artifacts (default: a temp dir)")
-    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "aiperf_agree_cpu_same_work_2026-11-30.json"))
+    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "aiperf_agree_cpu.json"))
     a = p.parse_args(argv)
     if not aiperf_available():
         print("AIPerf is not installed (.venv-aiperf): run bash scripts/extras/aiperf.sh", file=sys.stderr)
