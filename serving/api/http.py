@@ -7,15 +7,21 @@ JSON, unknown model, bad fields, context overflow with "maximum context length",
 401 for a wrong API key, 503 when the engine is full or draining. A streaming client that disconnects
 has its request aborted (Starlette cancels the response, whose `finally` aborts); so does a
 non-streaming one (watched with `request.is_disconnected`).
+
+Chat rendering and tokenization run on a small thread pool, not on the event loop that streams every
+request's tokens: a coding agent's 100k-token history takes a BPE tokenizer about half a second to encode
+(on a 2-core CPU), which on the loop was an inter-token-latency spike for every live stream. Encoding
+releases the GIL (serving/api/tokenizer.py), and a chat prompt is tokenized once: its cache boundaries are
+counted on the way (`Tokenizer.encode_with_prefix_counts`) instead of encoding the prompt's prefixes again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,12 +42,22 @@ from serving.async_engine import EngineError, EngineOverloaded, EngineStopped, R
 # Endpoints a configured API key protects (vLLM protects /v1; we add the admin routes).
 PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache", "/flush_cache")
 DISCONNECT_POLL_S = 0.25
+# Threads that render and tokenize prompts. Encoding releases the GIL, so each runs on its own core; more
+# would compete with the engine thread for the host's cores and gain nothing for one request (a prompt is
+# tokenized by one thread), while queued requests wait their turn instead of all slowing down at once.
+TOKENIZE_THREADS = 4
 
 
 def build_app(state) -> FastAPI:
     """state: serving.api.server.ServerState (engine, tokenizer, metrics, config)."""
     app = FastAPI(title="k3jax", docs_url=None, redoc_url=None, openapi_url=None)
     cfg = state.config
+    # idle workers end with the interpreter (concurrent.futures joins them at exit); none start before a request
+    app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="k3jax-tokenize")
+
+    async def off_loop(fn, *args):
+        """fn(*args) on the tokenize pool; its APIError reaches the handler below as if raised here."""
+        return await asyncio.get_running_loop().run_in_executor(app.state.tokenize_pool, fn, *args)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -97,13 +113,14 @@ def build_app(state) -> FastAPI:
         body = await _read_json(request, cfg.max_body_bytes)
         _check_model(state, body)
         add_special = body.get("add_special_tokens", "messages" not in body)
-        if "messages" in body:
-            text = _render_chat(state, body)
-        elif isinstance(body.get("prompt"), str):
-            text = body["prompt"]
-        else:
+        if "messages" not in body and not isinstance(body.get("prompt"), str):
             raise APIError("give 'prompt' (a string) or 'messages'", param="prompt")
-        ids = state.tokenizer.encode(text, add_special_tokens=bool(add_special))
+
+        def tokenize_body():
+            text = _render_chat(state, body) if "messages" in body else body["prompt"]
+            return state.tokenizer.encode(text, add_special_tokens=bool(add_special))
+
+        ids = await off_loop(tokenize_body)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
     @app.post("/v1/detokenize")
@@ -136,7 +153,7 @@ def build_app(state) -> FastAPI:
         _check_model(state, body)
         check_unsupported(body)
         stream, include_usage, continuous = stream_options(body)
-        prompt_ids, _ = completion_prompt(body, state.tokenizer)
+        prompt_ids, _ = await off_loop(completion_prompt, body, state.tokenizer)
         sampling = sampling_params(body, len(prompt_ids), state.engine.max_model_len, chat=False)
         handle = await _submit(state, prompt_ids, sampling, request, "cmpl", cache_boundaries=_cache_boundaries(body))
         rid = f"cmpl-{handle.request_id}"
@@ -156,12 +173,10 @@ def build_app(state) -> FastAPI:
         _check_model(state, body)
         check_unsupported(body)
         stream, include_usage, continuous = stream_options(body)
-        text = _render_chat(state, body)
-        prompt_ids = state.tokenizer.encode(text)
+        prompt_ids, cache_boundaries = await off_loop(_tokenize_chat, state, body)
         sampling = sampling_params(body, len(prompt_ids), state.engine.max_model_len, chat=True,
                                    default_max_tokens=None)
-        handle = await _submit(state, prompt_ids, sampling, request, "chatcmpl",
-                               cache_boundaries=_chat_cache_boundaries(state, body, text))
+        handle = await _submit(state, prompt_ids, sampling, request, "chatcmpl", cache_boundaries=cache_boundaries)
         base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion", "created": int(handle.created),
                 "model": state.model_name}
         if stream:
@@ -236,9 +251,21 @@ def _cache_boundaries(body: dict) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _chat_cache_boundaries(state, body: dict, text: str) -> tuple[int, ...]:
-    """Where the rendered prompt's shareable prefixes end, in tokens, for the engine to checkpoint there (a
-    hybrid model resumes only at a KDA checkpoint, so a prefix needs one at its end):
+def _tokenize_chat(state, body: dict) -> tuple[list[int], tuple[int, ...]]:
+    """A chat request's prompt ids and cache boundaries (the token counts of `_chat_cache_prefix_ends`'
+    prefixes), tokenizing the rendered prompt once: those prefixes end at special tokens (the template's
+    end-of-message or start-of-message token), where `encode_with_prefix_counts` cuts the text into pieces
+    and counts their tokens on the way. Blocking (the template and a long encode): the handler runs it on
+    the tokenize pool."""
+    text = _render_chat(state, body)
+    prompt_ids, counts = state.tokenizer.encode_with_prefix_counts(text, _chat_cache_prefix_ends(state, body, text))
+    return prompt_ids, tuple(sorted(set(counts)))
+
+
+def _chat_cache_prefix_ends(state, body: dict, text: str) -> list[int]:
+    """Where the rendered prompt `text`'s shareable prefixes end (character offsets; their token counts are
+    the request's cache boundaries), for the engine to checkpoint there (a hybrid model resumes only at a KDA
+    checkpoint, so a prefix needs one at its end):
     - the leading system/developer messages: conversations sharing the system prompt (subagents, new
       sessions of one agent) reuse it, not only continuations of the same conversation;
     - the conversation before the generation prompt: a next request that renders this history the same
@@ -260,8 +287,8 @@ def _chat_cache_boundaries(state, body: dict, text: str) -> tuple[int, ...]:
         except ValueError:
             continue
         if head and text.startswith(head) and len(head) < len(text):
-            out.append(len(state.tokenizer.encode(head)))
-    return tuple(sorted(set(out)))
+            out.append(len(head))
+    return out
 
 
 async def _submit(state, prompt_ids, sampling, request: Request, kind: str,

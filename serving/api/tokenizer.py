@@ -6,6 +6,7 @@ incremental detokenisation with stop strings for streaming.
     tok = load_tokenizer("/path/to/hf_dir")    # tokenizer.json (+ tokenizer_config.json: specials, template)
     tok = load_tokenizer("/path/to/x.tiktoken")  # "<base64 token> <rank>" lines (+ sibling tokenizer_config.json)
     ids = tok.encode("hi"); text = tok.decode(ids)
+    ids, (n,) = tok.encode_with_prefix_counts(prompt, [len(system_part)])  # n == len(tok.encode(system_part))
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     stream = TextStream(tok, stop=("\\n\\n",)); stream.push([104, 105]) -> "hi"; stream.finish() -> ""
 
@@ -13,6 +14,9 @@ The byte tokenizer is generated offline by `build_byte_tokenizer` (the checked-i
 output; a test regenerates and compares): ids 0..255 are the raw bytes (byte-level BPE without merges),
 256.. the special tokens. Its eos `<|im_end|>` (257) is k3-tiny's eos_token_id, so a chat turn ends
 where the model stops.
+
+Encoding releases the GIL (HF `encode_batch_fast`, tiktoken's native encode), so a server can tokenize a
+100k-token prompt on a worker thread while its event loop keeps streaming other requests.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ TIKTOKEN_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
 )
+# Text around a special token in the probes that decide whether a tokenizer splits exactly at that token's
+# edges: letters, spaces and newlines (what lstrip/rstrip absorb, what a prefix space or a Metaspace
+# "first" scheme changes), digits and a non-ASCII character (normalizers, byte fallback).
+_EDGE_PROBE_LEFT = ("a", "x ", "word \n", " \n\n", "é1")
+_EDGE_PROBE_RIGHT = ("b", " y", "\n word", "\n\n ", "1é")
 
 
 def default_tokenizer_dir() -> Path:
@@ -52,13 +61,17 @@ class Tokenizer:
     """Text <-> token ids, special tokens, chat template. Thread-safe for encode/decode."""
 
     def __init__(self, path: str, *, encode, decode, vocab_size: int, special_ids: dict[str, int],
-                 config: dict | None = None):
+                 config: dict | None = None, added_tokens: Sequence[str] | None = None):
         self.path = path
         self._encode = encode
         self._decode = decode
         self.vocab_size = vocab_size
         self.special_ids = dict(special_ids)
         self._special_set = frozenset(special_ids.values())
+        # (special token, "after" | "before") -> whether encoding splits exactly at that edge (probed once)
+        self._exact_edges: dict[tuple[str, str], bool] = {}
+        # every string the tokenizer splits out of the text before merges (special or not)
+        self._added_tokens = tuple(t for t in {*special_ids, *(added_tokens or ())} if t)
         config = config or {}
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
@@ -82,6 +95,83 @@ class Tokenizer:
         if add_special_tokens and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_with_prefix_counts(self, text: str, prefix_ends: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(`encode(text)`, [len(encode(text[:end])) for end in prefix_ends]), tokenizing each character once
+        where it can: an `end` right after or right before a special token (a chat template's end-of-message
+        or start-of-message token) cuts the text into pieces that are encoded once each and concatenated.
+        That is exact because a tokenizer splits special tokens out of the text before pre-tokenisation and
+        merges, so no token spans such an edge; each tokenizer proves it for each special token it meets
+        here once, on probe strings (a special token that absorbs neighbouring whitespace (lstrip/rstrip), a
+        pre-tokenizer that treats the text's start differently, ... fail the probe), and every cut is checked
+        again on the ids (the special token's id must sit at the edge of its piece). Any other `end` costs a
+        separate `encode(text[:end])`, as counting it always did. ValueError for an end outside [0, len(text)]."""
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        ends = [int(e) for e in prefix_ends]
+        for end in ends:
+            if not 0 <= end <= len(text):
+                raise ValueError(f"prefix end {end} is outside the text [0, {len(text)}]")
+        cuts: dict[int, tuple[str, int]] = {}  # inner end -> (side of its special token, that token's id)
+        for end in sorted(set(ends)):
+            if 0 < end < len(text) and (edge := self._exact_special_edge(text, end)) is not None:
+                cuts[end] = edge
+        bounds = [0, *cuts, len(text)]
+        pieces = [self._encode(text[a:b]) for a, b in zip(bounds, bounds[1:])]
+        ids: list[int] = []
+        for piece in pieces:
+            ids.extend(piece)
+        counts_at = {0: 0, len(text): len(ids)}
+        count = 0
+        for i, (end, (side, special_id)) in enumerate(cuts.items()):
+            # the ids must show the cut at its special token: the left piece ends with it, or the right one starts
+            edge_id = pieces[i][-1:] if side == "after" else pieces[i + 1][:1]
+            if edge_id != [special_id]:  # not tokenized as that special token here: encode the whole text
+                ids = self._encode(text)
+                counts_at = {0: 0, len(text): len(ids)}
+                break
+            count += len(pieces[i])
+            counts_at[end] = count
+        return ids, [counts_at[e] if e in counts_at else len(self._encode(text[:e])) for e in ends]
+
+    def _exact_special_edge(self, text: str, end: int) -> tuple[str, int] | None:
+        """("after" | "before", the special token's id) when `end` falls right after or right before a special
+        token at whose edge this tokenizer splits exactly; None otherwise."""
+        if self._added_token_spans(text, end):
+            return None
+        for token, token_id in self.special_ids.items():
+            if text.endswith(token, 0, end) and self._splits_exactly_at(token, "after"):
+                return "after", token_id
+            if text.startswith(token, end) and self._splits_exactly_at(token, "before"):
+                return "before", token_id
+        return None
+
+    def _added_token_spans(self, text: str, end: int) -> bool:
+        """Whether an occurrence of an added token contains both text[end - 1] and text[end] (the whole text
+        would match it where the pieces cannot)."""
+        for token in self._added_tokens:
+            n = len(token)
+            start = text.find(token, max(0, end - n + 1), end + n - 1)  # the first occurrence that could span
+            if 0 <= start < end:
+                return True
+        return False
+
+    def _splits_exactly_at(self, token: str, side: str) -> bool:
+        """Whether encode(a) + encode(b) == encode(a + b) for every probe cut right `side` of `token` (cached:
+        one small probe per special token and side for the tokenizer's life)."""
+        key = (token, side)
+        exact = self._exact_edges.get(key)
+        if exact is None:
+            exact = self._encode(token) == [self.special_ids[token]]
+            for left in _EDGE_PROBE_LEFT:
+                for right in _EDGE_PROBE_RIGHT:
+                    if not exact:
+                        break
+                    cut = len(left) + (len(token) if side == "after" else 0)
+                    whole = left + token + right
+                    exact = self._encode(whole[:cut]) + self._encode(whole[cut:]) == self._encode(whole)
+            self._exact_edges[key] = exact
+        return exact
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
@@ -161,14 +251,19 @@ def _load_hf(directory: Path) -> Tokenizer:
         hf = HFTokenizer.from_file(str(directory / "tokenizer.json"))
     except Exception as e:  # the tokenizers library raises its own Exception type
         raise ValueError(f"{directory / 'tokenizer.json'}: cannot load ({e})") from None
-    specials = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    added = hf.get_added_tokens_decoder()
+    specials = {t.content: i for i, t in added.items() if t.special}
+    # the batch entry points release the GIL (`encode` holds it for the whole call: a 120k-token prompt held
+    # every other Python thread for 0.3-0.5 s on a 2-core CPU); `_fast` skips the offsets nobody reads
+    encode_batch = getattr(hf, "encode_batch_fast", hf.encode_batch)
     return Tokenizer(
         str(directory),
-        encode=lambda text: hf.encode(text, add_special_tokens=False).ids,
+        encode=lambda text: encode_batch([text], add_special_tokens=False)[0].ids,
         decode=lambda ids: hf.decode(ids, skip_special_tokens=False),
         vocab_size=hf.get_vocab_size(with_added_tokens=True),
         special_ids=specials,
         config=_read_config(directory),
+        added_tokens=[t.content for t in added.values()],
     )
 
 
@@ -193,7 +288,9 @@ def _load_tiktoken(file: Path) -> Tokenizer:
                             special_tokens=specials)
     return Tokenizer(
         str(file),
-        encode=lambda text: enc.encode(text, disallowed_special=()),
+        # special tokens in the text are the special ids (as HF tokenizers and Kimi's tiktoken tokenizer do): a
+        # chat template's <|im_end|> is one token, not its characters
+        encode=lambda text: enc.encode(text, allowed_special="all"),
         decode=lambda ids: enc.decode(ids, errors="replace"),
         vocab_size=max([*ranks.values(), *specials.values()]) + 1,
         special_ids=specials,

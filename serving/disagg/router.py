@@ -494,15 +494,18 @@ def build_app(router: Router) -> FastAPI:
             raise APIError("request body must be a JSON object", code="invalid_json")
         check_unsupported(body)
         stream, include_usage, _ = stream_options(body)
-        if chat:
+
+        def tokenize():  # the template and a long encode block: a worker thread, not the loop that streams
+            if not chat:
+                return completion_prompt(body, tok)[0]
             try:
                 text = tok.apply_chat_template(chat_messages(body), add_generation_prompt=body.get("add_generation_prompt", True),
                                                tools=body.get("tools"))
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
-            ids = tok.encode(text)
-        else:
-            ids, _ = completion_prompt(body, tok)
+            return tok.encode(text)
+
+        ids = await asyncio.to_thread(tokenize)
         sampling = sampling_params(body, len(ids), cfg.max_model_len, chat=chat, default_max_tokens=None if chat else 16)
         rid = uuid.uuid4().hex[:24]
         kind = "chat.completion" if chat else "text_completion"
