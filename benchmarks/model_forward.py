@@ -25,7 +25,7 @@ the one-element form) the same inputs:
       run (a large elementwise jnp op, bytes read + written). ratio = measured step / floor (>= 1), per
       backend (the bytes do not depend on the backend).
   (d) cross-backend checks against the FIRST backend of the list, relative error ||a - b|| / ||b|| in fp32:
-      decode logits of the first and the last timed step, prefill logits (last token), and the state the
+      decode logits of the first and the last step run, prefill logits (last token), and the state the
       prefill wrote (KDA recurrent and conv states of the request's slot, MLA latents of its tokens; per
       layer too). Pass when every error is finite and below its phase's bar (--decode-tol 5e-2, --prefill-tol
       0.2 for bf16: CHECK_TOL says why).
@@ -40,6 +40,8 @@ wall time from the start of main() (the imports before it take ~2 s): once spent
 recorded as skipped and a running timed loop stops after its first timed iteration (a compile that is under
 way cannot be cut). The JSON is rewritten after every phase, so a killed run still leaves what it measured.
 Peak device memory comes from `memory_stats()` (absent on CPU; it is the process peak so far).
+Prints a table per backend and phase, then (several backends) a speed-up table: each phase's time per backend,
+decode with its roofline ratio, and each later backend's tokens/s over the first's.
 """
 
 from __future__ import annotations
