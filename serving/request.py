@@ -120,17 +120,21 @@ def validate_prompt(
     ids = tuple(prompt_ids)
     if not ids:
         raise ValueError("prompt_ids is empty: a prompt needs at least one token")
-    for i, t in enumerate(ids):
-        if not _is_int(t):
-            raise ValueError(f"prompt_ids[{i}]={t!r} is invalid: must be an int")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"prompt_ids[{i}]={t} is invalid: must be in [0, vocab_size={vocab_size})")
+    # Plain ints (what tokenizers and JSON give) are checked at C speed: this runs on the server's event loop,
+    # where the per-id loop below took ~0.18 s for a 120k-token agent history; anything else takes that loop.
+    plain = set(map(type, ids)) == {int}
+    if not plain or min(ids) < 0 or max(ids) >= vocab_size:
+        for i, t in enumerate(ids):
+            if not _is_int(t):
+                raise ValueError(f"prompt_ids[{i}]={t!r} is invalid: must be an int")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt_ids[{i}]={t} is invalid: must be in [0, vocab_size={vocab_size})")
     if len(ids) + max_tokens > max_model_len:
         raise ValueError(
             f"prompt length {len(ids)} + max_tokens {max_tokens} = {len(ids) + max_tokens} "
             f"exceeds max_model_len={max_model_len}"
         )
-    return tuple(int(t) for t in ids)
+    return ids if plain else tuple(int(t) for t in ids)
 
 
 class RequestStatus(enum.Enum):
