@@ -31,6 +31,7 @@ from serving.api.metrics import CONTENT_TYPE
 from serving.api.protocol import (
     APIError,
     chat_messages,
+    chat_template_args,
     check_unsupported,
     completion_prompt,
     sampling_params,
@@ -232,12 +233,8 @@ def _check_model(state, body: dict) -> None:
 
 def _render_chat(state, body: dict) -> str:
     messages = chat_messages(body)
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     try:
-        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.get("add_generation_prompt", True),
-                                                   tools=body.get("tools"), **kwargs)
+        return state.tokenizer.apply_chat_template(messages, **chat_template_args(body))
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
 
@@ -274,7 +271,7 @@ def _chat_cache_prefix_ends(state, body: dict, text: str) -> list[int]:
       checkpoint. A continuation of the whole prompt resumes at the prompt's own end as before.
     Each counts only when the full prompt starts with that rendering."""
     messages = chat_messages(body)
-    kwargs = dict(tools=body.get("tools"), **(body.get("chat_template_kwargs") or {}))
+    kwargs = {**chat_template_args(body), "add_generation_prompt": False}
     n = 0
     while n < len(messages) and messages[n].get("role") in ("system", "developer"):
         n += 1
@@ -283,7 +280,7 @@ def _chat_cache_prefix_ends(state, body: dict, text: str) -> list[int]:
         if not head_messages:
             continue
         try:
-            head = state.tokenizer.apply_chat_template(head_messages, add_generation_prompt=False, **kwargs)
+            head = state.tokenizer.apply_chat_template(head_messages, **kwargs)
         except ValueError:
             continue
         if head and text.startswith(head) and len(head) < len(text):

@@ -159,6 +159,23 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+RESERVED_TEMPLATE_ARGS = ("messages", "bos_token", "eos_token")  # the renderer sets these itself
+
+
+def chat_template_args(body: dict) -> dict:
+    """Keyword arguments of the chat template for a request: add_generation_prompt (default true) and tools
+    from the body, then `chat_template_kwargs` on top (vLLM's precedence: a client may set either name there
+    too, e.g. a model's `thinking` switch). The renderer's own variables cannot be overridden."""
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    clash = sorted(set(extra) & set(RESERVED_TEMPLATE_ARGS))
+    if clash:
+        raise APIError(f"'chat_template_kwargs' cannot set {clash}: the server renders those itself",
+                       param="chat_template_kwargs")
+    return {"add_generation_prompt": body.get("add_generation_prompt", True), "tools": body.get("tools"), **extra}
+
+
 def completion_prompt(body: dict, tokenizer) -> tuple[list[int], str | None]:
     """(prompt ids, prompt text or None) of /v1/completions: a string, token ids, or a one-element list."""
     prompt = body.get("prompt")

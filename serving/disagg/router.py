@@ -76,7 +76,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pb_grpc
 
 from serving.api.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TTFT_BUCKETS, StatsCollector
-from serving.api.protocol import APIError, chat_messages, check_unsupported, completion_prompt, sampling_params, stream_options
+from serving.api.protocol import (APIError, chat_messages, chat_template_args, check_unsupported, completion_prompt,
+                                  sampling_params, stream_options)
 from serving.api.tokenizer import TextStream, load_tokenizer
 from serving.cache.hashing import prefix_hashes
 from serving.disagg.health import HealthProbe
@@ -499,8 +500,7 @@ def build_app(router: Router) -> FastAPI:
             if not chat:
                 return completion_prompt(body, tok)[0]
             try:
-                text = tok.apply_chat_template(chat_messages(body), add_generation_prompt=body.get("add_generation_prompt", True),
-                                               tools=body.get("tools"))
+                text = tok.apply_chat_template(chat_messages(body), **chat_template_args(body))
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
             return tok.encode(text)

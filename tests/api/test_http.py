@@ -135,6 +135,8 @@ def test_bad_input_gets_openai_400_and_server_keeps_serving(worker, client):
         "n=2": ({**ok, "n": 2}, "not supported"),
         "bad temperature": ({**ok, "temperature": -1}, "temperature"),
         "no messages": ({"model": "k3-tiny"}, "messages"),
+        "template kwargs not an object": ({**ok, "chat_template_kwargs": [1]}, "must be an object"),
+        "template kwargs set the renderer's own": ({**ok, "chat_template_kwargs": {"messages": []}}, "cannot set"),
     }
     for name, (body, needle) in cases.items():
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -151,9 +153,14 @@ def test_bad_input_gets_openai_400_and_server_keeps_serving(worker, client):
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model="k3-tiny", prompt="z" * 250, max_tokens=10)
     assert httpx.get(f"{worker.url}/v1/nope", headers=AUTH, timeout=10).status_code == 404
-    # still serving
+    # still serving; chat_template_kwargs may set the body's own template switches (was a 500: a duplicate keyword)
     r = httpx.post(url, json=ok, headers=AUTH, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    plain = httpx.post(f"{worker.url}/v1/tokenize", json={"model": "k3-tiny", "messages": ok["messages"]},
+                       headers=AUTH, timeout=30).json()["count"]
+    r = httpx.post(url, json={**ok, "chat_template_kwargs": {"add_generation_prompt": False, "tools": None}},
+                   headers=AUTH, timeout=120)
+    assert r.status_code == 200 and 0 < r.json()["usage"]["prompt_tokens"] < plain  # no generation prompt
 
 
 def test_api_key_is_required(worker):
