@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import signal
 import time
@@ -122,11 +121,6 @@ class ServerState:
             t = time.perf_counter()
             engine.runner.warmup()
             log.info("warm-up compiled every shape bucket in %.1f s", time.perf_counter() - t)
-        # Everything allocated so far (jax, the model, compiled programs) lives as long as the server: moved out of
-        # the collector's view, a full collection no longer walks it (~157 ms pauses with jax loaded, measured on
-        # the request path's event loop, 2026-11-30), as SGLang and vLLM freeze their startup heap.
-        gc.collect()
-        gc.freeze()
         async_engine = AsyncEngine(engine, max_pending=config.max_pending)
         state = cls(async_engine, tokenizer, config, engine.ecfg)
         async_engine.start()
