@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import gc
+import json
 import math
 import os
 import sys
