@@ -75,15 +75,18 @@ What is compared, and what was changed to compare like with like (k3-tiny on CPU
   prompt leaves the previous one before the server's checkpoint at the previous prompt's end and resumes at
   the shared system prompt). Ours / AIPerf, pooled: concurrency 1 throughput 1.04, P90 ITL 2.18 (each
   client's own run-to-run spread: throughput 33% / 59%, P90 ITL 79% / 119%); concurrency 2 throughput 0.94,
-  P90 ITL 0.91 (spread 56% / 9%, 161% / 53%).
+  P90 ITL 0.91 (spread 56% / 9%, 161% / 53%). A second concurrency-1 invocation with 120 s windows (3 pairs,
+  load average 2.4-5.0): throughput 1.21, P90 ITL 0.58 (spread 39% / 61%, 125% / 111%): the P90 ITL ratio
+  swings from 2.18 to 0.58 between invocations of the same setup.
   Why concurrency 1 differs (same requests matched by (conversation, turn), each request's share of its time
   with another request of the same client in flight): the 77 requests that ran alone in both clients agree,
-  P90 ITL 8.49 vs 8.61 ms (1.015). Every request of either client's P90 tail is a subagent request of a burst
+  P90 ITL 8.49 vs 8.61 ms (1.015); with the 120 s invocation, 190 such requests, 8.70 vs 8.61 ms (0.99),
+  and the 81 that shared the server 63.2 vs 61.6 ms (0.97). Every request of either client's P90 tail is a subagent request of a burst
   sharing the server (mean overlap 0.99 / 1.00; the two clients overlap alike, 0.26 / 0.28 of the time), and
   with ~30 scored requests per run the P90 is set by one burst per run, whose decode steps interleave with
   its siblings' 128-token prefill chunks; how slow those are depends on what the machine does at that moment
-  (the same burst's first requests: TTFT 0.2-0.5 s in one run, 1.7-2.6 s in another, ITL 5-60 ms vs 10-170
-  ms). So the P90 over ~100 requests at concurrency 1 measures ~10 burst requests under whatever load the
+  (our replay's requests of session 0's first burst: TTFT 0.24-0.43 s and ITL 5-18 ms in one run, TTFT
+  1.2-3.0 s and ITL 6-170 ms in the next). So the P90 over ~100 requests at concurrency 1 measures ~10 burst requests under whatever load the
   machine had; at concurrency 2 almost every request shares the server (overlap 0.91 / 0.94) and the P90
   agrees. Client-side, AIPerf's chunk arrivals show no read batching in the scored runs (1.0-1.5 chunks per
   read); the byte tokenizer holds back about half of k3-tiny's random bytes as incomplete UTF-8 (7-9 content
