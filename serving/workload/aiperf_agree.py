@@ -79,17 +79,17 @@ What is compared, and what was changed to compare like with like (k3-tiny on CPU
   load average 2.4-5.0): throughput 1.21, P90 ITL 0.58 (spread 39% / 61%, 125% / 111%): the P90 ITL ratio
   swings from 2.18 to 0.58 between invocations of the same setup.
   Why concurrency 1 differs (same requests matched by (conversation, turn), each request's share of its time
-  with another request of the same client in flight): the 77 requests that ran alone in both clients agree,
-  P90 ITL 8.49 vs 8.61 ms (1.015); with the 120 s invocation, 190 such requests, 8.70 vs 8.61 ms (0.99),
-  and the 81 that shared the server 63.2 vs 61.6 ms (0.97). Every request of either client's P90 tail is a subagent request of a burst
-  sharing the server (mean overlap 0.99 / 1.00; the two clients overlap alike, 0.26 / 0.28 of the time), and
-  with ~30 scored requests per run the P90 is set by one burst per run, whose decode steps interleave with
-  its siblings' 128-token prefill chunks; how slow those are depends on what the machine does at that moment
-  (our replay's requests of session 0's first burst: TTFT 0.24-0.43 s and ITL 5-18 ms in one run, TTFT
-  1.2-3.0 s and ITL 6-170 ms in the next). So the P90 over ~100 requests at concurrency 1 measures ~10 burst requests under whatever load the
-  machine had; at concurrency 2 almost every request shares the server (overlap 0.91 / 0.94) and the P90
-  agrees. Client-side, AIPerf's chunk arrivals show no read batching in the scored runs (1.0-1.5 chunks per
-  read); the byte tokenizer holds back about half of k3-tiny's random bytes as incomplete UTF-8 (7-9 content
+  with another request of the same client in flight): the 77 requests that ran alone in both clients agree, P90
+  ITL 8.49 vs 8.61 ms (1.015); pooled with the 120 s invocation, 190 such requests, 8.70 vs 8.61 ms (0.99), and the 81
+  that shared the server 63.2 vs 61.6 ms (0.97). Every request of either client's P90 tail is a subagent request
+  of a burst sharing the server (mean overlap 0.99 / 1.00; the two clients overlap alike, 0.26 / 0.28 of the
+  time), and with ~30 scored requests per run the P90 is set by one burst per run, whose decode steps interleave
+  with its siblings' 128-token prefill chunks; how slow those are depends on what the machine does at that
+  moment (our replay's requests of session 0's first burst: TTFT 0.24-0.43 s and ITL 5-18 ms in one run, TTFT
+  1.2-3.0 s and ITL 6-170 ms in the next). So the P90 over ~100 requests at concurrency 1 measures ~10 burst
+  requests under whatever load the machine had; at concurrency 2 almost every request shares the server (overlap
+  0.91 / 0.94) and the P90 agrees. Client-side, AIPerf's chunk arrivals show no read batching in the scored runs
+  (1.0-1.5 chunks per read); the byte tokenizer holds back about half of k3-tiny's random bytes as incomplete UTF-8 (7-9 content
   chunks for ~15 tokens), which both clients' first-content ITL definition sees alike.
 - The scenario requires >= 900 s and a pinned public corpus: a short local run needs `--unsafe-override`
   (AIPerf then stamps submission_valid=false; nothing else changes).
