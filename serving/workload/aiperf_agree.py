@@ -89,8 +89,9 @@ What is compared, and what was changed to compare like with like (k3-tiny on CPU
   1.2-3.0 s and ITL 6-170 ms in the next). So the P90 over ~100 requests at concurrency 1 measures ~10 burst
   requests under whatever load the machine had; at concurrency 2 almost every request shares the server (overlap
   0.91 / 0.94) and the P90 agrees. Client-side, AIPerf's chunk arrivals show no read batching in the scored
-  runs (1.0-1.5 chunks per read); the byte tokenizer holds back about half of k3-tiny's random bytes as incomplete UTF-8 (7-9 content
-  chunks for ~15 tokens), which both clients' first-content ITL definition sees alike.
+  runs (1.0-1.5 chunks per read); the byte tokenizer holds back about half of k3-tiny's random bytes as
+  incomplete UTF-8 (7-9 content chunks for ~15 tokens), which both clients' first-content ITL definition sees
+  alike.
 - The scenario requires >= 900 s and a pinned public corpus: a short local run needs `--unsafe-override`
   (AIPerf then stamps submission_valid=false; nothing else changes).
 - AIPerf's tokenizer: the server's byte tokenizer (configs/tokenizers/k3-byte) put in an HF-cache layout
