@@ -268,7 +268,10 @@ def _chat_cache_prefix_ends(state, body: dict, text: str) -> list[int]:
     - the conversation before the generation prompt: a next request that renders this history the same
       way but continues it differently (its next turn as a user message, as AIPerf's weka replay sends it,
       or a template that re-renders the last assistant turn) still resumes there, not at an older
-      checkpoint. A continuation of the whole prompt resumes at the prompt's own end as before.
+      checkpoint. A continuation of the whole prompt resumes at the prompt's own end as before;
+    - the conversation before its last message: a next request that rewrites that message (an agent that
+      trims a long tool result or its own last turn; AIPerf's weka replay, which replaces a turn's partial
+      last block) resumes there instead of falling back to the system prompt.
     Each counts only when the full prompt starts with that rendering."""
     messages = chat_messages(body)
     kwargs = {**chat_template_args(body), "add_generation_prompt": False}
@@ -276,7 +279,8 @@ def _chat_cache_prefix_ends(state, body: dict, text: str) -> list[int]:
     while n < len(messages) and messages[n].get("role") in ("system", "developer"):
         n += 1
     out = []
-    for head_messages in ((messages[:n] if 0 < n < len(messages) else None), messages):
+    before_last = messages[:-1] if len(messages) - 1 > n else None
+    for head_messages in ((messages[:n] if 0 < n < len(messages) else None), before_last, messages):
         if not head_messages:
             continue
         try:

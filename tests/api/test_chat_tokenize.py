@@ -115,8 +115,9 @@ def tiktoken_tokenizer(bpe_tokenizer, tmp_path_factory):
 
 
 def old_tokenize_chat(tok, body: dict) -> tuple[list[int], tuple[int, ...]]:
-    """What the server did before (serving/api/http.py at e2088fa): encode the whole prompt, then encode the
-    system messages' and the pre-generation-prompt conversation's renderings again to count their tokens."""
+    """The server's boundaries computed the slow way (serving/api/http.py at e2088fa, plus the end of the
+    conversation before its last message, 2026-11-30): encode the whole prompt, then encode each shareable
+    prefix's rendering again to count its tokens."""
     messages = chat_messages(body)
     agp = body.get("add_generation_prompt", True)
     text = tok.apply_chat_template(messages, add_generation_prompt=agp)
@@ -124,7 +125,8 @@ def old_tokenize_chat(tok, body: dict) -> tuple[list[int], tuple[int, ...]]:
     while n < len(messages) and messages[n]["role"] in ("system", "developer"):
         n += 1
     out = []
-    for head_messages in ((messages[:n] if 0 < n < len(messages) else None), messages):
+    before_last = messages[:-1] if len(messages) - 1 > n else None
+    for head_messages in ((messages[:n] if 0 < n < len(messages) else None), before_last, messages):
         if head_messages:
             head = tok.apply_chat_template(head_messages, add_generation_prompt=False)
             if head and text.startswith(head) and len(head) < len(text):
@@ -301,9 +303,9 @@ def test_a_long_chat_request_does_not_stall_the_servers_event_loop(bpe_tokenizer
     assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
     (_, ids, boundaries), = state.engine.submitted
     assert ids == expected_ids
-    system_end = bpe_tokenizer.apply_chat_template(body["messages"][:1], add_generation_prompt=False)
-    history_end = bpe_tokenizer.apply_chat_template(body["messages"], add_generation_prompt=False)
-    assert boundaries == (len(bpe_tokenizer.encode(system_end)), len(bpe_tokenizer.encode(history_end)))
+    heads = (body["messages"][:1], body["messages"][:-1], body["messages"])  # system, before the last, history
+    assert boundaries == tuple(len(bpe_tokenizer.encode(bpe_tokenizer.apply_chat_template(h, add_generation_prompt=False)))
+                               for h in heads)
     print(f"encode {encode_s * 1e3:.0f} ms, {len(gaps)} ticks, max loop gap {max(gaps) * 1e3:.1f} ms")
     assert len(gaps) > 20 and max(gaps) < MAX_STALL_PER_ENCODE * encode_s, (max(gaps), encode_s)
     # a template error still answers 400 from the worker thread

@@ -109,6 +109,27 @@ def test_a_chat_continued_by_a_user_turn_resumes_at_the_end_of_its_history(clien
     assert nxt.usage.prompt_tokens_details.cached_tokens == history_end // 16 * 16
 
 
+def test_a_chat_that_rewrites_its_last_message_resumes_before_that_message(client):
+    """The next request keeps the conversation but rewrites the previous prompt's last message (an agent trimming
+    a tool result; AIPerf's weka replay replacing a turn's partial block). The server checkpoints the end of the
+    conversation before the last message, so the hit reaches that page instead of the system prompt's."""
+    from serving.api.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    system = {"role": "system", "content": "You are a careful coding agent."}
+    task = {"role": "user", "content": "Find why test_parser fails on empty input, then fix the parser module."}
+    tool = {"role": "user", "content": "tool output: 3 failed, 41 passed in 2.31s; first failure at parse_line"}
+    before_last = len(tok.encode(tok.apply_chat_template([system, task], add_generation_prompt=False)))
+    system_end = len(tok.encode(tok.apply_chat_template([system], add_generation_prompt=False)))
+    assert before_last // 16 > system_end // 16 + 1
+    client.chat.completions.create(model="k3-tiny", messages=[system, task, tool], max_tokens=2,
+                                   extra_body={"ignore_eos": True})
+    trimmed = {"role": "user", "content": "tool output: 3 failed (trimmed)"}
+    nxt = client.chat.completions.create(model="k3-tiny", messages=[system, task, trimmed], max_tokens=2,
+                                         extra_body={"ignore_eos": True})
+    assert nxt.usage.prompt_tokens_details.cached_tokens == before_last // 16 * 16
+
+
 def test_completions_declare_a_shared_prefix(client):
     shared = "Shared tool preamble for every subagent of this run. " * 2  # 108 tokens
     client.completions.create(model="k3-tiny", prompt=shared + "First task.", max_tokens=2,
