@@ -330,13 +330,15 @@ class Replay:
             return
         finally:
             rec.end = self.now()
-        end = time.perf_counter()
         if first is None:
             # every output token decoded to nothing printable: time the whole stream
-            first = end
+            first = last = time.perf_counter()
         rec.ttft = first - t_start
+        # first to LAST CONTENT chunk, AIPerf's definition (its request latency ends at the final content
+        # response, not at the usage chunk or [DONE]); on our server these arrive ~0.3 ms apart, on another
+        # server the finish may come a step later
         if rec.completion_tokens > 1:
-            rec.itl = (end - first) / (rec.completion_tokens - 1)
+            rec.itl = (last - first) / (rec.completion_tokens - 1)
 
     # --- one session tree ----------------------------------------------------------------------
     def _prompt_tokens(self, scope: _Scope, r: TraceRequest, turn: int) -> np.ndarray:
