@@ -582,6 +582,7 @@ def compare_clients(sessions: Sequence[Session], url: str, work: str | Path, cfg
                 if simultaneous else None
             theirs = run_aiperf(url, trace_dir, work / f"warmup{i}", cfg, alongside=alongside,
                                 export_level=aiperf_export_level)
+            theirs.pop("alongside", None)  # the unscored twin's per-request tables have tuple keys (not JSON)
             warmup_runs.append({"ours": ours, "aiperf": {k: v for k, v in theirs.items() if k != "records"},
                                 "aiperf_records_with_our_definitions": recompute_from_records(theirs["records"]),
                                 **same_requests(theirs["records"], ours)})
