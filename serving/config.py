@@ -103,6 +103,11 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def prefill_rows_limit(self) -> int:
+        """Requests one step may prefill: max_prefill_rows, or max_running when unset."""
+        return self.max_prefill_rows or self.max_running
+
+    @property
     def max_pages_per_request(self) -> int:
         """Pages a request can touch: its tokens plus the k positions a verify step writes past them."""
         return -(-(self.max_model_len + self.speculative_k) // self.page_size)

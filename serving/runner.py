@@ -316,7 +316,7 @@ class ModelRunner:
         """
         count = 0
         # prefill steps never have more rows than the scheduler's cap, so larger row buckets need no prefill program
-        prefill_rows = fit(self.ecfg.max_prefill_rows or self.ecfg.max_running, self.row_buckets)
+        prefill_rows = fit(self.ecfg.prefill_rows_limit, self.row_buckets)
         for b in self.row_buckets:
             for p in self.page_buckets:
                 rows = [Row(self.scratch_slot, [0] * p, 0, []) for _ in range(b)]

@@ -89,7 +89,7 @@ class Scheduler:
                 plan.decode.append(req)
         # 2. prefill: continue admitted requests, then admit new ones
         budget = self.ecfg.max_prefill_tokens
-        max_rows = self.ecfg.max_prefill_rows or self.ecfg.max_running
+        max_rows = self.ecfg.prefill_rows_limit
         for req in self.running:
             if budget <= 0 or len(plan.prefill) >= max_rows:
                 break

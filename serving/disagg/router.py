@@ -75,6 +75,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pb_grpc
 
+from serving.api.http import DISCONNECT_POLL_S
 from serving.api.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TTFT_BUCKETS, StatsCollector
 from serving.api.protocol import (APIError, chat_messages, chat_template_args, check_unsupported, completion_prompt,
                                   sampling_params, stream_options)
@@ -596,7 +597,6 @@ def build_app(router: Router) -> FastAPI:
 
 
 CLIENT_GONE = 499  # nginx's "client closed request": the status of a response nobody reads
-DISCONNECT_POLL_S = 0.25
 _GONE = object()
 
 
