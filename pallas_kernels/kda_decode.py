@@ -16,19 +16,32 @@ alone and writes the conv and recurrent state after every position, so rejection
 The numerics follow the reference path exactly where it rounds: the conv output is cast to the
 activation dtype before the norms, and o to the activation dtype before the gated RMSNorm.
 
-Backend: Pallas Triton lowering. Each program owns one (sequence, head) and keeps its 128x128 fp32 state
-in registers across the T positions; the state is read once and written once (decode) or T times
-(verify), which is the whole memory floor. Slot indices are ordinary int32 inputs (Triton has no scalar
-prefetch) used in the kernel's own pointer arithmetic; the pools are aliased to the outputs. The products
-S k and S q are vector-matrix, so they are broadcast-multiply-reduce on CUDA cores, not tensor-core dots.
-Measured on the H200 (benchmarks/kda.py, docs/results/kda_h200_2026-11-30.json, H96, fp32 state, in one
-run with fla-core 0.6.0 `fused_recurrent_kda`, which does less: no conv, no output norm, final state
-only): decode B64 0.417 ms vs fla 0.280 ms (0.67x), B256 1.62 vs 1.19 ms (0.73x): 1.93-1.99 TB/s of state
-traffic, 46-48% of the 4.15 TB/s copy bandwidth (fla 2.7-2.9 TB/s); verify T4 B64 1.12 vs 0.57 ms, B256
-4.37 vs 2.22 ms (0.51x), 1.80-1.84 TB/s counting the T state writes. Not yet diagnosed; the likely
-cause is each program holding the whole 128x128 fp32 state (64 KB of registers: low occupancy, few loads
-in flight), where fla's programs hold V-blocks of it. The next step to try is V-blocked programs with the
-gated RMSNorm finished across blocks. Mosaic GPU was not tried.
+Backend: Pallas Triton lowering, grid (V / block_v, H, B). Each program owns the state rows [block_v, K]
+of one (sequence, head) -- a contiguous slice of the V-first state -- in registers across the T positions;
+the state is read once and written once (decode) or T times (verify), which is the whole memory floor.
+The delta rule is row-separable over V (err_v = v_v - S_v k, S_v += beta err_v k^T, o_v = S_v q), so
+V-blocks are independent except for three things, handled as follows. (1) Each program recomputes the
+head's q and k (conv + SiLU + L2 norm, 2K channels) and convolves only its own v channels. (2) The gated
+RMSNorm needs the mean square over all V: with block_v == V it is fused (the one-program-per-head kernel,
+kept as an exact escape hatch); otherwise the kernel writes o rounded to the activation dtype (where the
+reference rounds it) and a jnp epilogue over [B, T, H, V] applies the norm -- the same operations, a few
+MB of traffic against the state's hundreds. (3) Conv state: each channel is written by one program (q|k
+by V-block 0, v by its block); in blocked decode the q|k channels go to a [B, W-1, 2HK] side output that
+an XLA scatter puts into the aliased pool, because the other V-blocks of the head may still be reading
+the pool's old q|k rows (an in-place write would race). Slot indices are ordinary int32 inputs (Triton
+has no scalar prefetch) used in the kernel's own pointer arithmetic; the pools are aliased to the outputs.
+The products S k and S q are vector-matrix, so they are broadcast-multiply-reduce on CUDA cores, not
+tensor-core dots. Defaults (block_v 32, 4 warps) copy fla's `fused_recurrent_kda` (BV 32, 4 warps) until
+our own H200 sweep picks them.
+Measured on the H200, whole-state kernel only (block_v == V, 8 warps; benchmarks/kda.py,
+docs/results/kda_h200_2026-11-30.json, H96, fp32 state, in one run with fla-core 0.6.0
+`fused_recurrent_kda`, which does less: no conv, no output norm, final state only): decode B64 0.417 ms vs
+fla 0.280 ms (0.67x), B256 1.62 vs 1.19 ms (0.73x): 1.93-1.99 TB/s of state traffic, 46-48% of the
+4.15 TB/s copy bandwidth (fla 2.7-2.9 TB/s); verify T4 B64 1.12 vs 0.57 ms, B256 4.37 vs 2.22 ms (0.51x),
+1.80-1.84 TB/s counting the T state writes. The hypothesis was low occupancy / few loads in flight from
+64 KB of registers per program; the V-blocked programs test it. V-blocked figures: pending (the sweep
+`benchmarks/kda.py --decode-block-v ... --decode-warps ...` has not run on a GPU yet). Mosaic GPU was not
+tried.
 """
 
 from __future__ import annotations
@@ -43,6 +56,10 @@ from jax.experimental.pallas import triton as plt
 
 MAX_TOKENS = 8
 GATES = ("lower_bound", "softplus")
+# Defaults for block_v=None / num_warps=None: fla-like V-blocks (fused_recurrent_kda: BV 32, 4 warps) until
+# our own H200 sweep (benchmarks/kda.py --decode-block-v/--decode-warps) says otherwise.
+DEFAULT_BLOCK_V = 32
+DEFAULT_BLOCKED_WARPS = 4
 _L2_EPS = 1e-6
 
 
@@ -55,29 +72,47 @@ def _gate(z, a_log, dt_bias, gate, lower_bound):
 
 
 def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref, onw_ref,
-                   state_ref, y_ref, conv_out_ref, state_out_ref, *,
-                   num_tokens, gate, lower_bound, eps, all_states, act_dtype):
+                   state_ref, y_ref, conv_out_ref, state_out_ref, *qk_conv_out_ref,
+                   num_tokens, gate, lower_bound, eps, all_states, act_dtype, block_v):
     # slots_ref, lens_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v projections (pre-conv)
     # conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
     # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
     # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
-    # y_ref: [B, T, H, V] (activation dtype)
+    # y_ref: [B, T, H, V] (activation dtype): gated-normed output when block_v == V, else raw o (normed outside)
     # decode:  conv_out_ref: [P, W-1, 3*H*K] (aliases conv_ref); state_out_ref: [P, H, V, K] (aliases state_ref)
     # verify:  conv_out_ref: [B, T, W-1, 3*H*K]; state_out_ref: [B, T, H, V, K]
-    b, h = pl.program_id(0), pl.program_id(1)
+    # qk_conv_out_ref (blocked decode only): [B, W-1, 2*H*K] the new q|k conv state, scattered into the pool
+    #   outside: every V-block reads the head's q|k conv state, so none may overwrite it in place.
+    # This program: sequence b, head h, state rows [vb*block_v, (vb+1)*block_v) -- the delta rule is
+    # row-separable over V, so V-blocks of one (sequence, head) never exchange anything but the output norm.
+    vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
     slot, length = slots_ref[b], lens_ref[b]
     num_heads = alog_ref.shape[0]
     dk = dtb_ref.shape[1]
     width = convw_ref.shape[0]
-    segs = [pl.ds(s * num_heads * dk + h * dk, dk) for s in range(3)]  # this head's q, k, v channels
+    whole_state = block_v == onw_ref.shape[0]  # one program per head: the gated RMSNorm is fused here
+    rows = pl.ds(vb * block_v, block_v)  # this program's state rows = its v channels within the head
+    # this head's q and k channels (every V-block recomputes them: 2*K channels, cheap) and this block's v channels
+    segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk), pl.ds((2 * num_heads + h) * dk + vb * block_v, block_v)]
     conv_w = [[convw_ref[i, segs[s]].astype(f32) for i in range(width)] for s in range(3)]
     # oldest first, in the activation dtype (the reference concatenates the state with x in x's dtype)
     window = [[conv_ref[slot, r, segs[s]].astype(act_dtype) for r in range(width - 1)] for s in range(3)]
     kept = [list(w) for w in window]  # the last W-1 *valid* inputs (decode's new conv state)
     alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
-    norm_w = onw_ref[...].astype(f32)
-    s = state_ref[slot, h].astype(f32)  # [V, K]
+    s = state_ref[slot, h, rows, :].astype(f32)  # [block_v, K]
+
+    def store_conv(write_rows):
+        # Each conv channel is written by exactly one program: q|k by V-block 0, v by the block owning it.
+        def qk():
+            for sg in range(2):
+                write_rows(sg)
+        if whole_state:
+            qk()
+        else:
+            pl.when(vb == 0)(qk)
+        write_rows(2)
+
     for t in range(num_tokens):
         valid = t < length
         acts = []
@@ -89,27 +124,58 @@ def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref
             acts.append(jax.nn.silu(acc).astype(act_dtype).astype(f32))
             window[sg] = window[sg][1:] + [x_t.astype(act_dtype)]
             kept[sg] = [jnp.where(valid, new, old) for new, old in zip(window[sg], kept[sg])]
-        q, k, v = acts
+        q, k, v = acts  # q, k: [K]; v: [block_v]
         q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk**-0.5
         k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
         g = jnp.where(valid, _gate(z_ref[b, t, h, :].astype(f32), alog, dtb, gate, lower_bound), 0.0)
         beta = jnp.where(valid, jax.nn.sigmoid(b_ref[b, t, h].astype(f32)), 0.0)
         s = s * jnp.exp(g)[None, :]
-        err = v - jnp.sum(s * k[None, :], axis=1)  # [V]
+        err = v - jnp.sum(s * k[None, :], axis=1)  # [block_v]
         s = s + (beta * err)[:, None] * k[None, :]
-        o = jnp.sum(s * q[None, :], axis=1).astype(act_dtype).astype(f32)  # [V]
-        o = o * lax.rsqrt(jnp.mean(o * o) + eps) * norm_w * jax.nn.sigmoid(og_ref[b, t, h, :].astype(f32))
-        y_ref[b, t, h, :] = o.astype(y_ref.dtype)
+        o = jnp.sum(s * q[None, :], axis=1).astype(act_dtype)  # [block_v], rounded as the reference rounds it
+        if whole_state:
+            o = o.astype(f32)
+            o = o * lax.rsqrt(jnp.mean(o * o) + eps) * onw_ref[...].astype(f32) * \
+                jax.nn.sigmoid(og_ref[b, t, h, :].astype(f32))
+        y_ref[b, t, h, rows] = o.astype(y_ref.dtype)
         if all_states:
-            state_out_ref[b, t, h] = s
-            for sg in range(3):
+            state_out_ref[b, t, h, rows, :] = s
+
+            def write_position(sg, t=t):
                 for r in range(width - 1):
                     conv_out_ref[b, t, r, segs[sg]] = window[sg][r].astype(conv_out_ref.dtype)
+            store_conv(write_position)
     if not all_states:
-        state_out_ref[slot, h] = s
-        for sg in range(3):
+        state_out_ref[slot, h, rows, :] = s
+
+        def write_kept(sg):
             for r in range(width - 1):
-                conv_out_ref[slot, r, segs[sg]] = kept[sg][r].astype(conv_out_ref.dtype)
+                if sg == 2 or whole_state:  # in place: only this program reads these channels
+                    conv_out_ref[slot, r, segs[sg]] = kept[sg][r].astype(conv_out_ref.dtype)
+                else:  # other V-blocks of this head may still be reading the pool's q|k channels
+                    qk_conv_out_ref[0][b, r, pl.ds((sg * num_heads + h) * dk, dk)] = \
+                        kept[sg][r].astype(conv_out_ref.dtype)
+        store_conv(write_kept)
+
+
+def _gated_rms_norm(o, out_gate, weight, eps):
+    """RMSNorm(o) * w * sigmoid(gate) over the last axis in fp32, cast back to o's dtype: the blocked
+    kernel's epilogue, the same operations in the same order as the reference's gated_rms_norm."""
+    o32 = o.astype(jnp.float32)
+    normed = o32 * lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32))).astype(o.dtype)
+
+
+def _tiling(block_v, num_warps, dv):
+    """(block_v, num_warps) with the defaults filled in and checked (see `kda_decode`)."""
+    block_v = min(DEFAULT_BLOCK_V, dv) if block_v is None else block_v
+    if not isinstance(block_v, int) or block_v < 1 or block_v & (block_v - 1) or block_v > dv:
+        raise ValueError(f"block_v must be a power of two <= V = {dv} (it then divides V); got {block_v!r}")
+    if num_warps is None:
+        num_warps = 8 if block_v == dv else DEFAULT_BLOCKED_WARPS
+    if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32:
+        raise ValueError(f"num_warps must be a power of two in 1..32; got {num_warps!r}")
+    return block_v, num_warps
 
 
 def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate):
@@ -141,11 +207,11 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
         raise ValueError(f"gate must be one of {GATES}; got {gate!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "num_warps"),
-                   donate_argnames=())
+@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
+                                             "num_warps"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, interpret=False,
-               num_warps=8):
+               block_v=None, num_warps=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -156,6 +222,10 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
       slots: [B] int32 pool rows (distinct); lengths: [B] int32 valid tokens per row (0 = idle row).
       a_log: [>= H]; dt_bias: [H*K]; o_norm_weight: [V]; gate / lower_bound: the gate form; eps: RMSNorm eps.
       all_states: verify mode (see Returns).
+      block_v: state rows per program, a power of two <= V. None: min(32, V). block_v == V is the
+        one-program-per-head kernel with the gated RMSNorm fused; smaller blocks write the rounded o and
+        finish the norm (which needs all V) in a jnp epilogue over [B, T, H, V] -- the same numbers.
+      num_warps: Triton warps per program. None: 8 when block_v == V (the whole-state kernel's value), else 4.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -165,6 +235,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate)
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
+    block_v, num_warps = _tiling(block_v, num_warps, dv)
     w1 = conv_state.shape[1]
     act = qkv.dtype
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
@@ -179,17 +250,26 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         out_shape = [y_shape, jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                      jax.ShapeDtypeStruct(state.shape, jnp.float32)]
         aliases = {3: 1, 11: 2}
+        if block_v < dv:
+            out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
-    return tuple(pl.pallas_call(
+    # Grid (V-blocks, H, B): program_id(0) varies fastest (CUDA x), so neighbouring programs stream
+    # neighbouring rows of one (slot, head) state -- fla's order (V-block fastest, then head, then sequence).
+    y, conv_out, state_out, *qk_conv = pl.pallas_call(
         functools.partial(_decode_kernel, num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps,
-                          all_states=all_states, act_dtype=act),
-        grid=(bsz, h),
+                          all_states=all_states, act_dtype=act, block_v=block_v),
+        grid=(dv // block_v, h, bsz),
         in_specs=[full(x) for x in ins],
         out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape],
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
-    )(*ins))
+    )(*ins)
+    if block_v < dv:
+        y = _gated_rms_norm(y, out_gate, o_norm_weight, eps)
+    if qk_conv:  # B * (W-1) * 2HK elements into the (aliased, so donated-in-place) pool; slots are distinct
+        conv_out = conv_out.at[slots, :, : 2 * h * dk].set(qk_conv[0], unique_indices=True)
+    return y, conv_out, state_out
 
 
 def kda_decode_reference(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,

@@ -54,20 +54,23 @@ def test_decode_in_place_through_slots(gate):
     assert rel(state[5], pools["state"][5]) > 1e-3  # and the live rows did move
 
 
-def test_verify_states_equal_sequential_decode():
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_verify_states_equal_sequential_decode(block_v):
     """T = 4 verify (2 heads, K = 32, a short row of 2 valid tokens): the state after every position equals
-    four sequential single-token decodes, and the outputs match too; the pools are left alone."""
+    four sequential single-token decodes, and the outputs match too; the pools are left alone. block_v 16:
+    two V-blocks per head (norm in the epilogue, q|k conv state scattered); 32 = V: the whole-state kernel."""
     t = 4
     step, pools, params = decode_inputs(1, bsz=2, t=t, h=2, dk=32, pool=4)
     slots, lengths = [2, 1], [4, 2]
-    y, conv_states, states = call(kda_decode, step, pools, params, slots, lengths, all_states=True, interpret=True)
+    y, conv_states, states = call(kda_decode, step, pools, params, slots, lengths, all_states=True, interpret=True,
+                                  block_v=block_v)
     ry, rconv_states, rstates = call(kda_decode_reference, step, pools, params, slots, lengths, all_states=True)
     assert rel(y, ry) < 1e-5 and rel(states, rstates) < 1e-5 and rel(conv_states, rconv_states) < 1e-5
     seq = dict(pools)
     for i in range(t):
         one = {name: a[:, i : i + 1] for name, a in step.items()}
         live = [int(i < n) for n in lengths]
-        y1, conv1, state1 = call(kda_decode, one, seq, params, slots, live, interpret=True)
+        y1, conv1, state1 = call(kda_decode, one, seq, params, slots, live, interpret=True, block_v=block_v)
         seq = dict(conv_state=conv1, state=state1)
         for r, slot in enumerate(slots):
             if live[r]:
@@ -77,10 +80,40 @@ def test_verify_states_equal_sequential_decode():
             assert rel(states[r, i], state1[slot]) < 1e-5, (r, i)
 
 
-def test_bf16_activations():
+BLOCKED_CASES = [  # (block_v, T, verify, gate): every block_v x T x gate, plus multi-token in-place decode
+    (bv, t, t > 1, gate) for bv in (16, 32, 64) for t in (1, 4) for gate in ("lower_bound", "softplus")
+] + [(bv, 4, False, "lower_bound") for bv in (16, 32, 64)]
+
+
+@pytest.mark.parametrize("block_v,t,verify,gate", BLOCKED_CASES)
+def test_v_blocked_matches_reference(block_v, t, verify, gate):
+    """V-blocked programs (V = K = 64: 4, 2 or 1 blocks per head), 3 heads, shuffled slots into a pool of 9,
+    non-zero initial states, ragged lengths with an idle row and T-padding: y at the valid positions and both
+    pools / per-position states match the reference; in decode, rows outside the batch and the idle row's
+    slot are bit-identical to before (the q|k conv scatter and the in-place v rows touch nothing else)."""
+    step, pools, params = decode_inputs(10 + block_v + t, bsz=4, t=t, h=3, dk=64, pool=9)
+    slots = [6, 2, 8, 0]
+    lengths = [1, 0, 1, 1] if t == 1 else [4, 0, 2, 3]
+    got = call(kda_decode, step, pools, params, slots, lengths, gate=gate, all_states=verify, interpret=True,
+               block_v=block_v)
+    want = call(kda_decode_reference, step, pools, params, slots, lengths, gate=gate, all_states=verify)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(np.asarray(got[0])[valid], np.asarray(want[0])[valid]) < 1e-5
+    assert rel(got[1], want[1]) < 1e-5 and rel(got[2], want[2]) < 1e-5
+    if not verify:
+        untouched = np.array([1, 2, 3, 4, 5, 7])  # 2 is the idle row's slot
+        np.testing.assert_array_equal(got[2][untouched], pools["state"][untouched])
+        np.testing.assert_array_equal(got[1][untouched], pools["conv_state"][untouched])
+        assert rel(got[1][6], pools["conv_state"][6]) > 1e-3  # the live rows' conv states did move
+
+
+@pytest.mark.parametrize("block_v", [8, 16])
+def test_bf16_activations(block_v):
+    """bf16 activations, whole-state (16 = V) and blocked (8): the blocked kernel writes o rounded to bf16
+    and the epilogue norms it, as the reference does."""
     step, pools, params = decode_inputs(2, bsz=2, t=2, h=1, dk=16, pool=3, dtype=jnp.bfloat16)
     slots, lengths = [1, 2], [2, 1]
-    y, conv, state = call(kda_decode, step, pools, params, slots, lengths, interpret=True)
+    y, conv, state = call(kda_decode, step, pools, params, slots, lengths, interpret=True, block_v=block_v)
     ry, rconv, rstate = call(kda_decode_reference, step, pools, params, slots, lengths)
     assert y.dtype == jnp.bfloat16 and conv.dtype == jnp.bfloat16
     assert rel(y, ry) < 1e-2 and rel(state, rstate) < 1e-2
@@ -96,3 +129,8 @@ def test_bad_arguments_raise():
         call(kda_decode, step, pools, params, [0, 1], [1], interpret=True)
     with pytest.raises(ValueError, match="gate must be"):
         call(kda_decode, step, pools, params, [0], [1], gate="sigmoid", interpret=True)
+    for block_v in (12, 32, 0):  # not a power of two; larger than V = 16; empty
+        with pytest.raises(ValueError, match="block_v must be"):
+            call(kda_decode, step, pools, params, [0], [1], block_v=block_v, interpret=True)
+    with pytest.raises(ValueError, match="num_warps must be"):
+        call(kda_decode, step, pools, params, [0], [1], num_warps=3, interpret=True)
