@@ -13,6 +13,10 @@ sigmoid / q-k L2 norm fused on both sides:
            gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
            (no conv, no output norm; final state only). State traffic = fp32 state bytes read + written
            (decode: read + write once; verify: read once, write T times); the limit is the copy bandwidth.
+           Ours runs at every --decode-block-v x --decode-warps tiling (ours_bv{V}_w{W}_ms; 128 = the
+           whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
+           fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
+           decode step's optimized HLO (0 = the q|k conv-state scatter stays in place in the donated pool).
   copy     torch and XLA device copies (bytes read + written) measured in the same run: the bandwidth limit.
 Timing: one warm-up (compile) call, then reps sized to ~25 ms per trial, median over --trials.
 Every case runs under --case-limit seconds (SIGALRM; a compile in progress is only interrupted when it
@@ -255,7 +259,9 @@ def state_sweep(row, total, n, args, deadline, s0, staged, save):
                 save()
 
 
-def decode_case(row, b, t, h, args, fla, copy_tbps):
+def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
+    """Ours at every --decode-block-v x --decode-warps combination (block_v > D skipped), the best as ours_ms;
+    fla once, right after our first combination, so the sweep's time limit never costs the ratio."""
     ks = jax.random.split(jax.random.key(b + t), 10)
     c = 3 * h * D
     qkv = jax.random.normal(ks[0], (b, t, c), jnp.bfloat16)
@@ -275,38 +281,90 @@ def decode_case(row, b, t, h, args, fla, copy_tbps):
     verify = t > 1
     row["kind"] = "verify" if verify else "decode"
     state_bytes = b * h * D * D * 4
-    if verify:
-        f = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, all_states=True, **kw))
-        row["ours_ms"] = 1e3 * time_jax(lambda: f(conv, state), args.trials)
-        ours_bytes = state_bytes * (1 + t)
-    else:
-        step = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw)[1:],
+    ours_bytes = state_bytes * (1 + t) if verify else state_bytes * 2  # verify writes every position's state
+
+    def time_ours(block_v, num_warps):
+        tiling = dict(block_v=block_v, num_warps=num_warps)
+        if verify:
+            f = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, all_states=True,
+                                                  **kw, **tiling))
+            return 1e3 * time_jax(lambda: f(conv, state), args.trials), None
+        step = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw, **tiling)[1:],
                        donate_argnums=(0, 1))
-        pools = [conv, state]
+        pools = [jnp.copy(conv), jnp.copy(state)]  # donated and replaced every step
 
         def run():
             pools[:] = step(*pools)
             return pools[1]
 
-        row["ours_ms"] = 1e3 * time_jax(run, args.trials)
-        ours_bytes = state_bytes * 2
-    row["ours_state_TBps"] = ours_bytes / (row["ours_ms"] * 1e-3) / 1e12
-    row["ours_frac_of_copy"] = row["ours_state_TBps"] / copy_tbps
-    if fla is not None:
-        import torch
+        return 1e3 * time_jax(run, args.trials), step
 
-        kk = jax.random.split(ks[0], 3)
-        q, k, v = (to_torch(jax.random.normal(kk[i], (b, t, h, D), jnp.bfloat16)) for i in range(3))
-        tz, tb = to_torch(z), to_torch(beta)
-        ts0 = to_torch(0.1 * jax.random.normal(ks[6], (b, h, D, D), jnp.float32)).clone()
-        call = lambda: fla.fused_recurrent_kda(
-            q, k, v, tz, tb, A_log=to_torch(a_log), dt_bias=to_torch(dt_bias), initial_state=ts0,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, lower_bound=LB, state_v_first=True)
-        with torch.no_grad():
-            row["fla_ms"] = 1e3 * time_torch(call, args.trials)
-        row["fla_state_TBps"] = 2 * state_bytes / (row["fla_ms"] * 1e-3) / 1e12
-        row["ratio"] = row["fla_ms"] / row["ours_ms"]
+    # warps outer: the first listed warp count covers every V-block before the next one starts, so a sweep
+    # cut by the case limit loses the least likely tilings (put them last on the command line)
+    combos = [(bv, nw) for nw in args.decode_warps for bv in args.decode_block_v if bv <= D]
+    for i, (bv, nw) in enumerate(combos):
+        if i and time.monotonic() > deadline - 5:
+            row["sweep_cut"] = True
+            break
+        key = f"ours_bv{bv}_w{nw}"
+        try:
+            row[key + "_ms"], step = time_ours(bv, nw)
+        except CaseTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001 -- an unsupported tiling: keep the others
+            row[key + "_error"] = repr(e)[:300]
+            step = None
+        if step is not None and bv < D and "hlo_pool_copies" not in row and not args.interpret:
+            try:  # blocked decode scatters the q|k conv state into the donated pool: it must stay in place
+                row["hlo_pool_copies"] = count_pool_copies(step, conv, state)
+            except CaseTimeout:
+                raise
+            except Exception as e:  # noqa: BLE001
+                row["hlo_pool_copies_error"] = repr(e)[:300]
+        timed = {k[len("ours_"):-3]: v for k, v in row.items() if k.startswith("ours_bv") and k.endswith("_ms")}
+        if timed:
+            row["ours_best"] = min(timed, key=timed.get)
+            row["ours_ms"] = timed[row["ours_best"]]
+            row["ours_state_TBps"] = ours_bytes / (row["ours_ms"] * 1e-3) / 1e12
+            row["ours_frac_of_copy"] = row["ours_state_TBps"] / copy_tbps
+            if "fla_ms" in row:
+                row["ratio"] = row["fla_ms"] / row["ours_ms"]
+        save()
+        if i == 0 and fla is not None:
+            decode_fla(row, b, t, h, args, fla, ks, z, beta, a_log, dt_bias, state_bytes)
+            if "ours_ms" in row:
+                row["ratio"] = row["fla_ms"] / row["ours_ms"]
+            save()
+    if "ours_best" not in row:
+        row["error"] = "no decode tiling ran: " + "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
+    else:
+        print(f"decode B{b} T{t} H{h}: best tiling {row['ours_best']} ({row['ours_ms']:.3f} ms)", file=sys.stderr)
+
+
+def count_pool_copies(step, conv, state):
+    """Copy instructions producing a conv- or state-pool-shaped array in `step`'s optimized HLO."""
+    hlo = step.lower(jax.ShapeDtypeStruct(conv.shape, conv.dtype),
+                     jax.ShapeDtypeStruct(state.shape, state.dtype)).compile().as_text()
+    dims = [f"[{','.join(map(str, x.shape))}]" for x in (conv, state)]  # e.g. "[64,3,36864]"
+    return sum(1 for line in hlo.splitlines()
+               if " copy(" in line and any(d in line.split("=", 1)[-1].split("copy(")[0] for d in dims))
+
+
+def decode_fla(row, b, t, h, args, fla, ks, z, beta, a_log, dt_bias, state_bytes):
+    """fla fused_recurrent_kda on the same z / beta / gate parameters (its own q, k, v: it has no conv)."""
+    import torch
+
+    kk = jax.random.split(ks[0], 3)
+    q, k, v = (to_torch(jax.random.normal(kk[i], (b, t, h, D), jnp.bfloat16)) for i in range(3))
+    tz, tb = to_torch(z), to_torch(beta)
+    ts0 = to_torch(0.1 * jax.random.normal(ks[6], (b, h, D, D), jnp.float32)).clone()
+    call = lambda: fla.fused_recurrent_kda(
+        q, k, v, tz, tb, A_log=to_torch(a_log), dt_bias=to_torch(dt_bias), initial_state=ts0,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=LB, state_v_first=True)
+    with torch.no_grad():
+        row["fla_ms"] = 1e3 * time_torch(call, args.trials)
+    row["fla_state_TBps"] = 2 * state_bytes / (row["fla_ms"] * 1e-3) / 1e12
 
 
 def _shapes(spec):
@@ -340,6 +398,9 @@ def print_table(results):
             extra = f"state {r['ours_state_TBps']:.2f} TB/s = {100 * r['ours_frac_of_copy']:.0f}% of copy"
             if "fla_state_TBps" in r:
                 extra += f" (fla {r['fla_state_TBps']:.2f} TB/s)"
+            extra += f"; best {r['ours_best']}"
+            if f"ours_bv{D}_w8_ms" in r:
+                extra += f" (whole-state bv{D}_w8 {r[f'ours_bv{D}_w8_ms']:.3f} ms)"
             print(f"{name:<24}{r['ours_ms']:>9.3f}{'':>9}{r.get('fla_ms', nan):>9.3f}{r.get('ratio', nan):>9.2f}  {extra}")
 
 
@@ -353,6 +414,9 @@ def main(argv=None):
     ints = lambda s: [int(x) for x in s.split(",") if x]
     p.add_argument("--block-v", type=ints, default=[16, 32, 64], help="state-pass sweep (first prefill case)")
     p.add_argument("--state-warps", type=ints, default=[4, 8], help="state-pass sweep (first prefill case)")
+    p.add_argument("--decode-block-v", type=ints, default=[32, 128],
+                   help="kda_decode V-blocks to time (128 = the whole-state kernel); the best is ours_ms")
+    p.add_argument("--decode-warps", type=ints, default=[4, 8], help="kda_decode warps, crossed with --decode-block-v")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--no-fla", action="store_true")
@@ -389,7 +453,7 @@ def main(argv=None):
             if kind == "prefill":
                 prefill_case(row, b, t, h, args, fla, t0 + args.case_limit, detail, save)
             else:
-                decode_case(row, b, t, h, args, fla, copy_tbps)
+                decode_case(row, b, t, h, args, fla, copy_tbps, t0 + args.case_limit, save)
         except Exception as e:  # noqa: BLE001 -- CaseTimeout included: keep the other cases' numbers
             traceback.print_exc()
             row["error"] = repr(e)[:500]

@@ -7,7 +7,7 @@ tensor cores (fp32 accumulation, as fla does): 2e-2. A subset of the gate x dtyp
 combinations keeps the GPU run short; benchmarks/kda.py checks the variants against fla at full size.
 The solve="pallas" cases and the per-kernel tests (each Pallas kernel of the chunked prefill alone, at
 D128, against its own reference; added with the one-kernel-per-file split) have not run on a GPU yet
-(added after the 2026-11-30 device runs).
+(added after the 2026-11-30 device runs); nor have the V-blocked decode cases (block_v < 128).
 """
 
 import jax
@@ -96,8 +96,10 @@ def test_state_passes_match_reference(split, dtype, tol):
     assert rel(o, ro) < tol and rel(final, rfinal) < tol and rel(ckpt[:off], rckpt[:off]) < tol
 
 
-@pytest.mark.parametrize("t,all_states", [(1, False), (4, True)])
-def test_decode_matches_reference(t, all_states):
+@pytest.mark.parametrize("t,all_states,block_v,num_warps", [
+    (1, False, None, None), (4, True, None, None), (4, False, 16, 2), (1, False, 128, None), (4, True, 128, None)])
+def test_decode_matches_reference(t, all_states, block_v, num_warps):
+    """Default V-blocks (32, 4 warps), a small block (16) and the whole-state kernel (128 = V), D128."""
     rng = np.random.default_rng(1)
     b, h, d, pool = 5, 4, 128, 9
     arr = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
@@ -105,7 +107,7 @@ def test_decode_matches_reference(t, all_states):
             arr(b, t, h, d), arr(pool, h, d, d), jnp.asarray([7, 0, 3, 8, 1], jnp.int32),
             jnp.asarray([t, t, 0, 1, t], jnp.int32))
     kw = dict(a_log=arr(h) * 0.5, dt_bias=arr(h * d), o_norm_weight=1 + 0.1 * arr(d), all_states=all_states)
-    got = jax.device_get(kda_decode(*args, **kw))
+    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, num_warps=num_warps))
     want = jax.device_get(kda_decode_reference(*args, **kw))
     for g, w in zip(got, want):
         assert rel(g, w) < 1e-5
