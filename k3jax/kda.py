@@ -232,8 +232,8 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
 
 def _register_pallas() -> None:
     """Registers the Pallas kernels (pallas_kernels/) for the GPU ("pallas") and CPU CI ("interpret")."""
-    from pallas_kernels.kda_chunk import kda_chunk
-    from pallas_kernels.kda_decode import kda_decode
+    from pallas_kernels.kda_chunk import kda_chunk, kda_chunk_reference
+    from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
 
     for name, interpret in (("pallas", False), ("interpret", True)):
 
@@ -258,6 +258,18 @@ def _register_pallas() -> None:
         backend.register("kda_chunked", name)(chunked)
         backend.register("kda_chunked_fused", name)(chunked_fused)
         backend.register("kda_decode_fused", name)(functools.partial(kda_decode, interpret=interpret))
+
+    @backend.register_twin("kda_chunked_fused")
+    def chunked_fused_twin(q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound):
+        b, t, h, dk = q.shape
+        cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+        flat = lambda a: a.reshape(b * t, *a.shape[2:])
+        o, final, _ = kda_chunk_reference(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), state, cu,
+                                          a_log=a_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
+                                          beta_sigmoid=True, qk_l2norm=True, seq_lens=lengths)
+        return o.reshape(b, t, h, -1), final  # the reference writes zeros at padding rows, as chunked_fused does
+
+    backend.register_twin("kda_decode_fused")(kda_decode_reference)
 
 
 _register_pallas()

@@ -155,3 +155,27 @@ def test_engine_benchmark_smoke(tmp_path, capsys):
         assert r["tokens_per_step"] == r["batch"] and r["tok_s"] > 0 and r["step_ms"] > 0
         assert 0 <= r["host_only_fraction"] < 1
     assert "engine decode" in capsys.readouterr().out
+
+
+def test_model_forward_shadow_check_finds_a_wrong_kernel_and_restriction_bisects(tmp_path, monkeypatch):
+    """`interpret:OP+OP` runs only those kernels (the rest on the reference) and --shadow-check compares every
+    kernel call with its twin on the same inputs: a gated RMSNorm 3 % off fails it, the MoE kernel passes, and the
+    registry is whole again afterwards."""
+    from k3jax import backend
+
+    reference = backend.get("gated_rms_norm", "reference")
+    monkeypatch.setitem(backend._REGISTRY, ("gated_rms_norm", "interpret"),
+                        lambda *a, **kw: (reference(*a, **kw) * 1.03).astype(a[0].dtype))
+    out = tmp_path / "shadow.json"
+    argv = TINY_ARGS + ["--backends", "reference,interpret:moe_experts+gated_rms_norm", "--phases", "prefill",
+                        "--shadow-check", "--out", str(out)]
+    result = load_benchmark().main(argv)
+    spec = "interpret:moe_experts+gated_rms_norm"
+    assert sorted(result["backends"][spec]["non_reference_ops"]["prefill"]) == ["gated_rms_norm", "moe_experts"]
+    check = result["shadow_check"][spec]
+    assert set(check["prefill"]) == {"gated_rms_norm", "moe_experts"} and "decode" not in check
+    moe, norm = check["prefill"]["moe_experts"], check["prefill"]["gated_rms_norm"]
+    assert moe["passed"] and moe["calls"] > 0 and moe["max_rel_error"] < 1e-4  # fp32: summation order only
+    assert not norm["passed"] and abs(norm["max_rel_error"] - 0.03) < 1e-3
+    assert not check["passed"]
+    assert "interpret" in backend.implemented("kda_chunked_fused")  # the restriction was lifted
