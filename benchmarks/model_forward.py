@@ -133,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "does not compound through depth; bar --shadow-tol)")
     p.add_argument("--shadow-tol", type=float, default=SHADOW_TOL,
                    help=f"pass bar of --shadow-check's per-call relative errors (default {SHADOW_TOL:g})")
+    p.add_argument("--shadow-tokens", type=int, default=1024,
+                   help="prefill tokens of --shadow-check (default 1024: the KDA twin keeps every position's state, "
+                        "1 MB per token and layer at k3-small; 8192 ran out of the H200's memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every phase)")
     args = p.parse_args(argv)
@@ -431,8 +434,9 @@ def shadowed(backend_name: str, record: list):
 def shadow_check(params, cfg, args, spec: str) -> dict:
     """--shadow-check for one backend: one prefill (args.tokens) and one decode step, every kernel call against
     its twin; per op the calls and the largest and median relative error over calls and output leaves."""
-    small = argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1, "iters": 1, "profile": False})
-    result = {}
+    small = argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1, "iters": 1, "profile": False,
+                                  "tokens": min(args.tokens, args.shadow_tokens)})
+    result = {"prefill_tokens": small.tokens}
     for phase, bench in (("prefill", bench_prefill), ("decode", bench_decode)):
         if phase not in args.phase_list:
             continue

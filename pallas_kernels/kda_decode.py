@@ -31,17 +31,17 @@ an XLA scatter puts into the aliased pool, because the other V-blocks of the hea
 the pool's old q|k rows (an in-place write would race). Slot indices are ordinary int32 inputs (Triton
 has no scalar prefetch) used in the kernel's own pointer arithmetic; the pools are aliased to the outputs.
 The products S k and S q are vector-matrix, so they are broadcast-multiply-reduce on CUDA cores, not
-tensor-core dots. Defaults (block_v 32, 4 warps) copy fla's `fused_recurrent_kda` (BV 32, 4 warps) until
-our own H200 sweep picks them.
-Measured on the H200, whole-state kernel only (block_v == V, 8 warps; benchmarks/kda.py,
-docs/results/kda_h200_2026-11-30.json, H96, fp32 state, in one run with fla-core 0.6.0
-`fused_recurrent_kda`, which does less: no conv, no output norm, final state only): decode B64 0.417 ms vs
-fla 0.280 ms (0.67x), B256 1.62 vs 1.19 ms (0.73x): 1.93-1.99 TB/s of state traffic, 46-48% of the
-4.15 TB/s copy bandwidth (fla 2.7-2.9 TB/s); verify T4 B64 1.12 vs 0.57 ms, B256 4.37 vs 2.22 ms (0.51x),
-1.80-1.84 TB/s counting the T state writes. The hypothesis was low occupancy / few loads in flight from
-64 KB of registers per program; the V-blocked programs test it. V-blocked figures: pending (the sweep
-`benchmarks/kda.py --decode-block-v ... --decode-warps ...` has not run on a GPU yet). Mosaic GPU was not
-tried.
+tensor-core dots.
+Measured on the H200 (benchmarks/kda.py, docs/results/kda_decode_h200_2026-11-30d.json, H96, fp32 state;
+in one run with fla-core 0.6.0 `fused_recurrent_kda`, which does less: no conv, no output norm, final state
+only; copy bandwidth 4.17 TB/s), V-blocked, 4 warps: decode B64 0.274 ms at block_v 32 (fla 0.274 ms:
+1.00x; best tiling 0.266 ms at 16 x 2 warps), B256 1.023 ms (fla 1.178: 1.15x); 3.0-3.15 TB/s of state
+traffic = 73-76% of the copy bandwidth (fla 2.7-2.9 TB/s). Verify T4 (all states written): block_v 64 is
+best, B64 0.675 ms, B256 2.635 ms, 71-73% of copy (0.84-0.85x fla's time, which writes one state, not 4).
+The whole-state kernel (block_v == V, 8 warps) took 0.389 / 1.508 / 1.124 ms in the same run: the
+hypothesis (64 KB of registers per program, few loads in flight) held. 8 warps are slower at every block
+size; 2 warps tie 4 at blocks <= 32. Hence the defaults: block_v 32 for decode, 64 for verify, 4 warps.
+Mosaic GPU was not tried.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ from jax.experimental.pallas import triton as plt
 
 MAX_TOKENS = 8
 GATES = ("lower_bound", "softplus")
-# Defaults for block_v=None / num_warps=None: fla-like V-blocks (fused_recurrent_kda: BV 32, 4 warps) until
-# our own H200 sweep (benchmarks/kda.py --decode-block-v/--decode-warps) says otherwise.
+# Defaults for block_v=None / num_warps=None, from the H200 sweep of 2026-11-30 (module docstring): decode 32, verify
+# 64 (its T state writes per program favour fewer, longer programs), 4 warps when blocked.
 DEFAULT_BLOCK_V = 32
+DEFAULT_VERIFY_BLOCK_V = 64
 DEFAULT_BLOCKED_WARPS = 4
 _L2_EPS = 1e-6
 
@@ -166,9 +167,10 @@ def _gated_rms_norm(o, out_gate, weight, eps):
     return (normed * weight.astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32))).astype(o.dtype)
 
 
-def _tiling(block_v, num_warps, dv):
+def _tiling(block_v, num_warps, dv, all_states):
     """(block_v, num_warps) with the defaults filled in and checked (see `kda_decode`)."""
-    block_v = min(DEFAULT_BLOCK_V, dv) if block_v is None else block_v
+    if block_v is None:
+        block_v = min(DEFAULT_VERIFY_BLOCK_V if all_states else DEFAULT_BLOCK_V, dv)
     if not isinstance(block_v, int) or block_v < 1 or block_v & (block_v - 1) or block_v > dv:
         raise ValueError(f"block_v must be a power of two <= V = {dv} (it then divides V); got {block_v!r}")
     if num_warps is None:
@@ -222,7 +224,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
       slots: [B] int32 pool rows (distinct); lengths: [B] int32 valid tokens per row (0 = idle row).
       a_log: [>= H]; dt_bias: [H*K]; o_norm_weight: [V]; gate / lower_bound: the gate form; eps: RMSNorm eps.
       all_states: verify mode (see Returns).
-      block_v: state rows per program, a power of two <= V. None: min(32, V). block_v == V is the
+      block_v: state rows per program, a power of two <= V. None: min(32, V), verify min(64, V). V is the
         one-program-per-head kernel with the gated RMSNorm fused; smaller blocks write the rounded o and
         finish the norm (which needs all V) in a jnp epilogue over [B, T, H, V] -- the same numbers.
       num_warps: Triton warps per program. None: 8 when block_v == V (the whole-state kernel's value), else 4.
@@ -235,7 +237,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate)
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
-    block_v, num_warps = _tiling(block_v, num_warps, dv)
+    block_v, num_warps = _tiling(block_v, num_warps, dv, all_states)
     w1 = conv_state.shape[1]
     act = qkv.dtype
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
