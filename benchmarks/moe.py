@@ -61,6 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--xla-ragged-max-rows", type=int, default=4096)
     p.add_argument("--norm-tokens", type=int, default=8192)
     p.add_argument("--skip", type=str, default="", help="comma list of sections to skip: moe,sweep,norms")
+    p.add_argument("--sweep-tokens", type=str, default=None,
+                   help="comma list of k3-ep16 token counts for the sweep (default: the first and second-last of --tokens)")
+    p.add_argument("--sweep-configs", type=str, default=None,
+                   help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages tilings for the "
+                        "sweep (default: the built-in alternatives)")
     return p.parse_args(argv)
 
 
@@ -292,9 +297,20 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
     return rows_out
 
 
-def bench_sweep(shape, token_counts, limits, interpret):
+def parse_configs(spec: str) -> list[MoeGemmConfig]:
+    """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages)."""
+    configs = []
+    for item in filter(None, spec.split(",")):
+        fields = [int(x) for x in item.split("/")]
+        if len(fields) != 6:
+            raise ValueError(f"a sweep tiling has 6 fields bm/gn/dn/bk/warps/stages; got {item!r}")
+        configs.append(MoeGemmConfig(*fields))
+    return configs
+
+
+def bench_sweep(shape, token_counts, limits, interpret, configs=None):
     """Tile configurations of ours at the decode and the largest size (the default is picked by rows/expert)."""
-    configs = [  # the defaults (first of each group) are measured in the main table; these are alternatives
+    configs = configs or [  # the defaults (first of each group) are measured in the main table; alternatives
         MoeGemmConfig(16, 128, 128, 128, 4, 3), MoeGemmConfig(16, 64, 128, 256, 4, 3),
         MoeGemmConfig(128, 128, 128, 64, 8, 3), MoeGemmConfig(64, 64, 128, 64, 4, 4),
     ]
@@ -317,8 +333,9 @@ def bench_sweep(shape, token_counts, limits, interpret):
                     f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, config=cfg, interpret=interpret))
                     sec = timed(f, x, ids, w, experts) if not interpret else float("nan")
                     wbytes = moe_gemm.expert_weight_bytes(touched, k_dim, i_dim, packed=quant == "mxfp4")
-                    row.update(ms=sec * 1e3, tflops=moe_gemm.grouped_flops(m, k_dim, i_dim) / sec / 1e12,
-                               weight_gbps=wbytes / sec / 1e9)
+                    tflops = moe_gemm.grouped_flops(m, k_dim, i_dim) / sec / 1e12
+                    row.update(ms=sec * 1e3, tflops=tflops, weight_gbps=wbytes / sec / 1e9,
+                               of_matmul_peak=tflops / limits["matmul_tflops"])
                 except Exception as err:
                     row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
                 out.append(row)
@@ -401,6 +418,14 @@ def table(result) -> str:
             lines.append(f"| {shape} | {t} | {r['rows_per_expert']:.1f} | {impl} | {quant} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                          f"{r['weight_gbps']:.0f} | {r['floor_ratio']:.2f} | {ratio:.2f} |")
     lines.append("(x floor: ms / max(FLOPs / matmul peak, weight bytes / copy bandwidth); last column > 1: ours-bf16 is faster)")
+    for r in result.get("sweep", []):
+        c = r["config"]
+        tiling = "/".join(str(c[k]) for k in ("block_m", "glu_block_n", "down_block_n", "block_k", "num_warps", "num_stages"))
+        if "ms" in r:
+            lines.append(f"sweep T={r['tokens']} {r['weights']} {tiling}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s "
+                         f"({100 * r['of_matmul_peak']:.1f} % of the matmul peak)")
+        else:
+            lines.append(f"sweep T={r['tokens']} {r['weights']} {tiling}: {r.get('error', '')[:100]}")
     for r in result.get("norms", []):
         if "fused_ms" in r:
             lines.append(f"{r['op']} {r.get('sources', '')}: fused {r['fused_ms']:.3f} ms ({r['fused_gbps']:.0f} GB/s) vs XLA "
@@ -449,7 +474,10 @@ def main(argv=None) -> dict:
     if "sweep" not in skip:
         name = "tiny" if args.smoke else "k3-ep16"
         sweep_tokens = [tokens[name][0], tokens[name][-2]] if not args.smoke else [5]
-        result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret)
+        if args.sweep_tokens:
+            sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
+        configs = parse_configs(args.sweep_configs) if args.sweep_configs else None
+        result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret, configs)
         save()
     print(table(result), flush=True)
     return result
