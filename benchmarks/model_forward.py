@@ -761,7 +761,18 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
     if len(names) > 1:
         verdict = {True: "PASS", False: "FAIL", None: "NONE RAN"}[result["checks_passed"]]
         bars = ", ".join(f"{phase} {tol:g}" for phase, tol in result["check_tol"].items())
-        rows.append(("checks", f"{verdict} (relative error below the bar on every compared output: {bars})"))
+        rows.append(("end-to-end checks", f"{verdict} (relative error below the bar on every compared output: {bars}; "
+                                          "on a random-weight MoE model routing flips make these O(1) for any "
+                                          "rounding change -- see CHECK_TOL; --shadow-check judges kernels)"))
+    for name, check in result.get("shadow_check", {}).items():
+        if "passed" in check:
+            worst = max((e["max_rel_error"] for ph in ("prefill", "decode") for e in check.get(ph, {}).values()),
+                        default=float("nan"))
+            rows.append((f"shadow check [{name}]", f"{'PASS' if check['passed'] else 'FAIL'}: every kernel call vs its "
+                                                   f"twin on the same inputs, worst {worst:.2e} (bar "
+                                                   f"{result['args']['shadow_tol']:g})"))
+        else:
+            rows.append((f"shadow check [{name}]", f"FAIL: {check.get('error', check.get('skipped', '?'))[:200]}"))
     mem = result["memory"]
     rows.append(("peak memory", f"{_gb(mem['peak_bytes_in_use'])} (weights {_gb(mem['weights_bytes_in_use'])})"))
     return rows

@@ -6,6 +6,7 @@ Run: python -m pytest -q tests/test_benchmark_smoke.py
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,7 @@ def test_engine_benchmark_smoke(tmp_path, capsys):
     assert "engine decode" in capsys.readouterr().out
 
 
-def test_model_forward_shadow_check_finds_a_wrong_kernel_and_restriction_bisects(tmp_path, monkeypatch):
+def test_model_forward_shadow_check_finds_a_wrong_kernel_and_restriction_bisects(tmp_path, monkeypatch, capsys):
     """`interpret:OP+OP` runs only those kernels (the rest on the reference) and --shadow-check compares every
     kernel call with its twin on the same inputs: a gated RMSNorm 3 % off fails it, the MoE kernel passes, and the
     registry is whole again afterwards."""
@@ -179,3 +180,5 @@ def test_model_forward_shadow_check_finds_a_wrong_kernel_and_restriction_bisects
     assert not norm["passed"] and abs(norm["max_rel_error"] - 0.03) < 1e-3
     assert not check["passed"]
     assert "interpret" in backend.implemented("kda_chunked_fused")  # the restriction was lifted
+    table = capsys.readouterr().out
+    assert re.search(rf"shadow check \[{re.escape(spec)}\]\s*\| FAIL", table)
