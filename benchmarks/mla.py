@@ -2,6 +2,9 @@
 
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/mla.py --out $OUT/mla.json   # H200
     python benchmarks/mla.py --smoke                                                              # CPU, tiny
+    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/mla.py --shape-sweep \
+        --out $OUT/mla_small.json                                                 # H200, k3-small decode shape
+    python benchmarks/mla.py --shape-sweep --smoke                                                # CPU, tiny
 
 K3 MLA: 96 heads, latent 512 + rope 64 (one 576-wide cached token, 1152 B in bf16, 576 B + a 4 B scale
 in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, each timed as the median of
@@ -28,6 +31,16 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             (`git show HEAD:pallas_kernels/mla_decode.py > benchmarks/_mla_decode_head.py`, never committed),
             this tree's Triton kernel, the experimental Mosaic GPU kernel (--variants picks by substring).
   --backend mosaic: the decode table with the Mosaic GPU kernel.
+  --shape-sweep: only the decode tiling sweep at one model's decode shape (default k3-small's, as
+            benchmarks/model_forward.py runs it: 16 heads, B64 x 8192-token histories, 64-token pages, a stacked
+            7-layer pool, contiguous page tables). First the model's own call (k3jax backend registry "pallas":
+            default tiling, balanced plan built on device inside the jit), the same tiling with the plan
+            precomputed (the baseline of every ratio; the grid's plans are precomputed too, since the model
+            builds one plan per step for all its MLA layers), and on a shuffled page table; the model's reference
+            path once; then the grid: block_rows x block_kv x warps at 1 stage, plan part counts and
+            value_groups for the fastest. Every case is checked against mla_decode_reference on the same inputs first
+            (--tol, largest per-request relative error) and only correct cases can be "fastest". See
+            run_shape_sweep.
 A case whose single timed call times --reps x --inner exceeds --case-limit-s is timed once (the case's limit).
 Sections stop starting once --budget-s has passed (the rest is reported as skipped). Prints a table last
 and writes the raw numbers as JSON to --out after every section.
@@ -38,6 +51,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import inspect
 import json
 import math
 import platform
@@ -50,9 +64,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import fuser as _pallas_fuser  # noqa: F401
 from jax.experimental.pallas import triton as plgpu
 
+# ^ imported for its side effect only: it registers a jax config option that the Pallas interpreter would
+# otherwise import during the first interpret-mode trace, which changes jax's tracing context and makes the
+# first jitted call compile twice (seen in --smoke: +3.5 s on the first case).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from k3jax import backend as k3_backend  # noqa: E402
 from k3jax.mla import paged_attention_reference  # noqa: E402
 from pallas_kernels import mla_decode as md  # noqa: E402
 from pallas_kernels import mla_plan  # noqa: E402
@@ -60,14 +79,23 @@ from pallas_kernels import mla_prefill as mp  # noqa: E402
 
 HEADS, C, R, PAGE = 96, 512, 64, 16
 SCALE = 192**-0.5
+# mla_decode's keyword defaults, i.e. what the model gets (it passes no tiling): num_parts is the part count of the
+# plan it builds on device
+DECODE_DEFAULTS = {name: p.default for name, p in inspect.signature(md.mla_decode).parameters.items()}
+MODEL_PARTS = DECODE_DEFAULTS["num_parts"]
+SHAPE_SWEEP_BUDGET_S = 120.0
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--budget-s", type=float, default=200.0, help="start no section after this many seconds")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--inner", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no section (--shape-sweep: no case) after this many seconds (default 200; "
+                        f"--shape-sweep {SHAPE_SWEEP_BUDGET_S:.0f})")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed repetitions, median taken (default 3; --shape-sweep 5)")
+    p.add_argument("--inner", type=int, default=None,
+                   help="back-to-back calls per repetition (default 10; --shape-sweep 20)")
     p.add_argument("--pool-tokens", type=int, default=5_000_000, help="tokens in the shared page pool")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     p.add_argument("--explore", action="store_true",
@@ -79,7 +107,58 @@ def parse_args(argv=None):
                    help="a case whose first timed call takes longer is timed once, not --reps x --inner times")
     p.add_argument("--quick", action="store_true",
                    help="no tiling sweep (the defaults), bf16 decode at 4 shapes, no reference path, one shipped variant")
-    return p.parse_args(argv)
+    s = p.add_argument_group("--shape-sweep (defaults: k3-small's decode step as benchmarks/model_forward.py runs it)")
+    s.add_argument("--shape-sweep", action="store_true", help="only the tiling sweep at one decode shape, then stop")
+    s.add_argument("--heads", type=int, default=None, help="MLA heads (default 16; --smoke 16)")
+    s.add_argument("--batch", type=int, default=None, help="decode rows (default 64; --smoke 3)")
+    s.add_argument("--history", type=int, default=None,
+                   help="tokens each row attends, this step's included (default 8192; --smoke 333)")
+    s.add_argument("--page-size", type=int, default=None, help="tokens per page (default 64; --smoke 16)")
+    s.add_argument("--layers", type=int, default=7,
+                   help="layers of the stacked pool (k3-small: 7 MLA layers); the kernel reads the middle one")
+    s.add_argument("--spare-tokens", type=int, default=22,
+                   help="page-table room past the history (model_forward: 2 warm-up + 20 timed decode steps)")
+    s.add_argument("--ragged", action="store_true", help="histories uniform in 1..--history (one at --history)")
+    s.add_argument("--block-rows", default="16,32", help="grid: query rows per program")
+    s.add_argument("--block-kv", default="32,64,128", help="grid: KV tokens per inner step (>= page size)")
+    s.add_argument("--warps", default="2,4,8", help="grid: num_warps")
+    s.add_argument("--value-groups", default="2,4", help="value_groups (besides 1) tried on the --top fastest")
+    s.add_argument("--parts", default=None,
+                   help="plan part counts (besides the model's 132) tried on the --top fastest (default 66,264,528; "
+                        "--smoke 3)")
+    s.add_argument("--top", type=int, default=3, help="tilings carried into the parts and value_groups rounds")
+    s.add_argument("--tol", type=float, default=1e-2,
+                   help="largest per-request relative error vs mla_decode_reference of a correct case")
+    args = p.parse_args(argv)
+    shape_defaults = dict(heads=(16, 16), batch=(64, 3), history=(8192, 333), page_size=(64, 16),
+                          parts=("66,264,528", "3"))
+    for name, (full_size, smoke_size) in shape_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke_size if args.smoke else full_size)
+    if args.budget_s is None:
+        args.budget_s = SHAPE_SWEEP_BUDGET_S if args.shape_sweep else 200.0
+    if args.reps is None:
+        args.reps = 5 if args.shape_sweep else 3
+    if args.inner is None:
+        args.inner = 20 if args.shape_sweep else 10
+    for name in ("heads", "batch", "history", "page_size", "layers", "top", "reps", "inner"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.spare_tokens < 0:
+        p.error(f"--spare-tokens must be >= 0, got {args.spare_tokens}")
+    for name in ("block_rows", "block_kv", "warps", "value_groups", "parts"):
+        try:
+            values = _int_list(getattr(args, name))
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')} must be comma-separated integers, got {getattr(args, name)!r}")
+        if any(v < 1 for v in values):
+            p.error(f"--{name.replace('_', '-')} values must be >= 1, got {values}")
+        setattr(args, name, values)
+    return args
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 class Bench:
@@ -459,6 +538,274 @@ def run_backends(bench, pool, copy_gbps) -> list:
     return rows
 
 
+# ------------------------------------------------------------------------------------------- shape sweep
+def model_tiling(heads: int, page_size: int) -> dict:
+    """The tiling mla_decode picks when the model calls it with no tiling arguments (q_len 1): read from the
+    kernel module, so the baseline follows its defaults when they change."""
+    return dict(block_rows=md.default_block_rows(heads, 64), block_kv=md.default_block_kv(page_size),
+                num_warps=DECODE_DEFAULTS["num_warps"], num_stages=md.default_num_stages(jnp.bfloat16),
+                value_groups=DECODE_DEFAULTS["value_groups"], num_parts=MODEL_PARTS)
+
+
+class ShapeCase:
+    """One decode step's MLA inputs at a model's shape, laid out as benchmarks/model_forward.py lays them out:
+    a stacked pool [layers, batch * pages_per_row, page_size, C+R] bf16 of random latents, row b owning pages
+    b * pages_per_row .. (the "contiguous" page table; "shuffled" is a permutation of all pages), q_len 1 at
+    position history - 1. The kernel reads layer layers // 2. Reference outputs computed once per table."""
+
+    def __init__(self, bench: Bench):
+        a = bench.args
+        self.heads, self.page_size, self.layers = a.heads, a.page_size, a.layers
+        self.layer = a.layers // 2
+        rng = bench.rng
+        self.lens = np.full(a.batch, a.history, np.int64)
+        if a.ragged:
+            self.lens = rng.integers(1, a.history + 1, a.batch)
+            self.lens[0] = a.history
+        self.pages_per_row = -(-(a.history + a.spare_tokens) // a.page_size)
+        num_pages = a.batch * self.pages_per_row
+        make = jax.jit(lambda k: jax.random.normal(k, (a.layers, num_pages, a.page_size, C + R), jnp.bfloat16))
+        self.pool = jax.block_until_ready(make(jax.random.key(2)))
+        self.tables = {
+            "contiguous": jnp.arange(num_pages, dtype=jnp.int32).reshape(a.batch, self.pages_per_row),
+            "shuffled": jnp.asarray(rng.permutation(num_pages).reshape(a.batch, self.pages_per_row), jnp.int32),
+        }
+        self.q_latent = jnp.asarray(rng.standard_normal((a.batch, 1, a.heads, C)), jnp.bfloat16)
+        self.q_pe = jnp.asarray(rng.standard_normal((a.batch, 1, a.heads, R)), jnp.bfloat16)
+        self.positions = jnp.asarray(self.lens[:, None] - 1, jnp.int32)
+        self.kv_bytes = kv_bytes(self.lens, "bf16")
+        self._reference = jax.jit(functools.partial(md.mla_decode_reference, kv_lora_rank=C, scale=SCALE,
+                                                    layer=self.layer))
+        self._wants = {}
+        self._plans = {}
+        self.want("contiguous")
+
+    def args(self, table: str = "contiguous"):
+        return self.q_latent, self.q_pe, self.pool, self.tables[table], self.positions
+
+    def want(self, table: str) -> jax.Array:
+        """mla_decode_reference's output [B, 1, H, C] fp32 on this page table."""
+        if table not in self._wants:
+            self._wants[table] = jax.block_until_ready(self._reference(*self.args(table)))
+        return self._wants[table]
+
+    def plan(self, block_kv: int, num_parts: int) -> mla_plan.SplitPlan:
+        """The balanced plan mla_decode builds on device when given none (same arithmetic, same traced
+        lengths), built once per (block_kv, parts) outside the timed call."""
+        key = (block_kv, num_parts)
+        if key not in self._plans:
+            max_tokens = self.pages_per_row * self.page_size
+            build = jax.jit(lambda pos: mla_plan.plan_balanced(md.attended_lengths(pos, max_tokens), block_kv=block_kv,
+                                                               num_parts=num_parts, xp=jnp))
+            self._plans[key] = jax.block_until_ready(build(self.positions))
+        return self._plans[key]
+
+    def errors(self, got, table: str) -> tuple[float, float]:
+        """(largest per-request relative error, whole-batch relative error) against the reference, fp32."""
+        worst, whole = _relative_errors(got, self.want(table))
+        return float(worst), float(whole)
+
+
+@jax.jit
+def _relative_errors(got, want):
+    """got, want [B, ...]: (max over b of |got_b - want_b| / |want_b|, |got - want| / |want|), Frobenius norms."""
+    b = want.shape[0]
+    diff = got.astype(jnp.float32).reshape(b, -1) - want.reshape(b, -1)
+    per_request = jnp.linalg.norm(diff, axis=1) / jnp.linalg.norm(want.reshape(b, -1), axis=1)
+    return jnp.max(per_request), jnp.linalg.norm(diff) / jnp.linalg.norm(want)
+
+
+def tiling_label(cfg: dict) -> str:
+    return (f"rows{cfg['block_rows']}/kv{cfg['block_kv']}/w{cfg['num_warps']}/s{cfg['num_stages']}"
+            f"/vg{cfg['value_groups']}/p{cfg['num_parts']}")
+
+
+class ShapeSweep:
+    """Runs and records the cases of --shape-sweep: each one compiled and run once, checked against the
+    reference, then timed; JSON rewritten after each. A case starts only while the budget has room for the
+    longest case so far (compile + check + timing), so the run ends near --budget-s."""
+
+    def __init__(self, bench: Bench, case: ShapeCase, copy_gbps: float):
+        self.bench, self.case, self.copy_gbps = bench, case, copy_gbps
+        a = bench.args
+        self.out = bench.result["shape_sweep"] = {
+            "shape": dict(heads=a.heads, batch=a.batch, history=a.history, ragged=a.ragged, page_size=a.page_size,
+                          pages_per_row=case.pages_per_row, layers=a.layers, layer_read=case.layer, q_len=1,
+                          kv_lora_rank=C, rope=R, kv_dtype="bf16", pool_bytes=int(case.pool.size * 2)),
+            "kv_bytes": case.kv_bytes, "copy_gbps": copy_gbps, "tol": a.tol,
+            "model_tiling": model_tiling(a.heads, a.page_size), "cases": [],
+        }
+        self.longest_case_s = 0.0
+        self._kernels = {}  # one jitted callable per tiling: the shuffled-table and parts cases reuse compiles
+
+    def kernel(self, cfg: dict):
+        key = tuple(cfg[k] for k in ("block_kv", "block_rows", "num_warps", "num_stages", "value_groups"))
+        if key not in self._kernels:
+            self._kernels[key] = jax.jit(functools.partial(
+                md.mla_decode, kv_lora_rank=C, scale=SCALE, layer=self.case.layer, block_kv=cfg["block_kv"],
+                block_rows=cfg["block_rows"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                value_groups=cfg["value_groups"], interpret=self.bench.interpret))
+        return self._kernels[key]
+
+    def room_for(self, what: str) -> bool:
+        left = self.bench.args.budget_s - (time.time() - self.bench.t0)
+        if left < self.longest_case_s:
+            self.bench.result["skipped"].append(what)
+            print(f"[skip] {what}: {left:.1f} s of --budget-s left, the longest case took {self.longest_case_s:.1f} s",
+                  flush=True)
+            return False
+        return True
+
+    def run(self, name: str, kind: str, fn, cfg: dict | None = None, *, table: str = "contiguous",
+            room_checked: bool = False) -> dict | None:
+        """Times fn() (a jitted call on the case's arrays with page table `table`) after checking its output
+        against the reference on the same inputs; records the entry. kind: "model call", "reference path" or
+        "tiling" (a kernel call with a precomputed plan: the only kind that competes for fastest)."""
+        if not room_checked and not self.room_for(name):
+            return None
+        entry = {"name": name, "kind": kind, **(cfg or {}), "page_table": table}
+        t0 = time.time()
+        try:
+            got = jax.block_until_ready(fn())  # compile + first run
+            entry["compile_and_first_call_s"] = time.time() - t0
+            entry["max_rel_err"], entry["rel_err"] = self.case.errors(got, table)
+            entry["correct"] = bool(entry["max_rel_err"] < self.bench.args.tol)  # NaN fails
+            del got
+            ms = self.bench.time_ms(fn)
+            gbps = self.case.kv_bytes / ms / 1e6
+            entry.update(ms=ms, tbps=gbps / 1e3, ratio_to_copy=gbps / self.copy_gbps,
+                         step_ms_estimate=ms * self.case.layers)
+        except Exception as e:  # a tiling Triton or mla_decode rejects: record and go on
+            entry["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        entry["case_s"] = time.time() - t0
+        self.longest_case_s = max(self.longest_case_s, entry["case_s"])
+        print("shape-sweep", {k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items()}, flush=True)
+        self.out["cases"].append(entry)
+        self.bench.save()
+        return entry
+
+    def run_tiling(self, cfg: dict, *, name: str | None = None, table: str = "contiguous") -> dict | None:
+        case, name = self.case, name or tiling_label(cfg)
+        if not self.room_for(name):
+            return None
+        plan = case.plan(cfg["block_kv"], cfg["num_parts"])
+        work_items = int(jnp.sum(plan.work_request >= 0))
+        row_blocks = -(-case.heads // cfg["block_rows"])  # q_len 1: one row per head
+        # programs that do work (the grid also holds the plan's padding items, which exit at once)
+        cfg = dict(cfg, work_items=work_items, max_splits=int(jnp.max(plan.request_num_work)),
+                   programs=work_items * row_blocks * cfg["value_groups"])
+        kernel = self.kernel(cfg)
+        return self.run(name, "tiling", lambda: kernel(*case.args(table), plan), cfg, table=table, room_checked=True)
+
+
+def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
+    """--shape-sweep, in order of importance (the budget cuts the tail):
+    1. the model's call: the "pallas" (--smoke: "interpret") registry implementation of mla_paged_attention,
+       jitted with the stacked pool and a static layer as k3jax.mla.paged_attention calls it (plan built on
+       device from the positions, default tiling);
+    2. the model's tiling with the plan precomputed (the baseline: grid cases precompute theirs), and the same
+       on a shuffled page table (pages scattered over the pool, as a serving pool's allocator leaves them);
+    3. the model's reference path (k3jax.mla.paged_attention_reference, jitted) at the same shape;
+    4. the grid: --block-rows x --block-kv x --warps at 1 stage, value_groups 1, the model's part count;
+    5. --parts on the --top fastest correct cases of 4; 6. --value-groups on the --top fastest correct so far.
+    Stages stay at 1: two are miscompiled on the H200 (mla_decode.default_num_stages)."""
+    a = bench.args
+    t0 = time.time()
+    case = ShapeCase(bench)
+    sweep = ShapeSweep(bench, case, copy_gbps)
+    sweep.out["setup_s"] = time.time() - t0
+    print(f"shape-sweep {sweep.out['shape']}: {case.kv_bytes / 1e9:.3f} GB of KV per call, "
+          f"set up in {sweep.out['setup_s']:.1f} s", flush=True)
+    base_cfg = sweep.out["model_tiling"]
+    if not bench.interpret:
+        warm_clocks()
+
+    registry = k3_backend.get("mla_paged_attention", "interpret" if bench.interpret else "pallas")
+    model_call = jax.jit(functools.partial(registry, kv_lora_rank=C, scale=SCALE, layer=case.layer))
+    sweep.run("model call (registry, plan built in the jit)", "model call", lambda: model_call(*case.args()), base_cfg)
+    baseline = sweep.run_tiling(base_cfg, name="model tiling, plan precomputed (baseline)")
+    sweep.run_tiling(base_cfg, name="model tiling, plan precomputed, shuffled page table", table="shuffled")
+    reference = jax.jit(functools.partial(paged_attention_reference, kv_lora_rank=C, scale=SCALE, layer=case.layer))
+    sweep.run("model reference path (paged_attention_reference)", "reference path", lambda: reference(*case.args()))
+
+    seen = {tiling_label(base_cfg)}
+
+    def grid_case(**overrides):
+        cfg = dict(base_cfg, num_stages=1, **overrides)
+        label = tiling_label(cfg)
+        if label in seen:
+            return
+        seen.add(label)
+        if cfg["block_kv"] < a.page_size or cfg["block_kv"] % a.page_size:  # mla_decode would raise at once
+            why = f"not run: block_kv {cfg['block_kv']} is not a multiple of page_size {a.page_size}"
+            sweep.out["cases"].append(dict(cfg, name=label, kind="tiling", error=why))
+            return
+        sweep.run_tiling(cfg)
+
+    def fastest(k: int) -> list[dict]:
+        ok = [c for c in sweep.out["cases"]
+              if c.get("kind") == "tiling" and c["page_table"] == "contiguous" and c.get("correct") and "ms" in c]
+        return sorted(ok, key=lambda c: c["ms"])[:k]
+
+    for block_rows in a.block_rows:
+        for block_kv in a.block_kv:
+            for warps in a.warps:
+                grid_case(block_rows=block_rows, block_kv=block_kv, num_warps=warps)
+    # part counts first: with 16 rows a work item is one program, so the plan sets how many programs fill the SMs
+    tiling_keys = ("block_rows", "block_kv", "num_warps", "value_groups", "num_parts")
+    for best in fastest(a.top):
+        for parts in a.parts:
+            grid_case(**{**{k: best[k] for k in tiling_keys}, "num_parts": parts})
+    for best in fastest(a.top):
+        for groups in a.value_groups:
+            grid_case(**{**{k: best[k] for k in tiling_keys}, "value_groups": groups})
+
+    out = sweep.out
+    top = fastest(1)
+    if top and baseline and "ms" in baseline:
+        out["fastest_correct"] = dict(top[0], speedup_vs_baseline=baseline["ms"] / top[0]["ms"])
+        model = next((c for c in out["cases"] if c.get("kind") == "model call" and "ms" in c), None)
+        if model:
+            out["fastest_correct"]["speedup_vs_model_call"] = model["ms"] / top[0]["ms"]
+    out["elapsed_s"] = time.time() - t0
+    bench.save()
+    return out
+
+
+def print_shape_sweep(res: dict):
+    sw = res["shape_sweep"]
+    shape = sw["shape"]
+    base = next((c for c in sw["cases"] if c["name"].startswith("model tiling, plan precomputed (") and "ms" in c),
+                None)
+    print(f"\nMLA decode tiling sweep, {res['machine']['device_kind']}: {shape['heads']} heads, B{shape['batch']} x "
+          f"{shape['history']}{' (ragged)' if shape['ragged'] else ''}, page {shape['page_size']}, "
+          f"{sw['kv_bytes'] / 1e9:.3f} GB KV per call, copy bandwidth {sw['copy_gbps']:.0f} GB/s; "
+          f"x base = baseline ms / case ms (model tiling {tiling_label(sw['model_tiling'])}, plan precomputed)")
+    print(f"{'case':<58} {'items':>5} {'progs':>5} {'ms':>8} {'TB/s':>6} {'/copy':>6} {'x base':>6} {'max err':>8} "
+          f"{'ok':>3}")
+    for c in sw["cases"]:
+        if "ms" not in c:
+            print(f"{c['name']:<58} {c.get('error', '')[:120]}")
+            continue
+        speedup = base["ms"] / c["ms"] if base else float("nan")
+        ok = "-" if "correct" not in c else "yes" if c["correct"] else "NO"
+        print(f"{c['name']:<58} {c.get('work_items', ''):>5} {c.get('programs', ''):>5} {c['ms']:>8.4f} "
+              f"{c['tbps']:>6.3f} {c['ratio_to_copy']:>6.3f} {speedup:>6.2f} "
+              f"{c.get('max_rel_err', float('nan')):>8.1e} {ok:>3}")
+    best = sw.get("fastest_correct")
+    if best:
+        label = tiling_label(best)
+        name = label if best["name"] == label else f"{label} = {best['name']}"
+        print(f"fastest correct: {name} {best['ms']:.4f} ms ({best['tbps']:.3f} TB/s, "
+              f"{best['ratio_to_copy']:.1%} of copy; x{best['speedup_vs_baseline']:.2f} vs the model's tiling, "
+              f"x{best.get('speedup_vs_model_call', float('nan')):.2f} vs the model's call; "
+              f"{best['step_ms_estimate']:.3f} ms per step at {shape['layers']} layers)")
+    else:
+        print("fastest correct: none (no correct timed tiling, or no baseline)")
+    if res["skipped"]:
+        print("skipped (time budget):", res["skipped"])
+
+
 # ------------------------------------------------------------------------------------------- sections
 def run_mixed(bench, pool, cfg, plan_fn, num_parts, n_batches, mb, lo, hi, mixed):
     """Appends one entry per mixed batch: balanced plan and uniform splits on the batch and its control."""
@@ -513,6 +860,12 @@ def main(argv=None) -> dict:
     copy_gbps = res["copy"]["copy_gbps"]
     print(f"copy bandwidth {copy_gbps:.0f} GB/s {res['copy']}", flush=True)
     bench.save()
+    if args.shape_sweep:
+        run_shape_sweep(bench, copy_gbps)
+        res["elapsed_s"] = time.time() - bench.t0
+        bench.save()
+        print_shape_sweep(res)
+        return res
     pool = Pool(bench, 40_000 if smoke else args.pool_tokens)
     bw = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9
     if args.backends:
