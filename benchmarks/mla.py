@@ -64,12 +64,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+# fuser: imported for its side effect only. It registers a jax config option; imported lazily by the Pallas
+# interpreter during the first interpret-mode trace instead, it changes jax's tracing context and makes that first
+# jitted call compile twice (seen in --shape-sweep --smoke: +3.5 s on the first case).
 from jax.experimental.pallas import fuser as _pallas_fuser  # noqa: F401
 from jax.experimental.pallas import triton as plgpu
 
-# ^ imported for its side effect only: it registers a jax config option that the Pallas interpreter would
-# otherwise import during the first interpret-mode trace, which changes jax's tracing context and makes the
-# first jitted call compile twice (seen in --smoke: +3.5 s on the first case).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from k3jax import backend as k3_backend  # noqa: E402
 from k3jax.mla import paged_attention_reference  # noqa: E402
@@ -761,12 +761,23 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
             grid_case(**{**{k: best[k] for k in tiling_keys}, "value_groups": groups})
 
     out = sweep.out
+    timed = {c["name"]: c["ms"] for c in out["cases"] if "ms" in c}
+    model_ms = timed.get("model call (registry, plan built in the jit)")
+    base_ms = timed.get("model tiling, plan precomputed (baseline)")
+    shuffled_ms = timed.get("model tiling, plan precomputed, shuffled page table")
+    reference_ms = timed.get("model reference path (paged_attention_reference)")
+    ratio = lambda x, y: x / y if x and y else None  # noqa: E731
+    out["summary"] = {
+        "model_call_ms": model_ms, "model_call_step_ms_estimate": model_ms * a.layers if model_ms else None,
+        "baseline_ms": base_ms, "plan_in_jit_over_precomputed": ratio(model_ms, base_ms),
+        "shuffled_over_contiguous_table": ratio(shuffled_ms, base_ms),
+        "reference_path_ms": reference_ms, "reference_path_over_model_call": ratio(reference_ms, model_ms),
+    }
     top = fastest(1)
-    if top and baseline and "ms" in baseline:
-        out["fastest_correct"] = dict(top[0], speedup_vs_baseline=baseline["ms"] / top[0]["ms"])
-        model = next((c for c in out["cases"] if c.get("kind") == "model call" and "ms" in c), None)
-        if model:
-            out["fastest_correct"]["speedup_vs_model_call"] = model["ms"] / top[0]["ms"]
+    if top and base_ms:
+        out["fastest_correct"] = dict(top[0], speedup_vs_baseline=base_ms / top[0]["ms"])
+        if model_ms:
+            out["fastest_correct"]["speedup_vs_model_call"] = model_ms / top[0]["ms"]
     out["elapsed_s"] = time.time() - t0
     bench.save()
     return out
@@ -802,6 +813,8 @@ def print_shape_sweep(res: dict):
               f"{best['step_ms_estimate']:.3f} ms per step at {shape['layers']} layers)")
     else:
         print("fastest correct: none (no correct timed tiling, or no baseline)")
+    summary = {k: round(v, 4) for k, v in sw.get("summary", {}).items() if v is not None}
+    print(f"summary: {summary}")
     if res["skipped"]:
         print("skipped (time budget):", res["skipped"])
 

@@ -73,6 +73,11 @@ def test_shape_sweep_smoke_checks_every_case_and_never_picks_a_wrong_tiling(tmp_
     for case in (model, base, shuffled, reference, wrong):
         assert case["tbps"] == pytest.approx(sweep["kv_bytes"] / case["ms"] / 1e9, rel=1e-12)
         assert case["ratio_to_copy"] == pytest.approx(case["tbps"] * 1e3 / sweep["copy_gbps"], rel=1e-12)
+    summary = sweep["summary"]
+    assert summary["model_call_ms"] == model["ms"] and summary["baseline_ms"] == base["ms"]
+    assert summary["model_call_step_ms_estimate"] == pytest.approx(3 * model["ms"], rel=1e-12)  # --layers 3
+    assert summary["reference_path_over_model_call"] == pytest.approx(reference["ms"] / model["ms"], rel=1e-12)
+    assert summary["shuffled_over_contiguous_table"] == pytest.approx(shuffled["ms"] / base["ms"], rel=1e-12)
     assert "fastest correct: rows16/kv64/w8/s1/vg1/p132 = model tiling, plan precomputed (baseline)" in table
     assert " NO" in table
 
@@ -82,6 +87,7 @@ def test_shape_sweep_spent_budget_starts_no_case(tmp_path):
     result = load_benchmark().main(SMOKE_ARGS + ["--budget-s", "0", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["shape_sweep"]["cases"] == [] and "fastest_correct" not in saved["shape_sweep"]
+    assert set(saved["shape_sweep"]["summary"].values()) == {None}
     assert saved["skipped"][:4] == ["model call (registry, plan built in the jit)",
                                     "model tiling, plan precomputed (baseline)",
                                     "model tiling, plan precomputed, shuffled page table",
