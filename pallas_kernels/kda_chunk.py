@@ -183,6 +183,106 @@ def _intra_stage(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, l
     return w, u, qg, kg, aqk.astype(stored), jnp.exp(g_last)
 
 
+def _inverse_by_halves(diag_l, pair_l, quad_l):
+    """(I + L)^-1 for strictly lower-triangular 64x64 L given as its 16x16 diagonal blocks diag_l
+    [..., NSUB, SUB, SUB], the sub-diagonal blocks L_10 and L_32 as pair_l [..., 2, SUB, SUB] and the lower-left
+    32x32 quadrant quad_l [..., 32, 32]; IEEE fp32 dots. Diagonal blocks by the exact nilpotent product
+    (I - L)(I + L^2)(I + L^4)(I + L^8); then by halves: A_21 = -A_22 L_21 A_11 for the 16x16 pairs, then for
+    the 32x32 quadrant. 10 batched dots (the row-by-row form takes 23)."""
+    mm = lambda a, b: jnp.matmul(a, b, precision=_HI)
+    l2 = mm(diag_l, diag_l)
+    l4 = mm(l2, l2)
+    x = _identity(SUB) - diag_l
+    x = x + mm(x, l2)
+    x = x + mm(x, l4)
+    diag = x + mm(x, mm(l4, l4))  # [..., NSUB, SUB, SUB]
+    pair = -mm(diag[..., 1::2, :, :], mm(pair_l, diag[..., 0::2, :, :]))  # A_10, A_32
+    zero = jnp.zeros_like(diag[..., 0, :, :])
+    half = jnp.concatenate([  # A_00 | A_11 and A_22 | A_33 as two 32x32 lower-triangular blocks [..., 2, 32, 32]
+        jnp.concatenate([diag[..., 0::2, :, :], jnp.broadcast_to(zero[..., None, :, :], pair.shape)], axis=-1),
+        jnp.concatenate([pair, diag[..., 1::2, :, :]], axis=-1)], axis=-2)
+    quad = -mm(half[..., 1, :, :], mm(quad_l, half[..., 0, :, :]))  # [..., 32, 32]
+    upper = jnp.concatenate([half[..., 0, :, :], jnp.zeros_like(quad)], axis=-1)
+    lower = jnp.concatenate([quad, half[..., 1, :, :]], axis=-1)
+    return jnp.concatenate([upper, lower], axis=-2)
+
+
+def _intra_stage_v2(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate, lower_bound, beta_sigmoid,
+                    qk_l2norm, scale, bounded, stored):
+    """`_intra_stage` (same outputs, same operand precisions) with fewer and smaller intermediates:
+
+    - L and Aqk by row block: sub-block i's q and k rows (scaled by e^(G_r - P_i) <= 1, stacked as one
+      [2 * SUB, K] operand) against only the columns 0 .. 16(i+1) that the lower triangle needs (scaled by
+      e^(P_i - G_s)): 10 of the 16 column blocks, each operand written once and read by one dot, instead of
+      the 4x [NSUB, C, K] column-factor tensor read by two einsums. (Unbounded gate: columns 0 .. 16i only,
+      the diagonal blocks pairwise as in `_intra_stage`.)
+    - the q / k L2 norms as [T, H] scalars from the packed inputs, so the chunk-layout q, k are elementwise
+      in the gather (no normalised [H, NC, C, K] fp32 copy for every consumer to read);
+    - each row block's factors computed inside its own operand (a shared, sliced factor tensor is
+      materialised first);
+    - the inverse by halves (`_inverse_by_halves`, 10 batched 16x16 / 32x32 dots instead of 23), straight
+      from the blocks of the row-block dots.
+    Exponent safety as in the module docstring; the capped factor only reaches masked entries."""
+    f32 = jnp.float32
+    prec = _HI if stored == f32 else None
+    rows = jnp.arange(CHUNK, dtype=jnp.int32)
+    valid = (rows[None, :] < length[:, None])[None, :, :, None]  # [1, NC, C, 1]
+    qc, kc, gc_raw = (_to_chunks(x, tok_start, length).astype(f32) for x in (q, k, g))  # [H, NC, C, K]
+    vc = _to_chunks(v, tok_start, length).astype(stored)  # [H, NC, C, V]
+    bc = _to_chunks(beta, tok_start, length).astype(f32)  # [H, NC, C]
+    gl = _gate(gc_raw, a_log[:, None, None, None], dt_bias[:, None, None, :], gate, lower_bound)
+    gl = jnp.where(valid, gl, 0.0)
+    bc = jnp.where(valid[..., 0], jax.nn.sigmoid(bc) if beta_sigmoid else bc, 0.0)
+    if qk_l2norm:  # the norms as [T, H] scalars in the packed layout: the chunk-layout q, k stay elementwise
+        inv_norm = lambda x: lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), -1) + _L2_EPS)  # [T, H]
+        qc = qc * (_to_chunks(inv_norm(q), tok_start, length) * scale)[..., None]
+        kc = kc * _to_chunks(inv_norm(k), tok_start, length)[..., None]
+    cum = jnp.cumsum(gl, axis=2)  # G [H, NC, C, K]
+    g_last = cum[:, :, -1, :]
+    sub = lambda x: x.reshape(x.shape[:2] + (NSUB, SUB) + x.shape[3:])
+    cum4, q4, k4 = sub(cum), sub(qc), sub(kc)
+    prev = cum4[:, :, :, 0, :] - sub(gl)[:, :, :, 0, :]  # P_i: G just before sub-block i [H, NC, NSUB, K]
+    blocks = []  # blocks[i]: [H, NC, 2 SUB, cols_i] = Aqk | L (before beta) rows of sub-block i
+    for i in range(NSUB):
+        cols = SUB * (i + 1) if bounded else SUB * i
+        if cols == 0:
+            blocks.append(None)
+            continue
+        # each operand its own array (a slice of a shared one would be copied again before its dot)
+        row_f = jnp.exp(cum4[:, :, i] - prev[:, :, i, None, :])  # [H, NC, SUB, K], <= 1 (per block: not shared)
+        left = jnp.concatenate([q4[:, :, i] * row_f, k4[:, :, i] * row_f], axis=2)
+        col_f = jnp.exp(jnp.minimum(prev[:, :, i, None, :] - cum[:, :, :cols, :], _MAX_DIAG_EXPONENT))
+        right = (kc[:, :, :cols] * col_f).astype(stored)  # [H, NC, cols, K]
+        blocks.append(bdot("hcrk,hcsk->hcrs", left.astype(stored), right, prec))  # left: [H, NC, 2 SUB, K] q | k
+    if not bounded:  # diagonal blocks from pairwise e^(G_r - G_s) of masked (non-positive) differences
+        incl4 = rows[:SUB, None] >= rows[None, :SUB]
+        decay = jnp.exp(jnp.where(incl4[:, :, None], cum4[..., :, None, :] - cum4[..., None, :, :], -jnp.inf))
+        aii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", q4, k4, decay, precision=_HI)
+        lii = jnp.einsum("hcnrk,hcnsk,hcnrsk->hcnrs", k4, k4, decay, precision=_HI)
+        blocks = [jnp.concatenate([aii[:, :, i], lii[:, :, i]], axis=2) if b is None
+                  else jnp.concatenate([b, jnp.concatenate([aii[:, :, i], lii[:, :, i]], axis=2)], axis=3)
+                  for i, b in enumerate(blocks)]
+    b4 = sub(bc)  # beta [H, NC, NSUB, SUB]
+    r16 = rows[:SUB]
+    strict16 = r16[:, None] > r16[None, :]
+    lblk = lambda i, j: blocks[i][:, :, SUB:, SUB * j:SUB * (j + 1)] * b4[:, :, i, :, None]  # beta_r L_ij
+    diag_l = jnp.stack([jnp.where(strict16, lblk(i, i), 0.0) for i in range(NSUB)], axis=2)
+    pair_l = jnp.stack([lblk(1, 0), lblk(3, 2)], axis=2)
+    quad_l = jnp.concatenate([blocks[2][:, :, SUB:, :2 * SUB] * b4[:, :, 2, :, None],
+                              blocks[3][:, :, SUB:, :2 * SUB] * b4[:, :, 3, :, None]], axis=2)
+    a_beta = (_inverse_by_halves(diag_l, pair_l, quad_l) * bc[:, :, None, :]).astype(stored)  # A diag(beta)
+    incl = rows[:, None] >= rows[None, :]
+    aqk = jnp.concatenate([jnp.pad(b[:, :, :SUB], ((0, 0), (0, 0), (0, 0), (0, CHUNK - b.shape[3])))
+                           for b in blocks], axis=2)
+    aqk = jnp.where(incl, aqk, 0.0).astype(stored)
+    e_cum = jnp.exp(cum)
+    w = bdot("hcij,hcjk->hcik", a_beta, (kc * e_cum).astype(stored), prec).astype(stored)
+    u = bdot("hcij,hcjv->hciv", a_beta, vc, prec).astype(stored)
+    qg = (qc * e_cum).astype(stored)
+    kg = (kc * jnp.exp(g_last[:, :, None, :] - cum)).astype(stored)
+    return w, u, qg, kg, aqk, jnp.exp(g_last)
+
+
 def chunk_table(cu_seqlens, start_positions, num_chunks, page_size, seq_lens=None):
     """Chunks of every sequence, aligned to absolute multiples of CHUNK.
 
@@ -260,11 +360,11 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
 
 @functools.partial(jax.jit, static_argnames=(
     "gate", "lower_bound", "beta_sigmoid", "qk_l2norm", "scale", "checkpoint_page_size", "interpret",
-    "block_v", "num_warps", "state_pass", "solve"))
+    "block_v", "num_warps", "state_pass", "solve", "stage1"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
               seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4,
-              state_pass="fused", solve="xla"):
+              state_pass="fused", solve="xla", stage1="default"):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -289,6 +389,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       solve: "xla" (default, measured) or "pallas": L / Aqk and the block inverse in one Pallas kernel per
         (head, chunk) (`kda_chunk_solve`; bounded gate only, else XLA). Same math and operand precisions;
         not yet timed on the GPU.
+      stage1: "default" (`_intra_stage`, measured) or "v2" (`_intra_stage_v2`: the same stage with fewer
+        and smaller intermediates, opt-in until timed on the GPU; XLA L / Aqk only, so solve must be "xla").
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
@@ -299,6 +401,10 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         raise ValueError(f"state_pass must be 'fused' or 'split'; got {state_pass!r}")
     if solve not in ("xla", "pallas"):
         raise ValueError(f"solve must be 'xla' or 'pallas'; got {solve!r}")
+    if stage1 not in ("default", "v2"):
+        raise ValueError(f"stage1 must be 'default' or 'v2'; got {stage1!r}")
+    if stage1 == "v2" and solve != "xla":
+        raise ValueError(f"stage1='v2' computes L / Aqk itself: solve must be 'xla'; got {solve!r}")
     t, h, dk = q.shape
     n = cu_seqlens.shape[0] - 1
     cu, start, a, b = _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions)
@@ -309,10 +415,13 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     stored = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
     bounded = gate == "lower_bound" and -SUB * lower_bound <= _MAX_DIAG_EXPONENT
     scale = dk**-0.5 if scale is None else scale
-    w, u, qg, kg, aqk, gc = _intra_stage(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
-                                         lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-                                         scale=scale, bounded=bounded, stored=stored, solve=solve,
-                                         interpret=interpret)
+    stage_kw = dict(gate=gate, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+                    scale=scale, bounded=bounded, stored=stored)
+    if stage1 == "v2":
+        w, u, qg, kg, aqk, gc = _intra_stage_v2(tok_start, length, q, k, v, g, beta, a, b, **stage_kw)
+    else:
+        w, u, qg, kg, aqk, gc = _intra_stage(tok_start, length, q, k, v, g, beta, a, b, solve=solve,
+                                             interpret=interpret, **stage_kw)
     state_pass = {"fused": kda_state_pass, "split": kda_state_pass_split}[state_pass]
     return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, num_tokens=t,
                       checkpoint_page_size=page, block_v=block_v, out_dtype=v.dtype, num_warps=num_warps,

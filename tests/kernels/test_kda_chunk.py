@@ -9,6 +9,8 @@ bf16 rounding is 4e-3 per operand and the state carries it over many chunks.
 Small head dims (16/32) keep interpret mode within the CI time budget; the lengths are the issue's.
 """
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,21 +40,32 @@ def packed_inputs(seed, lens, h, dk, dv, dtype=np.float32):
     return x, s0, jnp.asarray(cu), a_log, dt_bias
 
 
-@pytest.mark.parametrize("gate,state_pass,solve", [("lower_bound", "fused", "pallas"), ("softplus", "split", "xla")])
-def test_ragged_lengths_fused_gate_checkpoints(gate, state_pass, solve):
-    """Issue lengths 1, 63, 64, 65, 1000 in one packed batch (one empty row too), non-zero initial states,
-    the gate, beta sigmoid and L2 norm fused, checkpoints every 128 tokens from unaligned start positions.
-    Both state passes (fused output / split output einsum) and both L / Aqk / inverse stages (the Pallas
-    kernel takes bounded gates only; the XLA one's bounded path is covered by the bf16 test and
-    test_kda_model); the bounded gate takes the factored diagonal blocks, softplus the pairwise ones."""
+@functools.lru_cache(maxsize=None)
+def _ragged_case(gate):
+    """Inputs and the recurrence's results for the ragged test, once per gate (shared by its stage cases)."""
     lens = [1, 63, 0, 64, 65, 1000]
     x, s0, cu, a_log, dt_bias = packed_inputs(1, lens, h=2, dk=16, dv=16)
     start = jnp.asarray([0, 5, 9, 64, 100, 37], jnp.int32)  # absolute positions: pages are absolute too
     kw = dict(a_log=a_log, dt_bias=dt_bias, gate=gate, beta_sigmoid=True, qk_l2norm=True, start_positions=start,
               checkpoint_page_size=128)
+    want = kda_chunk_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, **kw)
+    return lens, x, s0, cu, start, kw, want
+
+
+@pytest.mark.parametrize("gate,state_pass,solve,stage1", [
+    ("lower_bound", "fused", "pallas", "default"), ("softplus", "split", "xla", "default"),
+    ("lower_bound", "fused", "xla", "v2")])
+def test_ragged_lengths_fused_gate_checkpoints(gate, state_pass, solve, stage1):
+    """Issue lengths 1, 63, 64, 65, 1000 in one packed batch (one empty row too), non-zero initial states,
+    the gate, beta sigmoid and L2 norm fused, checkpoints every 128 tokens from unaligned start positions.
+    Both state passes (fused output / split output einsum), both L / Aqk / inverse stages (the Pallas
+    kernel takes bounded gates only; the XLA one's bounded path is covered by the bf16 test and
+    test_kda_model) and both stage-1 variants (v2 with K3's bounded gate here; its softplus / precomputed
+    paths equal the default stage's in test_stage1_v2_matches_default_stage); the bounded gate takes the
+    factored diagonal blocks, softplus the pairwise ones."""
+    lens, x, s0, cu, start, kw, (ro, rfinal, rckpt) = _ragged_case(gate)
     o, final, ckpt = kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, interpret=True,
-                               state_pass=state_pass, solve=solve, **kw)
-    ro, rfinal, rckpt = kda_chunk_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu, **kw)
+                               state_pass=state_pass, solve=solve, stage1=stage1, **kw)
     assert rel(o, ro) < 2e-5
     for i in range(len(lens)):  # per sequence, so a wrong state in a short one cannot hide
         assert rel(final[i], rfinal[i]) < 2e-5, i
@@ -117,3 +130,53 @@ def test_bad_arguments_raise():
         kda_chunk(*args, s0, cu, gate="softplus", interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         kda_chunk(x["q"][..., :12], x["k"][..., :12], x["v"], x["g"][..., :12], x["beta"], s0[..., :12], cu, interpret=True)
+
+
+def _stage1(fn, x, cu, a_log, dt_bias, gate, h, dk, stored):
+    """Stage 1 alone (`_intra_stage` or `_intra_stage_v2`) on the chunk table of cu, as kda_chunk calls it."""
+    from pallas_kernels import kda_chunk as kc
+
+    n = cu.shape[0] - 1
+    first, tok_start, length, _ = kc.chunk_table(cu, jnp.zeros(n, jnp.int32), int(cu[-1]) // 64 + 2 * n, 0)
+    a = jnp.zeros(h) if a_log is None else a_log[:h]
+    b = jnp.zeros((h, dk)) if dt_bias is None else dt_bias.reshape(h, dk)
+    return fn(tok_start, length, x["q"], x["k"], x["v"], x["g"], x["beta"], a, b, gate=gate, lower_bound=-5.0,
+              beta_sigmoid=gate != "none", qk_l2norm=gate != "none", scale=dk**-0.5,
+              bounded=gate == "lower_bound", stored=stored)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "none"])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_stage1_v2_matches_default_stage(gate, dtype):
+    """stage1="v2" (row-block L / Aqk, inverse by halves, norms as packed scalars) gives the default stage's
+    six outputs on the issue's ragged lengths. fp32: the two differ only in summation order (the inverse's
+    block formula, the norm's reduction), ~1e-7 measured, so 1e-5. bf16: the same values rounded once to
+    bf16 (2^-9 relative at most per element), so 4e-3 in norm. Steep gates included: softplus with
+    a = e^a_log up to e^2 gives log decays down to ~-20 per token (e^(P - G) across a 16-row block would
+    overflow fp32), and gate "none" takes g = -e^z unbounded; every output must stay finite."""
+    from pallas_kernels import kda_chunk as kc
+
+    lens = [1, 63, 0, 64, 65, 1000]
+    x, _, cu, a_log, dt_bias = packed_inputs(5, lens, h=2, dk=32, dv=16, dtype=dtype)
+    if gate == "none":  # precomputed: normalised q, k, beta in (0, 1), unbounded log decay
+        x["q"] = (x["q"] * jnp.sum(x["q"].astype(jnp.float32) ** 2, -1, keepdims=True) ** -0.5 * 32**-0.5).astype(dtype)
+        x["k"] = (x["k"] * jnp.sum(x["k"].astype(jnp.float32) ** 2, -1, keepdims=True) ** -0.5).astype(dtype)
+        x["g"] = (-jnp.exp(x["g"].astype(jnp.float32) + 1.0)).astype(dtype)
+        x["beta"] = 1 / (1 + jnp.exp(-x["beta"]))
+    stored = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
+    want = _stage1(kc._intra_stage, x, cu, a_log, dt_bias, gate, 2, 32, stored)
+    got = _stage1(kc._intra_stage_v2, x, cu, a_log, dt_bias, gate, 2, 32, stored)
+    tol = 4e-3 if dtype == jnp.bfloat16 else 1e-5
+    for name, g_, w_ in zip(("w", "u", "qg", "kg", "aqk", "gate_last"), got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype, name
+        assert np.all(np.isfinite(np.asarray(g_, np.float32))), name
+        assert rel(np.asarray(g_, np.float32), np.asarray(w_, np.float32)) < tol, name
+
+
+def test_stage1_v2_bad_arguments_raise():
+    x, s0, cu, _, _ = packed_inputs(4, [3], h=1, dk=16, dv=16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], s0, cu)
+    with pytest.raises(ValueError, match="stage1 must be"):
+        kda_chunk(*args, stage1="v3", interpret=True)
+    with pytest.raises(ValueError, match="solve must be 'xla'"):
+        kda_chunk(*args, stage1="v2", solve="pallas", interpret=True)
