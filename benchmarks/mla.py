@@ -84,6 +84,7 @@ SCALE = 192**-0.5
 DECODE_DEFAULTS = {name: p.default for name, p in inspect.signature(md.mla_decode).parameters.items()}
 MODEL_PARTS = DECODE_DEFAULTS["num_parts"]
 SHAPE_SWEEP_BUDGET_S = 120.0
+DIAG_MODES = {"read": "page gathers only", "qk": "gathers + scores + softmax stats", "pv": "gathers + P @ C"}
 
 
 def parse_args(argv=None):
@@ -127,6 +128,9 @@ def parse_args(argv=None):
                    help="plan part counts (besides the model's 132) tried on the --top fastest (default 66,264,528; "
                         "--smoke 3)")
     s.add_argument("--top", type=int, default=3, help="tilings carried into the parts and value_groups rounds")
+    s.add_argument("--diag", default="read,qk,pv",
+                   help="last: the model tiling's loop with stages left out, modes of diag_call (read: page gathers "
+                        "only; qk: + scores and softmax statistics; pv: loads + P @ C, no scores)")
     s.add_argument("--tol", type=float, default=1e-2,
                    help="largest per-request relative error vs mla_decode_reference of a correct case")
     args = p.parse_args(argv)
@@ -146,6 +150,9 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.spare_tokens < 0:
         p.error(f"--spare-tokens must be >= 0, got {args.spare_tokens}")
+    args.diag = [m for m in args.diag.split(",") if m.strip()]
+    if set(args.diag) - set(DIAG_MODES):
+        p.error(f"--diag takes modes of {sorted(DIAG_MODES)}, got {args.diag}")
     for name in ("block_rows", "block_kv", "warps", "value_groups", "parts"):
         try:
             values = _int_list(getattr(args, name))
@@ -346,14 +353,15 @@ def _diag_kernel(work_request_ref, work_start_ref, work_end_ref, q_ref, page_tab
 
 
 def diag_call(mode, q_latent, q_pe, kv, table, plan, *, block_rows, block_kv, num_warps, num_stages, interpret):
+    page_size = kv.shape[1]  # kv [P, page_size, C+R]: one layer's pool
     q, _, m_pad = md._row_layout(q_latent, q_pe, jnp.zeros(q_latent.shape[:2], jnp.int32), block_rows)
-    table = md._pad_page_table(table, block_kv // PAGE)
+    table = md._pad_page_table(table, block_kv // page_size)
     n_rb = 1 if mode == "read" else m_pad // block_rows
     w = plan.work_request.shape[0]
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     inputs = [plan.work_request, plan.work_block_start, plan.work_block_end, q, table, kv]
     return pl.pallas_call(
-        functools.partial(_diag_kernel, mode=mode, block_rows=block_rows, block_kv=block_kv, page_size=PAGE),
+        functools.partial(_diag_kernel, mode=mode, block_rows=block_rows, block_kv=block_kv, page_size=page_size),
         grid=(n_rb, w), in_specs=[full(x) for x in inputs],
         out_specs=pl.BlockSpec((None, block_rows, C), lambda r, i: (i, r, 0)),
         out_shape=jax.ShapeDtypeStruct((w, m_pad, C), jnp.float32),
@@ -659,8 +667,9 @@ class ShapeSweep:
     def run(self, name: str, kind: str, fn, cfg: dict | None = None, *, table: str = "contiguous",
             room_checked: bool = False) -> dict | None:
         """Times fn() (a jitted call on the case's arrays with page table `table`) after checking its output
-        against the reference on the same inputs; records the entry. kind: "model call", "reference path" or
-        "tiling" (a kernel call with a precomputed plan: the only kind that competes for fastest)."""
+        against the reference on the same inputs; records the entry. kind: "model call", "reference path",
+        "tiling" (a kernel call with a precomputed plan: the only kind that competes for fastest) or
+        "diagnostic" (the kernel's loop with stages left out: no attention output, so not checked)."""
         if not room_checked and not self.room_for(name):
             return None
         entry = {"name": name, "kind": kind, **(cfg or {}), "page_table": table}
@@ -668,8 +677,9 @@ class ShapeSweep:
         try:
             got = jax.block_until_ready(fn())  # compile + first run
             entry["compile_and_first_call_s"] = time.time() - t0
-            entry["max_rel_err"], entry["rel_err"] = self.case.errors(got, table)
-            entry["correct"] = bool(entry["max_rel_err"] < self.bench.args.tol)  # NaN fails
+            if kind != "diagnostic":
+                entry["max_rel_err"], entry["rel_err"] = self.case.errors(got, table)
+                entry["correct"] = bool(entry["max_rel_err"] < self.bench.args.tol)  # NaN fails
             del got
             ms = self.bench.time_ms(fn)
             gbps = self.case.kv_bytes / ms / 1e6
@@ -707,7 +717,8 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
        on a shuffled page table (pages scattered over the pool, as a serving pool's allocator leaves them);
     3. the model's reference path (k3jax.mla.paged_attention_reference, jitted) at the same shape;
     4. the grid: --block-rows x --block-kv x --warps at 1 stage, value_groups 1, the model's part count;
-    5. --parts on the --top fastest correct cases of 4; 6. --value-groups on the --top fastest correct so far.
+    5. --parts on the --top fastest correct cases of 4; 6. --value-groups on the --top fastest correct so far;
+    7. --diag: the model tiling's loop with stages left out (diag_call), for where its time goes.
     Stages stay at 1: two are miscompiled on the H200 (mla_decode.default_num_stages)."""
     a = bench.args
     t0 = time.time()
@@ -759,6 +770,23 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
     for best in fastest(a.top):
         for groups in a.value_groups:
             grid_case(**{**{k: best[k] for k in tiling_keys}, "value_groups": groups})
+
+    # where the model tiling's time goes: its loop with stages left out (gathers only; + scores and softmax
+    # statistics; loads + P @ C), on one layer's pool (diag_call takes [P, page_size, C+R]; sliced outside the timing)
+    layer_pool = None
+    for mode in a.diag:
+        name = f"diag {mode}: {DIAG_MODES[mode]}, model tiling"
+        if not sweep.room_for(name):
+            break
+        if layer_pool is None:
+            layer_pool = jax.block_until_ready(case.pool[case.layer])
+        plan = case.plan(base_cfg["block_kv"], base_cfg["num_parts"])
+        diag = jax.jit(functools.partial(diag_call, mode, block_rows=base_cfg["block_rows"],
+                                         block_kv=base_cfg["block_kv"], num_warps=base_cfg["num_warps"],
+                                         num_stages=base_cfg["num_stages"], interpret=bench.interpret))
+        sweep.run(name, "diagnostic", lambda: diag(case.q_latent, case.q_pe, layer_pool, case.tables["contiguous"],
+                                                  plan), base_cfg, room_checked=True)
+    del layer_pool
 
     out = sweep.out
     timed = {c["name"]: c["ms"] for c in out["cases"] if "ms" in c}

@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "mla.py"
 # page of a row is partly masked); one extra grid tiling (32-key blocks, a different plan) besides the baseline
 SMOKE_ARGS = ["--shape-sweep", "--smoke", "--ragged", "--heads", "16", "--batch", "3", "--history", "333",
               "--page-size", "16", "--layers", "3", "--block-rows", "16", "--block-kv", "32", "--warps", "4",
-              "--value-groups", "", "--parts", "", "--reps", "1", "--inner", "1"]
+              "--value-groups", "", "--parts", "", "--diag", "", "--reps", "1", "--inner", "1"]
 
 
 def load_benchmark():
