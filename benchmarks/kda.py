@@ -34,6 +34,7 @@ import datetime
 import functools
 import json
 import math
+import re
 import signal
 import statistics
 import sys
@@ -149,6 +150,19 @@ def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
     row["ours_ms"] = 1e3 * time_jax(ours, args.trials)
     row["ours_Mtok_s"] = b * t / row["ours_ms"] / 1e3
     save()
+    for variant in args.stage1:  # opt-in stage-1 variants beside the default, before fla's long first call
+        if variant == "default":
+            continue
+        try:
+            o_var, final_var, _ = ours(stage1=variant)
+            row[f"ours_stage1_{variant}_ms"] = 1e3 * time_jax(lambda: ours(stage1=variant), args.trials)
+            row[f"rel_o_stage1_{variant}_vs_default"] = rel(jnp.asarray(o_var, jnp.float32), jnp.asarray(o, jnp.float32))
+            row[f"rel_state_stage1_{variant}_vs_default"] = rel(final_var, final)
+        except CaseTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001 -- keep the case's other numbers
+            row[f"ours_stage1_{variant}_error"] = repr(e)[:500]
+        save()
     if fla is not None:  # the ratio first; fla's first call (autotuning) runs on its own time limit
         prefill_fla(row, args, fla, x, o, final)
         deadline += row.get("fla_first_call_s", 0.0)
@@ -202,6 +216,8 @@ def prefill_fla(row, args, fla, x, o, final):
     row["rel_o_vs_fla"] = rel(jnp.asarray(o, jnp.float32), np.asarray(fo[0].float().cpu()))
     row["rel_state_vs_fla"] = rel(final, np.asarray(ff.float().cpu()))
     row["ratio"] = row["fla_ms"] / row["ours_ms"]
+    for key in [k for k in row if k.startswith("ours_stage1_") and k.endswith("_ms")]:
+        row["ratio_" + key[len("ours_"):-3]] = row["fla_ms"] / row[key]
 
 
 def prefill_stages(row, b, t, args, x, ours, save):
@@ -212,15 +228,20 @@ def prefill_stages(row, b, t, args, x, ours, save):
     cu32, start, a, bias = kc._preprocess_args(x["q"], x["z"], x["beta"], x["s0"], x["cu"], "lower_bound",
                                                x["a_log"], x["dt_bias"], None)
 
-    @functools.partial(jax.jit, static_argnames="solve")
-    def intra(solve="xla"):
+    @functools.partial(jax.jit, static_argnames=("solve", "stage1"))
+    def intra(solve="xla", stage1="default"):
         first, tok_start, length, ckpt_idx = kc.chunk_table(cu32, start, num_chunks, 0)
-        return (first, tok_start, length, ckpt_idx) + kc._intra_stage(
-            tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a, bias, gate="lower_bound",
-            lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True, stored=jnp.bfloat16,
-            solve=solve, interpret=args.interpret)
+        return (first, tok_start, length, ckpt_idx) + stage1_call(stage1, tok_start, length, x, a, bias, solve,
+                                                                  args.interpret)
 
     row["stage_intra_ms"] = 1e3 * time_jax(intra, args.trials)
+    for variant in args.stage1:
+        if variant != "default":
+            row[f"stage_intra_{variant}_ms"] = 1e3 * time_jax(lambda: intra(stage1=variant), args.trials)
+            save()
+    if not args.interpret:  # the GPU's own fusion decisions: the traffic proxy as XLA compiled it here
+        row["stage1_hlo"] = stage1_hlo(args.stage1, b, t, x["q"].shape[1])
+        save()
     if "ours_solve_pallas_ms" in row:
         row["stage_intra_solve_pallas_ms"] = 1e3 * time_jax(lambda: intra(solve="pallas"), args.trials)
     staged = intra()
@@ -232,6 +253,115 @@ def prefill_stages(row, b, t, args, x, ours, save):
         row[f"ckpt{page}_overhead"] = row[f"ours_ckpt{page}_ms"] / row["ours_ms"] - 1
         save()
     return staged
+
+
+def stage1_call(variant, tok_start, length, x, a, bias, solve="xla", interpret=False):
+    """Stage 1 (`kda_chunk._intra_stage` or the opt-in `_intra_stage_v2`) as kda_chunk calls it here."""
+    kw = dict(gate="lower_bound", lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True,
+              stored=jnp.bfloat16)
+    args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a, bias)
+    if variant == "v2":
+        return kc._intra_stage_v2(*args, **kw)
+    if variant != "default":
+        raise ValueError(f"unknown stage1 variant {variant!r}")
+    return kc._intra_stage(*args, solve=solve, interpret=interpret, **kw)
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+_HLO_SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|f32|s32|u32|f64|s64)\[([0-9,]*)\]")
+_HLO_INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)")
+
+
+def _hlo_bytes(text):
+    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in _HLO_SHAPE.findall(text))
+
+
+def _hlo_instr(rhs):
+    """'f32[2,3]{1,0} fusion(%a, %b), kind=...' -> (result type text, opcode, operand names, the rest)."""
+    out_t = rhs[: rhs.index(")") + 1] if rhs.startswith("(") else rhs.split(" ", 1)[0]
+    rest = rhs[len(out_t):].strip()
+    if "(" not in rest:
+        return out_t, rest, [], rest
+    op, args = rest[: rest.index("(")], rest[rest.index("(") + 1:]
+    depth, end = 1, len(args)
+    for i, ch in enumerate(args):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            end = i
+            break
+    return out_t, op, re.findall(r"%([\w.\-]+)", args[:end]), rest
+
+
+def hlo_traffic(hlo_text):
+    """Traffic proxy of an optimized HLO module: its entry computation's ops (fusions, custom calls, ...;
+    parameters, constants, tuples and bitcasts apart), the bytes they write (every result is a buffer in
+    memory) and read (each distinct operand once; a fusion operand used only through slices / gathers
+    counts those). Ignores caching and fusion-internal re-reads: a proxy for comparing variants."""
+    comps, cur, entry = {}, None, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+        if head:
+            cur = comps.setdefault(head.group(2), [])
+            entry = head.group(2) if head.group(1) else entry
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None and (m := _HLO_INSTR.match(line)):
+            cur.append((m.group(1),) + _hlo_instr(m.group(2)))
+
+    def fusion_reads(comp):  # parameter number -> bytes read of it
+        params, users, reads = {}, {}, {}
+        for name, out_t, op, operands, rest in comp:
+            if op == "parameter":
+                params[name] = (int(re.search(r"parameter\((\d+)\)", rest).group(1)), _hlo_bytes(out_t))
+            for o in operands:
+                users.setdefault(o, []).append((op, _hlo_bytes(out_t)))
+        for name, (i, size) in params.items():
+            us = users.get(name, [])
+            sliced = us and all(op in ("slice", "dynamic-slice", "gather") for op, _ in us)
+            reads[i] = min(size, sum(n for _, n in us)) if sliced else size
+        return reads
+
+    sizes, ops, written, read = {}, 0, 0, 0
+    for name, out_t, op, operands, rest in comps[entry]:
+        sizes[name] = _hlo_bytes(out_t)
+        if op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        per_param = fusion_reads(comps[called.group(1)]) if op == "fusion" and called and called.group(1) in comps else {}
+        ops += 1
+        written += sizes[name]
+        seen = set()
+        for i, o in enumerate(operands):
+            if o not in seen:
+                seen.add(o)
+                read += per_param.get(i, sizes.get(o, 0))
+    fusions = sum(1 for instr in comps[entry] if instr[2] == "fusion")
+    return dict(ops=ops, fusions=fusions, written_GB=written / 1e9, read_GB=read / 1e9)
+
+
+def stage1_hlo(variants, b, t, h):
+    """Per stage-1 variant, compiled (not run) on this backend at B x T x H: hlo_traffic of the optimized
+    HLO, XLA's own cost_analysis bytes, and the temp buffer bytes of the compiled stage."""
+    total, n = b * t, b
+    num_chunks = total // kc.CHUNK + 2 * n
+    spec = jax.ShapeDtypeStruct
+    shapes = [spec((total, h, D), jnp.bfloat16)] * 4 + [spec((total, h), jnp.float32), spec((h,), jnp.float32),
+                                                         spec((h, D), jnp.float32), spec((n + 1,), jnp.int32)]
+    out = {}
+    for variant in variants:
+        def stage(q, k, v, z, beta, a, bias, cu, variant=variant):
+            _, tok_start, length, _ = kc.chunk_table(cu, jnp.zeros((n,), jnp.int32), num_chunks, 0)
+            return stage1_call(variant, tok_start, length, dict(q=q, k=k, v=v, z=z, beta=beta), a, bias)
+
+        compiled = jax.jit(stage).lower(*shapes).compile()
+        stats = hlo_traffic(compiled.as_text())
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        stats["xla_bytes_accessed_GB"] = float(cost.get("bytes accessed", 0.0)) / 1e9
+        stats["temp_GB"] = compiled.memory_analysis().temp_size_in_bytes / 1e9
+        out[variant] = stats
+    return out
 
 
 def time_state(name, block_v, num_warps, staged, s0, total, n, args):
@@ -386,6 +516,9 @@ def print_table(results):
             extra = f"{r['ours_Mtok_s']:.2f} Mtok/s"
             if "ours_solve_pallas_ms" in r:
                 extra += f"; solve=pallas {r['ours_solve_pallas_ms']:.3f} ms"
+            for key in [k for k in r if k.startswith("ours_stage1_") and k.endswith("_ms")]:
+                ratio = r.get("ratio_" + key[len("ours_"):-3])
+                extra += f"; stage1={key[len('ours_stage1_'):-3]} {r[key]:.3f} ms" + (f" ({ratio:.2f}x fla)" if ratio else "")
             stages = {k[len("stage_"):-3]: v for k, v in r.items() if k.startswith("stage_") and k.endswith("_ms")}
             if stages:
                 extra += "; stages ms " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
@@ -419,9 +552,25 @@ def main(argv=None):
     p.add_argument("--decode-warps", type=ints, default=[4, 8], help="kda_decode warps, crossed with --decode-block-v")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
+    p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],
+                   help="kda_chunk stage-1 variants to time at every prefill case (ours_stage1_<v>_ms; the first "
+                        "case also times each stage alone, stage_intra_<v>_ms, and its compiled HLO, stage1_hlo)")
+    p.add_argument("--stage1-hlo-only", action="store_true",
+                   help="only the stage-1 HLO traffic proxy of every --stage1 variant at every --prefill shape, "
+                        "compiled (not run) on this backend; no timing, no fla (a CPU check)")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (tiny shapes)")
     args = p.parse_args(argv)
+    if args.stage1_hlo_only:
+        rows = [dict(B=b, T=t, H=h, backend=jax.default_backend(), **{f"stage1_{v}": st for v, st in
+                                                                      stage1_hlo(args.stage1, b, t, h).items()})
+                for b, t, h in _shapes(args.prefill)]
+        print(json.dumps(rows, indent=1))
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(dict(date=datetime.date.today().isoformat(), jax=jax.__version__, argv=sys.argv[1:],
+                               rows=rows), fh, indent=1)
+        return
     fla = None
     if not args.no_fla:
         try:

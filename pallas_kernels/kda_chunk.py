@@ -25,6 +25,12 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    by one Pallas kernel per (head, chunk) (`kda_chunk_solve`, fla's inter+solve layout: the 10 lower 16x16
    blocks of L and Aqk accumulated over K in 32-wide slices, then the inverse in registers), which reads
    q, k, G once instead of a 4x column-factor tensor; interpret-tested, not yet timed on the GPU.
+   Opt-in `stage1="v2"` (`_intra_stage_v2`, same outputs and precisions) cuts the XLA stage's intermediates:
+   L / Aqk per 16-row block against only the lower triangle's columns (2.5x instead of 4x column factors,
+   each operand read by one dot), the inverse by halves (10 dots instead of 23), the L2 norms as packed
+   [T, H] scalars. CPU traffic proxy at B1 T32768 H32 (XLA cost_analysis bytes accessed of the compiled
+   stage): 38.0 GB -> 29.7 GB, buffers written 12.5 -> 9.2 GB (benchmarks/kda.py --stage1-hlo-only);
+   not yet timed on the GPU, so not the default.
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
    multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of
@@ -241,7 +247,9 @@ def _intra_stage_v2(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate
     g_last = cum[:, :, -1, :]
     sub = lambda x: x.reshape(x.shape[:2] + (NSUB, SUB) + x.shape[3:])
     cum4, q4, k4 = sub(cum), sub(qc), sub(kc)
-    prev = cum4[:, :, :, 0, :] - sub(gl)[:, :, :, 0, :]  # P_i: G just before sub-block i [H, NC, NSUB, K]
+    # P_i: G at the last row of sub-block i-1 (0 for i = 0) [H, NC, NSUB, K]; read from G itself (not G - g at
+    # the block's first row) so the factor fusions need not read g, and e^(G_r - P_i) <= 1 holds exactly.
+    prev = jnp.concatenate([jnp.zeros_like(cum[:, :, :1]), cum[:, :, SUB - 1:CHUNK - 1:SUB]], axis=2)
     blocks = []  # blocks[i]: [H, NC, 2 SUB, cols_i] = Aqk | L (before beta) rows of sub-block i
     for i in range(NSUB):
         cols = SUB * (i + 1) if bounded else SUB * i
