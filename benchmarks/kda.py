@@ -8,7 +8,14 @@ sigmoid / q-k L2 norm fused on both sides:
            and the opt-in solve="pallas") vs fla `chunk_kda` (safe_gate, state_v_first); throughput =
            tokens / time. On the first case
            also: our stages apart (XLA intra-chunk stage, Pallas state pass), the state pass's V-block
-           sweep, and page-64 / page-256 checkpoint emission vs none.
+           sweep, and page-64 / page-256 checkpoint emission vs none. --stage1 default,v2 times every
+           kda_chunk stage-1 variant at every prefill case (ours_stage1_<v>_ms, ratio_stage1_<v>; first
+           case: stage_intra_<v>_ms and stage1_hlo, the compiled stage's traffic proxy on this backend);
+           --prefill-parts picks the rest. Stage-1 comparison alone (about 6-8 minutes on the H200):
+             PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 timeout 570 python3 \
+               benchmarks/kda.py --order prefill1,prefill --prefill 1x32768x32,8x4096x32 --stage1 default,v2 \
+               --prefill-parts stages --case-limit 100 --fla-first-call-limit 240 --out $OUT/kda.json
+           --stage1-hlo-only prints the proxy alone (compile only; runs on CPU).
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
            gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
            (no conv, no output norm; final state only). State traffic = fp32 state bytes read + written
@@ -167,14 +174,27 @@ def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
         prefill_fla(row, args, fla, x, o, final)
         deadline += row.get("fla_first_call_s", 0.0)
         save()
-    o_split, _, _ = ours(state_pass="split")
-    row["ours_split_ms"] = 1e3 * time_jax(lambda: ours(state_pass="split"), args.trials)
-    row["rel_o_split_vs_fused"] = rel(jnp.asarray(o_split, jnp.float32), jnp.asarray(o, jnp.float32))
-    row["ours_Mtok_s"] = b * t / min(row["ours_ms"], row["ours_split_ms"]) / 1e3
-    if "fla_ms" in row:
-        row["ratio_split"] = row["fla_ms"] / row["ours_split_ms"]
-    save()
-    try:  # the opt-in Pallas L / Aqk / inverse kernel (solve="pallas")
+    if detail and "stages" in args.prefill_parts:  # stage 1 alone per variant first: this run's question
+        staged = prefill_stages(row, b, t, args, x, ours, save)
+    if "split" in args.prefill_parts:
+        o_split, _, _ = ours(state_pass="split")
+        row["ours_split_ms"] = 1e3 * time_jax(lambda: ours(state_pass="split"), args.trials)
+        row["rel_o_split_vs_fused"] = rel(jnp.asarray(o_split, jnp.float32), jnp.asarray(o, jnp.float32))
+        row["ours_Mtok_s"] = b * t / min(row["ours_ms"], row["ours_split_ms"]) / 1e3
+        if "fla_ms" in row:
+            row["ratio_split"] = row["fla_ms"] / row["ours_split_ms"]
+        save()
+    if "solve_pallas" in args.prefill_parts:
+        prefill_solve_pallas(row, args, ours, o, save)
+    if detail and "ckpt" in args.prefill_parts:
+        prefill_checkpoints(row, args, ours, save)
+    if detail and "sweep" in args.prefill_parts and "stages" in args.prefill_parts:
+        state_sweep(row, b * t, b, args, deadline, x["s0"], staged, save)
+
+
+def prefill_solve_pallas(row, args, ours, o, save):
+    """The opt-in Pallas L / Aqk / inverse kernel (solve="pallas"), whole prefill."""
+    try:
         o_pallas, _, _ = ours(solve="pallas")
         row["ours_solve_pallas_ms"] = 1e3 * time_jax(lambda: ours(solve="pallas"), args.trials)
         row["rel_o_solve_pallas_vs_xla"] = rel(jnp.asarray(o_pallas, jnp.float32), jnp.asarray(o, jnp.float32))
@@ -185,9 +205,14 @@ def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
     except Exception as e:  # noqa: BLE001 -- not yet run on a GPU: keep the case's other numbers
         row["ours_solve_pallas_error"] = repr(e)[:500]
     save()
-    if detail:
-        staged = prefill_stages(row, b, t, args, x, ours, save)
-        state_sweep(row, b * t, b, args, deadline, x["s0"], staged, save)
+
+
+def prefill_checkpoints(row, args, ours, save):
+    """Page-256 and page-64 checkpoint emission vs none (whole prefill)."""
+    for page in (256, 64):
+        row[f"ours_ckpt{page}_ms"] = 1e3 * time_jax(lambda page=page: ours(checkpoint_page_size=page), args.trials)
+        row[f"ckpt{page}_overhead"] = row[f"ours_ckpt{page}_ms"] / row["ours_ms"] - 1
+        save()
 
 
 def prefill_fla(row, args, fla, x, o, final):
@@ -221,8 +246,9 @@ def prefill_fla(row, args, fla, x, o, final):
 
 
 def prefill_stages(row, b, t, args, x, ours, save):
-    """The XLA intra-chunk stage alone, each state pass (default V-block) on its output, then page-256 and
-    page-64 checkpoint emission vs none. Returns the intra stage's outputs for the sweep."""
+    """The XLA intra-chunk stage alone (every --stage1 variant; on a GPU also its compiled HLO's traffic
+    proxy), then each state pass (default V-block) on the default stage's output. Returns that output for
+    the sweep."""
     total = b * t
     num_chunks = total // kc.CHUNK + 2 * b
     cu32, start, a, bias = kc._preprocess_args(x["q"], x["z"], x["beta"], x["s0"], x["cu"], "lower_bound",
@@ -242,15 +268,16 @@ def prefill_stages(row, b, t, args, x, ours, save):
     if not args.interpret:  # the GPU's own fusion decisions: the traffic proxy as XLA compiled it here
         row["stage1_hlo"] = stage1_hlo(args.stage1, b, t, x["q"].shape[1])
         save()
-    if "ours_solve_pallas_ms" in row:
-        row["stage_intra_solve_pallas_ms"] = 1e3 * time_jax(lambda: intra(solve="pallas"), args.trials)
+    if "solve_pallas" in args.prefill_parts:
+        try:
+            row["stage_intra_solve_pallas_ms"] = 1e3 * time_jax(lambda: intra(solve="pallas"), args.trials)
+        except CaseTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001 -- keep the case's other numbers
+            row["stage_intra_solve_pallas_error"] = repr(e)[:500]
     staged = intra()
-    for name in ("fused", "split"):
+    for name in ("fused", "split") if "split" in args.prefill_parts else ("fused",):
         row[f"stage_state_{name}_ms"] = time_state(name, None, 4, staged, x["s0"], total, b, args)
-        save()
-    for page in (256, 64):
-        row[f"ours_ckpt{page}_ms"] = 1e3 * time_jax(lambda page=page: ours(checkpoint_page_size=page), args.trials)
-        row[f"ckpt{page}_overhead"] = row[f"ours_ckpt{page}_ms"] / row["ours_ms"] - 1
         save()
     return staged
 
@@ -555,6 +582,11 @@ def main(argv=None):
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],
                    help="kda_chunk stage-1 variants to time at every prefill case (ours_stage1_<v>_ms; the first "
                         "case also times each stage alone, stage_intra_<v>_ms, and its compiled HLO, stage1_hlo)")
+    p.add_argument("--prefill-parts", type=lambda v: {x for x in v.split(",") if x},
+                   default={"stages", "split", "solve_pallas", "ckpt", "sweep"},
+                   help="what a prefill case times beside ours (default state pass, stage-1 variants) and fla: "
+                        "stages (first case: stage 1 per variant, its HLO proxy, the state passes), split, "
+                        "solve_pallas, ckpt (first case), sweep (first case; needs stages)")
     p.add_argument("--stage1-hlo-only", action="store_true",
                    help="only the stage-1 HLO traffic proxy of every --stage1 variant at every --prefill shape, "
                         "compiled (not run) on this backend; no timing, no fla (a CPU check)")
