@@ -11,10 +11,12 @@ sigmoid / q-k L2 norm fused on both sides:
            sweep, and page-64 / page-256 checkpoint emission vs none. --stage1 default,v2 times every
            kda_chunk stage-1 variant at every prefill case (ours_stage1_<v>_ms, ratio_stage1_<v>; first
            case: stage_intra_<v>_ms and stage1_hlo, the compiled stage's traffic proxy on this backend);
-           --prefill-parts picks the rest. Stage-1 comparison alone (about 6-8 minutes on the H200):
-             PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 timeout 570 python3 \
-               benchmarks/kda.py --order prefill1,prefill --prefill 1x32768x32,8x4096x32 --stage1 default,v2 \
-               --prefill-parts stages --case-limit 100 --fla-first-call-limit 240 --out $OUT/kda.json
+           --prefill-parts picks the rest. Stage-1 comparison alone (at most 570 s on the H200; fla from
+           the carried wheel: python3 -m pip install -q --no-index --no-deps --target /tmp/site
+           .whl/fla_core-0.6.0-py3-none-any.whl, then PYTHONPATH=/tmp/site:.):
+             XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 timeout 570 python3 benchmarks/kda.py \
+               --order prefill1,prefill --prefill 1x32768x32,8x4096x32 --stage1 default,v2 \
+               --prefill-parts stages --case-limit 150 --fla-first-call-limit 240 --out $OUT/kda.json
            --stage1-hlo-only prints the proxy alone (compile only; runs on CPU).
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
            gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
