@@ -16,7 +16,7 @@ sigmoid / q-k L2 norm fused on both sides:
            .whl/fla_core-0.6.0-py3-none-any.whl, then PYTHONPATH=/tmp/site:.):
              XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 timeout 570 python3 benchmarks/kda.py \
                --order prefill1,prefill --prefill 1x32768x32,8x4096x32 --stage1 default,v2 \
-               --prefill-parts stages --case-limit 150 --fla-first-call-limit 240 --out $OUT/kda.json
+               --prefill-parts stages --case-limit 200 --fla-first-call-limit 240 --out $OUT/kda.json
            --stage1-hlo-only prints the proxy alone (compile only; runs on CPU).
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
            gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
