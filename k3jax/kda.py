@@ -139,11 +139,13 @@ def kda_mixer(
     all_states: bool = False,
     backend_name: str = "reference",
     linear: Linear | None = None,
+    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA attention block on pre-normed x [B, T, D].
 
     Args:
       conv_state: [B, W-1, 3*H*K] last inputs of the q|k|v short convs. rec_state: [B, H, V, K] fp32.
+        With `slots`, pools instead: [P, W-1, 3*H*K] and [P, H, V, K], row b's states at slots[b].
       lengths: [B] valid tokens per row (None = all T); padding leaves both states unchanged.
       mode: "chunked" (prefill) or "recurrent" (decode / verify) -- mathematically identical.
       all_states: (recurrent only) return states after every token: conv [B, T, W-1, C] and
@@ -151,11 +153,24 @@ def kda_mixer(
       linear: how the block multiplies by the weights on the hidden-state boundary (see `Linear`): called
         once with every projection reading x (q/k/v, f_a, b, and g or g_a) and once with o_proj. Default:
         plain `dense` each; a parallel strategy passes sharded GEMMs (k3jax.parallel.tp_subgroup).
+      slots: [B] int32 distinct pool rows (None: the states are per row, see above). Not with all_states.
+        The fused decode kernel reads and writes the pools at `slots` itself (in place when the caller donates
+        them); every other path gathers the B rows, runs as without slots, and scatters them back.
 
-    Returns: (y [B, T, D], new_conv_state, new_rec_state).
+    Returns: (y [B, T, D], new_conv_state, new_rec_state) -- with `slots`, the pools updated at those rows.
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+    fused_op = {"chunked": "kda_chunked_fused", "recurrent": "kda_decode_fused"}.get(mode)
+    fused = fused_op is not None and backend_name in backend.implemented(fused_op)
+    if slots is not None:
+        if all_states:
+            raise ValueError("kda_mixer: slots (pooled states) cannot be combined with all_states")
+        if not (fused and mode == "recurrent"):  # only the decode kernel indexes pools itself
+            y, new_conv, new_rec = kda_mixer(params, x, conv_state[slots], rec_state[slots], cfg, lengths=lengths,
+                                             mode=mode, backend_name=backend_name, linear=linear)
+            return (y, conv_state.at[slots].set(new_conv),
+                    rec_state.at[slots].set(new_rec))
     linear = linear or dense_each
     gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)
     proj = linear(x, {name: params[name] for name in ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", gate_in)})
@@ -164,11 +179,10 @@ def kda_mixer(
     beta_logits = proj["b_proj"].astype(jnp.float32)  # [B, T, H]
     gate = (proj["g_proj"] if gate_in == "g_proj" else dense(proj["g_a"], params["g_b"])).reshape(b, t, h, dk)
     conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]
-    fused_op = {"chunked": "kda_chunked_fused", "recurrent": "kda_decode_fused"}.get(mode)
-    if fused_op is not None and backend_name in backend.implemented(fused_op):
+    if fused:
         y, new_conv, new_rec = _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, z, beta_logits, gate,
                                             conv_w, conv_state, rec_state, cfg, lengths=lengths, mode=mode,
-                                            all_states=all_states, backend_name=backend_name)
+                                            all_states=all_states, backend_name=backend_name, slots=slots)
         return linear(y.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"], new_conv, new_rec
     if all_states:
         y, conv_states = _conv_all_states(qkv, conv_state, conv_w)
@@ -205,21 +219,23 @@ def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
 
 
 def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, rec_state, cfg: ModelConfig, *,
-                 lengths, mode, all_states, backend_name):
+                 lengths, mode, all_states, backend_name, slots=None):
     """kda_mixer's core through a fused kernel op, from the input projections (qkv [B, T, 3HK], z and gate
     [B, T, H, K], beta_logits [B, T, H] fp32) to the gated-normed heads y [B, T, H, K] before o_proj (same
     results as the reference path, to kernel tolerance).
 
     chunked: the short conv stays in XLA; the kernel fuses the L2 norms, gate, beta and the chunked scan.
-    recurrent: the kernel fuses conv, norms, gate, beta, the delta rule and the gated RMSNorm.
+    recurrent: the kernel fuses conv, norms, gate, beta, the delta rule and the gated RMSNorm; the states are
+    pools indexed by `slots` (None: per-row states, rows 0..B-1).
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     lens = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     gate_kw = dict(gate=cfg.kda_gate, lower_bound=cfg.kda_gate_lower_bound)
     if mode == "recurrent":
-        y, new_conv, new_rec = op(qkv, conv_state, conv_w, z, beta_logits, gate, rec_state, jnp.arange(b, dtype=jnp.int32),
-                                  lens, a_log=params["A_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm"],
+        rows = jnp.arange(b, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
+        y, new_conv, new_rec = op(qkv, conv_state, conv_w, z, beta_logits, gate, rec_state, rows, lens,
+                                  a_log=params["A_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm"],
                                   eps=cfg.rms_norm_eps, all_states=all_states, **gate_kw)
     else:
         conv_out, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)

@@ -1,0 +1,124 @@
+"""What the decode step does around its kernels: the KDA state pools are not gathered or scattered per layer.
+
+Run: python -m pytest -q tests/test_decode_step_ops.py
+
+With a backend that has the fused KDA decode kernel ("pallas" on the GPU, "interpret" on CPU), the model hands
+each layer's kernel the whole stacked pools (viewed as [L_kda * num_slots, ...]) and the rows of the step, and
+the kernel updates them in place. Gathering the B rows before the kernel and scattering them back after cost
+4 x B x H x V x K x 4 bytes of extra traffic per KDA layer (k3-small at B 64: 268 MB per layer, 4.8 GB per
+step: ~1.2 ms at the 4.1 TB/s copy rate measured on the H200) -- the jaxpr test below fails on that layout.
+
+Config: k3-tiny cut to 3 layers (KDA at 0, 1 and MLA at 2): two KDA layers so a wrong layer offset into the
+stacked pool shows, one MLA layer for the rest of the wiring; fp32 (every KDA layer adds to the
+interpret-mode compile, the bulk of this file's ~25 s).
+Tolerance of the interpret-vs-reference check: fp32 logits and states, fused vs unfused summation orders give
+~1e-6 relative (tests/kernels/test_kda_model.py), so 1e-5 catches any wrong row, layer or fresh-state mask;
+rows the step does not own must stay bit-identical.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax
+from k3jax import backend
+from k3jax.model import StepMeta
+from k3jax.testing import k3_tiny, shuffled_page_tables, step_meta
+
+CFG = k3_tiny().replace(num_layers=3, mla_layers=(2,), attn_res_block_size=2, name="k3-tiny-kda2")
+PAGE = 4
+KDA_OPS = ("kda_chunked", "kda_chunked_fused", "kda_decode_fused", "kda_recurrent")
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def decode_jaxpr(backend_name: str, batch: int, num_slots: int, num_pages: int, max_pages: int):
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    params = jax.eval_shape(lambda: k3jax.init_params(CFG, jax.random.key(0)))
+    state = jax.eval_shape(lambda: k3jax.init_state(CFG, num_slots, num_pages, PAGE))
+    meta = StepMeta(i32(batch), i32(batch, max_pages), i32(batch), i32(batch))
+    step = lambda p, s, t, m: k3jax.decode.__wrapped__(p, CFG, s, t, m, backend_name=backend_name)  # noqa: E731
+    return jax.make_jaxpr(step)(params, state, i32(batch), meta).jaxpr
+
+
+def equations(jaxpr):
+    """Every equation, descending into nested jaxprs (jit, custom_jvp, ...) but not into kernel bodies."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+            continue
+        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        if subs:
+            for sub in subs:
+                yield from equations(sub if hasattr(sub, "eqns") else sub.jaxpr)
+        else:
+            yield eqn
+
+
+def test_decode_step_leaves_kda_pools_to_the_kernel():
+    batch, num_slots = 3, 7
+    jaxpr = decode_jaxpr("pallas", batch, num_slots, num_pages=16, max_pages=4)
+    h, d = CFG.kda_num_heads, CFG.kda_head_dim
+    rows_shape = (batch, h, d, d)  # the step's rows of one layer's recurrent states
+    layer_shape = (1, num_slots, h, d, d)  # one layer sliced out of the stacked pool
+    eqns = list(equations(jaxpr))
+    reads = {"gather", "slice", "dynamic_slice", "select_n", "copy", "copy_p", "concatenate", "transpose"}
+    moved = [(e.primitive.name, tuple(v.aval.shape)) for e in eqns for v in e.outvars
+             if e.primitive.name in reads and tuple(v.aval.shape) in (rows_shape, layer_shape)]
+    assert moved == [], f"KDA state rows copied outside the kernel: {moved}"
+    # per KDA layer: one kernel call, and one scatter into each pool that only zeroes fresh rows
+    kernels = [e for e in eqns if e.primitive.name == "pallas_call" and "kda_decode" in str(e.params.get("name", ""))
+               + str(e.params.get("name_and_src_info", ""))]
+    assert len(kernels) == CFG.num_kda_layers
+    pool_rows = CFG.num_kda_layers * num_slots
+    scatters = [e for e in eqns if e.primitive.name == "scatter" and e.outvars[0].aval.shape[0] == pool_rows]
+    assert len(scatters) <= 3 * CFG.num_kda_layers  # fresh-row zeroing (state, conv) + the kernel's q|k conv write
+
+
+@pytest.fixture
+def kda_kernels_only(monkeypatch):
+    """The interpret backend keeps only its KDA kernels (the others fall back to the reference): interpret-mode
+    compiles of every kernel would not fit the CI budget, and the KDA wiring is what this file checks."""
+    registry = {key: fn for key, fn in backend._REGISTRY.items() if key[1] == "reference" or key[0] in KDA_OPS}
+    monkeypatch.setattr(backend, "_REGISTRY", registry)
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_pooled_decode_interpret_equals_reference(kda_kernels_only):
+    """Shuffled slots in a pool larger than the batch, a fresh row whose reused slot holds garbage, an idle row:
+    the in-place kernel path gives the reference's logits and pools, and leaves every other slot alone."""
+    rng = np.random.default_rng(11)
+    params = k3jax.init_params(CFG, jax.random.key(3))
+    batch, num_slots = 3, 7
+    table = shuffled_page_tables(rng, batch, 4, 16)
+    state = k3jax.init_state(CFG, num_slots, 16, PAGE)
+    state = state.replace(  # random histories in every slot and page (the fresh row must ignore its slot's)
+        kda=jnp.asarray(0.1 * rng.standard_normal(state.kda.shape), jnp.float32),
+        conv=jnp.asarray(rng.standard_normal(state.conv.shape), state.conv.dtype),
+        kv_pages=jnp.asarray(rng.standard_normal(state.kv_pages.shape), state.kv_pages.dtype),
+    )
+    slots = [5, 1, 3]
+    meta = step_meta(slots, table, [6, 0, 9], [1, 1, 0])  # row 1 fresh, row 2 idle
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, batch), jnp.int32)
+    out = {name: k3jax.decode(params, CFG, jax.tree.map(jnp.copy, state), tokens, meta, backend_name=name)
+           for name in ("reference", "interpret")}
+    (ref_logits, ref_state), (int_logits, int_state) = out["reference"], out["interpret"]
+    assert rel(int_logits[:2], ref_logits[:2]) < 1e-5
+    assert rel(int_state.kda, ref_state.kda) < 1e-5
+    assert rel(int_state.conv, ref_state.conv) < 1e-5
+    others = [s for s in range(num_slots) if s not in slots]
+    for new in (int_state, ref_state):
+        np.testing.assert_array_equal(new.kda[:, others], state.kda[:, others])
+        np.testing.assert_array_equal(new.conv[:, others], state.conv[:, others])
+        np.testing.assert_array_equal(new.kda[:, 3], state.kda[:, 3])  # the idle row's slot
+    # the fresh row ran from zero states: the same as decoding it from a pool whose slot 1 is zero
+    zeroed = state.replace(kda=state.kda.at[:, 1].set(0), conv=state.conv.at[:, 1].set(0))
+    logits0, state0 = k3jax.decode(params, CFG, zeroed, tokens, meta, backend_name="reference")
+    np.testing.assert_allclose(np.asarray(ref_logits), np.asarray(logits0), rtol=0, atol=0)
+    np.testing.assert_array_equal(ref_state.kda, state0.kda)
