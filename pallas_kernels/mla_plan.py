@@ -64,7 +64,9 @@ def _items_from_counts(xp, kv_blocks, num_splits, max_items: int) -> SplitPlan:
     ends = xp.cumsum(num_splits)  # [B]
     first = ends - num_splits
     items = xp.arange(max_items, dtype=xp.int32)
-    request = xp.searchsorted(ends, items, side="right").astype(xp.int32)  # [W], == B past the last item
+    # searchsorted(ends, items, side="right") as compare-and-count (== B past the last item): jnp's searchsorted is
+    # a while loop, a few small kernels per step on the GPU; B x W compares are cheap at decode batch sizes
+    request = (ends[None, :] <= items[:, None]).sum(1).astype(xp.int32)  # [W]
     valid = request < batch
     req = xp.minimum(request, batch - 1)
     split = items - first[req]

@@ -111,7 +111,10 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Ar
     count = jnp.where(sizes > 0, (ends - 1) // block_m - first_tile + 1, 0)
     item_end = jnp.cumsum(count)
     item = jnp.arange(w, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(item_end, item, side="right"), e - 1).astype(jnp.int32)
+    # searchsorted(item_end, item, side="right") as one compare-and-count: jnp.searchsorted's default is a
+    # while loop (8 steps for 192 experts) whose carries XLA copies every step -- ~400 small kernels per
+    # k3-small decode step on the H200 (profile of 2026-11-30); E x W compares are a few thousand.
+    expert = jnp.minimum((item_end[None, :] <= item[:, None]).sum(1), e - 1).astype(jnp.int32)
     tile = first_tile[expert] + item - (item_end - count)[expert]
     lo = jnp.maximum(starts[expert], tile * block_m)
     hi = jnp.minimum(ends[expert], tile * block_m + block_m)
@@ -415,7 +418,8 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     h = grouped_glu(xs, schedule, experts["gate"], experts["up"], config=config, out_dim=i_pad, activation=activation,
                     situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
     y = grouped_down(h, schedule, row_scale, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
-    inverse = jnp.argsort(order)  # row of each (token, slot)
+    # row of each (token, slot): the permutation's inverse by one scatter, not a second sort
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype), unique_indices=True)
     out = y[inverse][:, :k_dim].reshape(n, top_k, k_dim).sum(axis=1)
     return out.astype(x.dtype)
 
