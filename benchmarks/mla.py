@@ -550,7 +550,8 @@ def run_backends(bench, pool, copy_gbps) -> list:
 def model_tiling(heads: int, page_size: int) -> dict:
     """The tiling mla_decode picks when the model calls it with no tiling arguments (q_len 1): read from the
     kernel module, so the baseline follows its defaults when they change."""
-    return dict(block_rows=md.default_block_rows(heads, 64), block_kv=md.default_block_kv(page_size),
+    block_rows = md.default_block_rows(heads, 64)
+    return dict(block_rows=block_rows, block_kv=md.default_decode_block_kv(page_size, block_rows),
                 num_warps=DECODE_DEFAULTS["num_warps"], num_stages=md.default_num_stages(jnp.bfloat16),
                 value_groups=DECODE_DEFAULTS["value_groups"], num_parts=MODEL_PARTS)
 
@@ -755,7 +756,7 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
 
     def fastest(k: int) -> list[dict]:
         ok = [c for c in sweep.out["cases"]
-              if c.get("kind") == "tiling" and c["page_table"] == "contiguous" and c.get("correct") and "ms" in c]
+              if c.get("kind") == "tiling" and c.get("page_table") == "contiguous" and c.get("correct") and "ms" in c]
         return sorted(ok, key=lambda c: c["ms"])[:k]
 
     for block_rows in a.block_rows:

@@ -55,9 +55,9 @@ def test_shape_sweep_smoke_checks_every_case_and_never_picks_a_wrong_tiling(tmp_
     assert sweep["shape"]["pages_per_row"] == 23
     lens_total = sweep["kv_bytes"] // 1152
     assert sweep["kv_bytes"] == lens_total * 1152 and 333 <= lens_total < 3 * 333
-    # the baseline is the model's default tiling: 16 rows (16 heads x q_len 1), 64-key blocks, one stage
+    # the baseline is the model's default tiling: 16 rows (16 heads x q_len 1), 128-key blocks (mla_decode.default_decode_block_kv), one stage
     assert {k: base[k] for k in ("block_rows", "block_kv", "num_stages", "value_groups", "num_parts")} == dict(
-        block_rows=16, block_kv=64, num_stages=1, value_groups=1, num_parts=132)
+        block_rows=16, block_kv=128, num_stages=1, value_groups=1, num_parts=132)
     # bf16 inputs, fp32 accumulation: the kernel sits at ~1e-3 of the fp32 reference (measured 0.76-0.93e-3
     # here), the model's reference path (fp32 softmax, bf16 products) at ~1e-6; the same kernel and the same plan
     # give the same numbers whether the plan is built in the jit or precomputed (5e-6: one ulp-level reordering)
@@ -78,7 +78,7 @@ def test_shape_sweep_smoke_checks_every_case_and_never_picks_a_wrong_tiling(tmp_
     assert summary["model_call_step_ms_estimate"] == pytest.approx(3 * model["ms"], rel=1e-12)  # --layers 3
     assert summary["reference_path_over_model_call"] == pytest.approx(reference["ms"] / model["ms"], rel=1e-12)
     assert summary["shuffled_over_contiguous_table"] == pytest.approx(shuffled["ms"] / base["ms"], rel=1e-12)
-    assert "fastest correct: rows16/kv64/w8/s1/vg1/p132 = model tiling, plan precomputed (baseline)" in table
+    assert "fastest correct: rows16/kv128/w8/s1/vg1/p132 = model tiling, plan precomputed (baseline)" in table
     assert " NO" in table
 
 
