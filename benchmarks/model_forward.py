@@ -136,6 +136,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shadow-tokens", type=int, default=1024,
                    help="prefill tokens of --shadow-check (default 1024: the KDA twin keeps every position's state, "
                         "1 MB per token and layer at k3-small; 8192 ran out of the H200's memory)")
+    p.add_argument("--shadow-batch", type=int, default=16,
+                   help="decode rows of --shadow-check (default 16): with the KDA pools updated in place, each layer's "
+                        "twin needs its own copy of the whole stacked pool, and at 64 rows of k3-small the shadowed "
+                        "step asked the H200 for 57 GiB")
+    p.add_argument("--shadow-context", type=int, default=2048, help="history per decode row of --shadow-check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every phase)")
     args = p.parse_args(argv)
@@ -435,8 +440,10 @@ def shadow_check(params, cfg, args, spec: str) -> dict:
     """--shadow-check for one backend: one prefill (args.tokens) and one decode step, every kernel call against
     its twin; per op the calls and the largest and median relative error over calls and output leaves."""
     small = argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1, "iters": 1, "profile": False,
-                                  "tokens": min(args.tokens, args.shadow_tokens)})
-    result = {"prefill_tokens": small.tokens}
+                                  "tokens": min(args.tokens, args.shadow_tokens),
+                                  "batch": min(args.batch, args.shadow_batch),
+                                  "context": min(args.context, args.shadow_context)})
+    result = {"prefill_tokens": small.tokens, "decode_batch": small.batch, "decode_context": small.context}
     for phase, bench in (("prefill", bench_prefill), ("decode", bench_decode)):
         if phase not in args.phase_list:
             continue

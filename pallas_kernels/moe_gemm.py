@@ -72,18 +72,24 @@ class MoeGemmConfig:
                 raise ValueError(f"MoeGemmConfig.{name}={v} must be a power of two >= 16")
 
 
+LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
+                                      num_stages=3)
+
+
 def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
     """Tiles by the mean rows per expert: decode-sized groups take 16-row tiles (the step is a weight
     read, so the MMA shape hardly matters and fewer padded rows are computed), large groups take 128x128
     tiles with 8 warps (best of the H200 sweep in benchmarks/moe.py at 292 rows/expert: 302 TFLOP/s, against
-    274 for 128x64 GLU tiles and 280 for 64-row tiles), the down GEMM 256 columns wide (2026-11-30 sweep at
-    65536 tokens, 1170 rows/expert: 10.58 ms = 62.5 % of the jnp.dot peak, against 11.08 ms / 59.7 % at 128)."""
+    274 for 128x64 GLU tiles and 280 for 64-row tiles). A 256-wide down GEMM (LARGE_GROUP_WIDE_DOWN) was faster
+    in the 2026-11-30 sweep at 65536 tokens, 1170 rows/expert: 10.58 ms = 62.5 % of the jnp.dot peak against
+    11.08 ms / 59.7 %; it becomes the default once tests/gpu/test_moe_gpu.py has checked it on the GPU (the sweep
+    timed it without a correctness check, and a Triton tiling can miscompile: see mla_decode's two stages)."""
     per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 16:
         return MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
         return MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64, num_warps=4, num_stages=3)
-    return MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8, num_stages=3)
+    return MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -59,6 +59,21 @@ def test_grouped_mlp_bf16_and_mxfp4_match_reference(tokens, top_k):
     assert rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("config", [None, moe_gemm.LARGE_GROUP_WIDE_DOWN], ids=["default", "wide_down"])
+def test_large_groups_match_reference(config):
+    """~700 rows per expert: the large-group tiling (and the 256-wide down GEMM waiting to become its default)."""
+    e, k, i, tokens, top_k = 6, 3584, 3072, 2100, 2
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32))
+    w = jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
+    x = jax.random.normal(jax.random.key(3), (tokens, k)).astype(jnp.bfloat16)
+    experts = _experts(e, k, i, 1)
+    cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=top_k)
+    got = moe_gemm.moe_grouped_mlp(x, ids, w, experts, config=config)
+    want = grouped_experts_reference(x, ids, w, experts, cfg)
+    assert rel(got, want) < 1e-2
+
+
 def moe_gemm_quantize(w):
     from k3jax.quant import mxfp4_quantize
 

@@ -136,6 +136,16 @@ def test_fp32_situ_with_empty_experts_and_odd_tokens_matches_float64():
     assert rel(moe_grouped_mlp_reference(x, ids, w, experts), want) < 2e-6
 
 
+def test_wide_down_tiling_over_several_row_and_column_tiles_matches_float64():
+    """LARGE_GROUP_WIDE_DOWN (128-row items, 256-wide down tiles) at a width that needs two down tiles and
+    groups spanning row tiles: the tiling logic in interpret mode (the GPU test checks its compiled form)."""
+    rng = np.random.default_rng(3)
+    x, ids, w, experts = make_case(rng, 150, 2, 3, 384, 80, jnp.float32)
+    want = numpy_moe(x, ids, w, as_f64(experts), "situ")
+    got = moe_grouped_mlp(x, ids, w, experts, config=moe_gemm.LARGE_GROUP_WIDE_DOWN, interpret=True)
+    assert rel(got, want) < 2e-6
+
+
 def test_bf16_swiglu_one_hot_expert_across_tiles():
     """Every token's first slot goes to expert 2: its group spans several 16-row tiles and shares tiles
     with its neighbours' groups (masked stores)."""
