@@ -251,6 +251,21 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
 KDA_STAGE1 = "v2"
 
 
+def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound,
+                        **chunk_kw):
+    """Op "kda_chunked_fused" through `chunk_fn` (kda_chunk or its reference, same arguments): the B padded rows
+    packed as B sequences of T tokens (lengths[b] valid), the gate, beta sigmoid and q/k L2 norm fused; padding
+    rows of the output are zero."""
+    b, t, h, dk = q.shape
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+    flat = lambda a: a.reshape(b * t, *a.shape[2:])
+    o, final, _ = chunk_fn(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), state, cu, a_log=a_log,
+                           dt_bias=dt_bias, gate=gate, lower_bound=lower_bound, beta_sigmoid=True, qk_l2norm=True,
+                           seq_lens=lengths, **chunk_kw)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # the kernel leaves padding rows unwritten
+    return jnp.where(valid[..., None, None], o.reshape(b, t, h, -1), 0), final
+
+
 def _register_pallas() -> None:
     """Registers the Pallas kernels (pallas_kernels/) for the GPU ("pallas") and CPU CI ("interpret")."""
     from pallas_kernels.kda_chunk import kda_chunk, kda_chunk_reference
@@ -266,31 +281,13 @@ def _register_pallas() -> None:
                                     interpret=interpret)
             return o.reshape(b, t, h, -1), final
 
-        def chunked_fused(q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound,
-                          interpret=interpret):
-            b, t, h, dk = q.shape
-            cu = jnp.arange(b + 1, dtype=jnp.int32) * t
-            flat = lambda a: a.reshape(b * t, *a.shape[2:])
-            o, final, _ = kda_chunk(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), state, cu, a_log=a_log,
-                                    dt_bias=dt_bias, gate=gate, lower_bound=lower_bound, beta_sigmoid=True,
-                                    qk_l2norm=True, seq_lens=lengths, stage1=KDA_STAGE1, interpret=interpret)
-            valid = jnp.arange(t)[None, :] < lengths[:, None]  # the kernel leaves padding rows unwritten
-            return jnp.where(valid[..., None, None], o.reshape(b, t, h, -1), 0), final
+        chunked_fused = functools.partial(_packed_fused_chunk, kda_chunk, stage1=KDA_STAGE1, interpret=interpret)
 
         backend.register("kda_chunked", name)(chunked)
         backend.register("kda_chunked_fused", name)(chunked_fused)
         backend.register("kda_decode_fused", name)(functools.partial(kda_decode, interpret=interpret))
 
-    @backend.register_twin("kda_chunked_fused")
-    def chunked_fused_twin(q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound):
-        b, t, h, dk = q.shape
-        cu = jnp.arange(b + 1, dtype=jnp.int32) * t
-        flat = lambda a: a.reshape(b * t, *a.shape[2:])
-        o, final, _ = kda_chunk_reference(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), state, cu,
-                                          a_log=a_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-                                          beta_sigmoid=True, qk_l2norm=True, seq_lens=lengths)
-        return o.reshape(b, t, h, -1), final  # the reference writes zeros at padding rows, as chunked_fused does
-
+    backend.register_twin("kda_chunked_fused")(functools.partial(_packed_fused_chunk, kda_chunk_reference))
     backend.register_twin("kda_decode_fused")(kda_decode_reference)
 
 

@@ -159,14 +159,6 @@ def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref
         store_conv(write_kept)
 
 
-def _gated_rms_norm(o, out_gate, weight, eps):
-    """RMSNorm(o) * w * sigmoid(gate) over the last axis in fp32, cast back to o's dtype: the blocked
-    kernel's epilogue, the same operations in the same order as the reference's gated_rms_norm."""
-    o32 = o.astype(jnp.float32)
-    normed = o32 * lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32))).astype(o.dtype)
-
-
 def _tiling(block_v, num_warps, dv, all_states):
     """(block_v, num_warps) with the defaults filled in and checked (see `kda_decode`)."""
     if block_v is None:
@@ -267,8 +259,10 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         input_output_aliases=aliases,
         interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
     )(*ins)
-    if block_v < dv:
-        y = _gated_rms_norm(y, out_gate, o_norm_weight, eps)
+    if block_v < dv:  # the norm needs all of V: the reference's own op, the same operations in the same order
+        from k3jax.layers import gated_rms_norm
+
+        y = gated_rms_norm(y, out_gate, o_norm_weight, eps)
     if qk_conv:  # B * (W-1) * 2HK elements into the (aliased, so donated-in-place) pool; slots are distinct
         conv_out = conv_out.at[slots, :, : 2 * h * dk].set(qk_conv[0], unique_indices=True)
     return y, conv_out, state_out
