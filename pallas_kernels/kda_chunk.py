@@ -30,7 +30,9 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    each operand read by one dot), the inverse by halves (10 dots instead of 23), the L2 norms as packed
    [T, H] scalars. CPU traffic proxy at B1 T32768 H32 (XLA cost_analysis bytes accessed of the compiled
    stage): 38.0 GB -> 29.7 GB, buffers written 12.5 -> 9.2 GB (benchmarks/kda.py --stage1-hlo-only);
-   not yet timed on the GPU, so not the default.
+   On the H200 (2026-11-30, benchmarks/kda.py --stage1 default,v2) 6.66 ms against 7.72 ms for the first
+   stage at B1 T32768 H32, output within 1.1e-4 of it: the model passes stage1="v2" (k3jax.kda.KDA_STAGE1);
+   this function's default stays the first stage, the one the GPU tests and the earlier figures cover.
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
    multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of
@@ -397,8 +399,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       solve: "xla" (default, measured) or "pallas": L / Aqk and the block inverse in one Pallas kernel per
         (head, chunk) (`kda_chunk_solve`; bounded gate only, else XLA). Same math and operand precisions;
         not yet timed on the GPU.
-      stage1: "default" (`_intra_stage`, measured) or "v2" (`_intra_stage_v2`: the same stage with fewer
-        and smaller intermediates, opt-in until timed on the GPU; XLA L / Aqk only, so solve must be "xla").
+      stage1: "default" (`_intra_stage`) or "v2" (`_intra_stage_v2`: the same stage with fewer and smaller
+        intermediates, 1.16x faster on the H200 and the model's choice; XLA L / Aqk only, so solve must be "xla").
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
