@@ -10,13 +10,24 @@ work item) and merges a split request's partial results by log-sum-exp.
 
 Fixed-size metadata so jit never recompiles: a balanced plan has at most num_parts + B work items
 (sum_b ceil(blocks_b / chunk) <= sum_b blocks_b / chunk + B <= num_parts + B since chunk >= total /
-num_parts), a uniform one exactly B * splits. Unused items are padding (request -1) and do nothing.
+num_parts >= sum_b blocks_b / num_parts for any overhead >= 0 and any chunk floor), a uniform one exactly
+B * splits. Unused items are padding (request -1) and do nothing.
 
 Measured (benchmarks/mla.py, H200, 2026-11-29): 12 batches of 32 histories log-uniform in 4k..200k, the
 balanced plan (132 parts) is 1.19x faster in aggregate than uniform splits with the same number of work
 items (5 per request) but 0.90x uniform 16 splits (512 items: more, smaller programs hide this kernel's
-latency better); on equal-length controls 0.998x and 0.937x. Counting parts in programs per SM wave
-(items x row blocks) rather than items is the next step.
+latency better); on equal-length controls 0.998x and 0.937x (2026-11-30, 1 stage: 1.12x / 0.93x, controls
+1.00x / 0.94x).
+
+Knobs (explicit parameters of plan_balanced; benchmarks/mla.py --plan-sweep times a grid of them):
+  num_parts        payloads the batch is cut into. The kernel runs row_blocks programs per work item (a request's
+                   query rows in row blocks), so parts are better counted in programs per SM:
+                   parts_for_programs_per_sm(programs_per_sm, sm_count, row_blocks). Today's setting is a fixed
+                   132 parts (mla_decode's num_parts): 1 program per SM at 16 heads, 2 at K3's 96 (2 row blocks).
+  overhead_blocks  FlashMLA's fixed per-request cost, in KV blocks, added to the total before it is cut (more
+                   overhead -> larger chunks -> fewer splits of short requests). Today's: 1.
+  min_chunk_blocks the smallest chunk a split produces (a floor on the payload): a split costs a partial write and
+                   a merge, which a few-block chunk does not repay. Today's: 1 (no floor).
 
 The same arithmetic runs in numpy on the host (serving, benchmarks: `xp=np`) or in jnp inside a jitted
 step (`xp=jnp`, from traced lengths; the model's registry op does that, a few hundred integer ops per step
@@ -25,6 +36,7 @@ that XLA shares across the 24 MLA layers).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -32,6 +44,8 @@ import numpy as np
 
 # FlashMLA charges each request a fixed cost in blocks (setup, q load, output write); ours is one block.
 DEFAULT_OVERHEAD_BLOCKS = 1
+# No floor on the chunk size: the payload alone sets it.
+DEFAULT_MIN_CHUNK_BLOCKS = 1
 
 
 class SplitPlan(NamedTuple):
@@ -89,21 +103,36 @@ def _check(kv_lens, block_kv: int):
         raise ValueError(f"block_kv must be >= 1, got {block_kv}")
 
 
+def parts_for_programs_per_sm(programs_per_sm: float, sm_count: int, row_blocks: int) -> int:
+    """num_parts whose work items fill `programs_per_sm` programs on each of `sm_count` SMs when each item runs
+    `row_blocks` programs (one per row block of a request's query rows): round(programs_per_sm * sm_count /
+    row_blocks), at least 1. E.g. 132 SMs, K3's 96 heads in 64-row blocks (2 row blocks), 2 programs per SM -> 132."""
+    if programs_per_sm <= 0 or sm_count < 1 or row_blocks < 1:
+        raise ValueError(f"programs_per_sm must be > 0 and sm_count, row_blocks >= 1, got {programs_per_sm}, "
+                         f"{sm_count}, {row_blocks}")
+    return max(1, int(math.floor(programs_per_sm * sm_count / row_blocks + 0.5)))
+
+
 def plan_balanced(kv_lens, *, block_kv: int, num_parts: int, overhead_blocks: int = DEFAULT_OVERHEAD_BLOCKS,
-                  xp=np) -> SplitPlan:
+                  min_chunk_blocks: int = DEFAULT_MIN_CHUNK_BLOCKS, xp=np) -> SplitPlan:
     """Per-request split counts giving each of `num_parts` parts about the same number of KV blocks.
 
     kv_lens: [B] int, tokens each request attends to (history including this step's new tokens).
-    The chunk limit is ceil((sum_b blocks_b + overhead * B) / num_parts) blocks; request b gets
-    ceil(blocks_b / chunk) splits (>= 1). Returns a SplitPlan with max_work_items(B, num_parts) items.
+    The chunk limit is max(ceil((sum_b blocks_b + overhead_blocks * B) / num_parts), min_chunk_blocks) blocks;
+    request b gets ceil(blocks_b / chunk) splits (>= 1). Returns a SplitPlan with max_work_items(B, num_parts)
+    items whatever the knobs (the chunk is never below sum_b blocks_b / num_parts, see the module docstring).
     """
     _check(kv_lens, block_kv)
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    if overhead_blocks < 0:
+        raise ValueError(f"overhead_blocks must be >= 0, got {overhead_blocks}")
+    if min_chunk_blocks < 1:
+        raise ValueError(f"min_chunk_blocks must be >= 1, got {min_chunk_blocks}")
     kv_lens = xp.asarray(kv_lens).astype(xp.int32)
     kv_blocks = (kv_lens + block_kv - 1) // block_kv
     total = xp.sum(kv_blocks) + overhead_blocks * kv_lens.shape[0]
-    chunk = xp.maximum((total + num_parts - 1) // num_parts, 1)
+    chunk = xp.maximum((total + num_parts - 1) // num_parts, min_chunk_blocks)
     num_splits = xp.maximum((kv_blocks + chunk - 1) // chunk, 1).astype(xp.int32)
     return _items_from_counts(xp, kv_blocks, num_splits, max_work_items(kv_lens.shape[0], num_parts))
 
