@@ -5,6 +5,9 @@
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/mla.py --shape-sweep \
         --out $OUT/mla_small.json                                                 # H200, k3-small decode shape
     python benchmarks/mla.py --shape-sweep --smoke                                                # CPU, tiny
+    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/mla.py --plan-sweep \
+        --out $OUT/mla_plan.json                                       # H200, split-planner knobs, <= ~130 s
+    python benchmarks/mla.py --plan-sweep --smoke                                                 # CPU, tiny
 
 K3 MLA: 96 heads, latent 512 + rope 64 (one 576-wide cached token, 1152 B in bf16, 576 B + a 4 B scale
 in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, each timed as the median of
@@ -41,6 +44,14 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             value_groups for the fastest. Every case is checked against mla_decode_reference on the same inputs first
             (--tol, largest per-request relative error) and only correct cases can be "fastest". See
             run_shape_sweep.
+  --plan-sweep: only the split planner's knobs (pallas_kernels/mla_plan.py) on --mixed-batches batches of
+            --mixed-batch-size requests (histories log-uniform in --mixed-range) and their equal-length controls,
+            K3's 96 heads, the model's tiling: today's plan (132 parts, overhead 1, no chunk floor), balanced plans
+            for --programs-per-sm x --plan-knobs (overhead_blocks/min_chunk_blocks), uniform splits --uniform-splits
+            and each balanced setting's same-items count; one output per setting checked against
+            mla_decode_reference; totals, speed-ups vs uniform-same-items and vs the best uniform, and the controls'
+            ratios. Budget: a batch starts only while --budget-s (default 100 s) has room for one as long as the
+            last; a batch still running 15 s past it is dropped. See run_plan_sweep.
 A case whose single timed call times --reps x --inner exceeds --case-limit-s is timed once (the case's limit).
 Sections stop starting once --budget-s has passed (the rest is reported as skipped). Prints a table last
 and writes the raw numbers as JSON to --out after every section.
@@ -84,6 +95,11 @@ SCALE = 192**-0.5
 DECODE_DEFAULTS = {name: p.default for name, p in inspect.signature(md.mla_decode).parameters.items()}
 MODEL_PARTS = DECODE_DEFAULTS["num_parts"]
 SHAPE_SWEEP_BUDGET_S = 120.0
+# --plan-sweep: no batch starts after this many seconds, and a batch still running at PLAN_SWEEP_BUDGET_S +
+# PLAN_SWEEP_GRACE_S stops (its partial times are dropped): with imports and setup the command ends within ~130 s
+PLAN_SWEEP_BUDGET_S = 100.0
+PLAN_SWEEP_GRACE_S = 15.0
+DEFAULT_SM_COUNT = 132  # H200; used when the device does not report core_count (CPU)
 DIAG_MODES = {"read": "page gathers only", "qk": "gathers + scores + softmax stats", "pv": "gathers + P @ C"}
 
 
@@ -133,19 +149,39 @@ def parse_args(argv=None):
                         "only; qk: + scores and softmax statistics; pv: loads + P @ C, no scores)")
     s.add_argument("--tol", type=float, default=1e-2,
                    help="largest per-request relative error vs mla_decode_reference of a correct case")
+    g = p.add_argument_group("--plan-sweep (defaults: K3's 96 heads, 16-token pages, the benchmark's mixed batches)")
+    g.add_argument("--plan-sweep", action="store_true",
+                   help="only the split-planner knob grid on mixed batches and equal-length controls, then stop")
+    g.add_argument("--programs-per-sm", default=None,
+                   help="balanced plans: num_parts = mla_plan.parts_for_programs_per_sm(x, SMs, row blocks per item) "
+                        "for each x (default 2,4,8,16; --smoke 0.1,1)")
+    g.add_argument("--plan-knobs", default=None,
+                   help="overhead_blocks/min_chunk_blocks pairs, each tried with every --programs-per-sm "
+                        "(default 1/1,64/1,1/48; --smoke 1/1,0/4)")
+    g.add_argument("--uniform-splits", default=None,
+                   help="uniform plans timed besides each balanced setting's same-items one (default 4,8,16; "
+                        "--smoke 2)")
+    g.add_argument("--mixed-batches", type=int, default=None, help="mixed batches (default 12; --smoke 2)")
+    g.add_argument("--mixed-batch-size", type=int, default=None, help="requests per batch (default 32; --smoke 3)")
+    g.add_argument("--mixed-range", default=None,
+                   help="lo,hi: histories log-uniform in lo..hi, one at hi per batch (default 4096,200000; "
+                        "--smoke 40,700)")
     args = p.parse_args(argv)
-    shape_defaults = dict(heads=(16, 16), batch=(64, 3), history=(8192, 333), page_size=(64, 16),
-                          parts=("66,264,528", "3"))
+    shape_defaults = dict(heads=(96, 96) if args.plan_sweep else (16, 16), batch=(64, 3), history=(8192, 333),
+                          page_size=(64, 16), parts=("66,264,528", "3"), programs_per_sm=("2,4,8,16", "0.1,1"),
+                          plan_knobs=("1/1,64/1,1/48", "1/1,0/4"), uniform_splits=("4,8,16", "2"),
+                          mixed_batches=(12, 2), mixed_batch_size=(32, 3), mixed_range=("4096,200000", "40,700"))
     for name, (full_size, smoke_size) in shape_defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, smoke_size if args.smoke else full_size)
     if args.budget_s is None:
-        args.budget_s = SHAPE_SWEEP_BUDGET_S if args.shape_sweep else 200.0
+        args.budget_s = SHAPE_SWEEP_BUDGET_S if args.shape_sweep else PLAN_SWEEP_BUDGET_S if args.plan_sweep else 200.0
     if args.reps is None:
         args.reps = 5 if args.shape_sweep else 3
     if args.inner is None:
-        args.inner = 20 if args.shape_sweep else 10
-    for name in ("heads", "batch", "history", "page_size", "layers", "top", "reps", "inner"):
+        args.inner = 20 if args.shape_sweep else 5 if args.plan_sweep else 10
+    for name in ("heads", "batch", "history", "page_size", "layers", "top", "reps", "inner", "mixed_batches",
+                 "mixed_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.spare_tokens < 0:
@@ -153,7 +189,17 @@ def parse_args(argv=None):
     args.diag = [m for m in args.diag.split(",") if m.strip()]
     if set(args.diag) - set(DIAG_MODES):
         p.error(f"--diag takes modes of {sorted(DIAG_MODES)}, got {args.diag}")
-    for name in ("block_rows", "block_kv", "warps", "value_groups", "parts"):
+    try:
+        args.programs_per_sm = [float(x) for x in args.programs_per_sm.split(",") if x.strip()]
+        args.plan_knobs = [tuple(int(v) for v in pair.split("/")) for pair in args.plan_knobs.split(",") if pair.strip()]
+        args.mixed_range = tuple(int(x) for x in args.mixed_range.split(","))
+    except ValueError:
+        p.error("--programs-per-sm takes numbers, --plan-knobs overhead/min_chunk integer pairs, --mixed-range lo,hi")
+    if (any(x <= 0 for x in args.programs_per_sm) or any(len(k) != 2 or k[0] < 0 or k[1] < 1 for k in args.plan_knobs)
+            or len(args.mixed_range) != 2 or not 1 <= args.mixed_range[0] <= args.mixed_range[1]):
+        p.error(f"bad --programs-per-sm {args.programs_per_sm} (> 0), --plan-knobs {args.plan_knobs} (overhead >= 0, "
+                f"min chunk >= 1) or --mixed-range {args.mixed_range} (1 <= lo <= hi)")
+    for name in ("block_rows", "block_kv", "warps", "value_groups", "parts", "uniform_splits"):
         try:
             values = _int_list(getattr(args, name))
         except ValueError:
@@ -281,11 +327,11 @@ class Pool:
         return (self.fp8, self.scales) if kv_dtype == "fp8" else (self.bf16, None)
 
 
-def decode_case(pool: Pool, rng, lens, q_len: int, kv_dtype: str = "bf16"):
+def decode_case(pool: Pool, rng, lens, q_len: int, kv_dtype: str = "bf16", heads: int = HEADS):
     b = len(lens)
     table = jnp.asarray(pool.table(lens, kv_dtype))
-    q_latent = jnp.asarray(rng.standard_normal((b, q_len, HEADS, C)), jnp.bfloat16)
-    q_pe = jnp.asarray(rng.standard_normal((b, q_len, HEADS, R)), jnp.bfloat16)
+    q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, C)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, R)), jnp.bfloat16)
     positions = jnp.asarray(np.asarray(lens)[:, None] - q_len + np.arange(q_len)[None], jnp.int32)
     return q_latent, q_pe, table, positions
 
@@ -848,6 +894,215 @@ def print_shape_sweep(res: dict):
         print("skipped (time budget):", res["skipped"])
 
 
+# ------------------------------------------------------------------------------------------- plan sweep
+def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict]:
+    """The --plan-sweep grid: today's plan (mla_decode's num_parts, overhead 1, no chunk floor), a balanced plan per
+    (--programs-per-sm, --plan-knobs) pair, then uniform splits: --uniform-splits and each balanced setting's
+    same-items count ceil(num_parts / batch) (as the mixed section compares). Duplicates (same parts and knobs, or
+    same splits) are dropped; names are unique."""
+    settings, seen = [], set()
+
+    def balanced(num_parts, overhead, min_chunk, pps, today=False):
+        key = ("balanced", num_parts, overhead, min_chunk)
+        if key in seen:
+            return
+        seen.add(key)
+        name = f"balanced p{num_parts} o{overhead} c{min_chunk}" + (" (today)" if today else "")
+        settings.append(dict(name=name, kind="balanced", num_parts=num_parts, overhead_blocks=overhead,
+                             min_chunk_blocks=min_chunk, programs_per_sm=pps, today=today,
+                             uniform_same_items=max(1, -(-num_parts // batch))))
+
+    balanced(MODEL_PARTS, mla_plan.DEFAULT_OVERHEAD_BLOCKS, mla_plan.DEFAULT_MIN_CHUNK_BLOCKS,
+             MODEL_PARTS * row_blocks / sm_count, today=True)
+    for pps in args.programs_per_sm:
+        for overhead, min_chunk in args.plan_knobs:
+            balanced(mla_plan.parts_for_programs_per_sm(pps, sm_count, row_blocks), overhead, min_chunk, pps)
+    splits = sorted(set(args.uniform_splits) | {s["uniform_same_items"] for s in settings})
+    for n in splits:
+        settings.append(dict(name=f"uniform {n}", kind="uniform", splits=n,
+                             programs_per_sm=n * batch * row_blocks / sm_count))
+    return settings
+
+
+def make_plan(setting: dict, lens, block_kv: int) -> mla_plan.SplitPlan:
+    if setting["kind"] == "uniform":
+        return mla_plan.plan_uniform(lens, block_kv=block_kv, splits=setting["splits"])
+    return mla_plan.plan_balanced(lens, block_kv=block_kv, num_parts=setting["num_parts"],
+                                  overhead_blocks=setting["overhead_blocks"],
+                                  min_chunk_blocks=setting["min_chunk_blocks"])
+
+
+def mixed_lengths(rng, batch: int, lo: int, hi: int) -> np.ndarray:
+    """Histories log-uniform in lo..hi, the first at hi: every batch has the same page-table width (one compile per
+    plan size)."""
+    lens = np.exp(rng.uniform(np.log(lo), np.log(hi), batch)).astype(np.int64)
+    lens[0] = hi
+    return lens
+
+
+def run_plan_sweep(bench: Bench, pool: Pool, copy_gbps: float) -> dict:
+    """--plan-sweep: every setting of plan_settings on the same --mixed-batches batches and their equal-length
+    controls (every history at the batch mean, page table padded to the same width), settings interleaved within
+    each batch so clock drift hits them alike. Before the timings, each setting's output on the first mixed batch
+    is checked against mla_decode_reference (--tol, largest per-request relative error). A batch starts only while
+    the budget has room for one more like the last; a batch still running PLAN_SWEEP_GRACE_S past the budget
+    stops and is dropped, so every aggregate is over the same complete batches. Aggregates per setting: total ms
+    over the batches, speed-up vs the uniform plan with the same items and vs the best uniform plan (fastest
+    mixed total among correct uniform settings), and the same two ratios on the controls."""
+    a = bench.args
+    t0 = time.time()
+    heads, batch = a.heads, a.mixed_batch_size
+    lo, hi = a.mixed_range
+    tiling = model_tiling(heads, PAGE)
+    row_blocks = -(-heads // tiling["block_rows"])  # q_len 1: one row per head
+    device_sms = getattr(jax.devices()[0], "core_count", None)
+    sm_count = device_sms or DEFAULT_SM_COUNT
+    settings = plan_settings(a, sm_count, row_blocks, batch)
+    out = bench.result["plan_sweep"] = {
+        "shape": dict(heads=heads, batch=batch, history_range=[lo, hi], page_size=PAGE, q_len=1, kv_dtype="bf16",
+                      kv_lora_rank=C, rope=R, pool_tokens=pool.num_pages * PAGE),
+        "tiling": tiling, "row_blocks_per_item": row_blocks, "sm_count": sm_count,
+        "sm_count_source": "device core_count" if device_sms else f"default {DEFAULT_SM_COUNT}",
+        "copy_gbps": copy_gbps, "tol": a.tol, "settings": settings, "batches": [], "dropped_batches": 0,
+    }
+    kw = dict(kv_lora_rank=C, scale=SCALE, block_kv=tiling["block_kv"], block_rows=tiling["block_rows"],
+              num_warps=tiling["num_warps"], num_stages=tiling["num_stages"], interpret=bench.interpret)
+    decode = jax.jit(functools.partial(md.mla_decode, **kw))
+    reference = jax.jit(functools.partial(md.mla_decode_reference, kv_lora_rank=C, scale=SCALE))
+    if not bench.interpret:
+        warm_clocks()
+    rng = bench.rng
+    last_batch_s = 0.0
+    for i in range(a.mixed_batches):
+        left = a.budget_s - (time.time() - bench.t0)
+        if left < last_batch_s:
+            bench.result["skipped"].append(f"plan-sweep batch {i}")
+            print(f"[skip] plan-sweep batch {i}: {left:.1f} s of --budget-s left, the last batch took "
+                  f"{last_batch_s:.1f} s", flush=True)
+            continue
+        tb = time.time()
+        lens = mixed_lengths(rng, batch, lo, hi)
+        control = np.full(batch, int(lens.mean()))
+        cases = {"mixed": decode_case(pool, rng, lens, 1, heads=heads),
+                 "control": decode_case(pool, rng, control, 1, heads=heads)}
+        ql, qp, table, pos = cases["control"]  # same table width as the mixed batch: pad the page table
+        cases["control"] = (ql, qp, jnp.pad(table, ((0, 0), (0, cases["mixed"][2].shape[1] - table.shape[1]))), pos)
+        entry = {"lens": lens.tolist(), "kv_bytes": kv_bytes(lens, "bf16"), "control_len": int(control[0]),
+                 "times": {}}
+        if i == 0:  # correctness first: one output per setting on the first mixed batch
+            ql, qp, table, pos = cases["mixed"]
+            want = np.concatenate([np.asarray(reference(ql[j: j + 4], qp[j: j + 4], pool.bf16, table[j: j + 4],
+                                                        pos[j: j + 4])) for j in range(0, batch, 4)])
+        complete = True
+        for setting in settings:
+            if time.time() - bench.t0 > a.budget_s + PLAN_SWEEP_GRACE_S:
+                complete = False
+                break
+            times = {}
+            try:
+                for label, these in (("mixed", lens), ("control", control)):
+                    plan = make_plan(setting, these, tiling["block_kv"])
+                    plan_dev = mla_plan.plan_to_device(plan)
+                    ql, qp, table, pos = cases[label]
+                    call = lambda: decode(ql, qp, pool.bf16, table, pos, plan_dev)  # noqa: E731
+                    if i == 0 and label == "mixed":
+                        got = np.asarray(call(), np.float64).reshape(batch, -1)
+                        ref = want.reshape(batch, -1).astype(np.float64)
+                        err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+                        setting["max_rel_err"] = float(np.max(err))
+                        setting["correct"] = bool(setting["max_rel_err"] < a.tol)  # NaN fails
+                    times[f"{label}_ms"] = bench.time_ms(call)
+                    times[f"{label}_items"] = int((plan.work_request >= 0).sum())
+                    times[f"{label}_max_splits"] = int(plan.request_num_work.max())
+                    times[f"{label}_grid_items"] = int(plan.work_request.shape[0])
+            except Exception as e:  # a setting the kernel rejects: record, leave it out of the aggregates
+                setting["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print("plan-sweep error", setting["name"], setting["error"], flush=True)
+            entry["times"][setting["name"]] = times
+        last_batch_s = time.time() - tb
+        entry["batch_s"] = last_batch_s
+        if not complete:
+            out["dropped_batches"] += 1
+            bench.result["skipped"].append(f"plan-sweep batch {i} (stopped past the budget, dropped)")
+            print(f"[drop] plan-sweep batch {i}: past --budget-s + {PLAN_SWEEP_GRACE_S:.0f} s", flush=True)
+            break
+        out["batches"].append(entry)
+        print(f"plan-sweep batch {i} ({last_batch_s:.1f} s):",
+              {n: round(t.get("mixed_ms", float("nan")), 4) for n, t in entry["times"].items()}, flush=True)
+        bench.save()
+    out["aggregate"] = plan_sweep_aggregate(out)
+    out["elapsed_s"] = time.time() - t0
+    bench.save()
+    return out
+
+
+def plan_sweep_aggregate(out: dict) -> dict:
+    """Totals over the complete batches and the ratios (x > 1: the setting is faster): speedup = other total /
+    this total, mixed and control alike."""
+    batches = out["batches"]
+    if not batches:
+        return {}
+    totals = {}
+    for s in out["settings"]:
+        times = [b["times"].get(s["name"], {}) for b in batches]
+        if "error" in s or any("control_ms" not in t for t in times):
+            continue
+        totals[s["name"]] = {label: sum(t[f"{label}_ms"] for t in times) for label in ("mixed", "control")}
+        totals[s["name"]]["mean_mixed_items"] = statistics.mean(t["mixed_items"] for t in times)
+    uniform = [s for s in out["settings"] if s["kind"] == "uniform" and s["name"] in totals and s.get("correct")]
+    best_uniform = min(uniform, key=lambda s: totals[s["name"]]["mixed"])["name"] if uniform else None
+    agg = {"batches": len(batches), "best_uniform": best_uniform, "settings": {}}
+    for s in out["settings"]:
+        if s["name"] not in totals:
+            continue
+        mine = totals[s["name"]]
+        row = {"mixed_ms_total": mine["mixed"], "control_ms_total": mine["control"],
+               "mean_mixed_items": mine["mean_mixed_items"], "correct": s.get("correct"),
+               "mixed_gbps": sum(b["kv_bytes"] for b in batches) / mine["mixed"] / 1e6}
+        same = f"uniform {s['uniform_same_items']}" if s["kind"] == "balanced" else None
+        for key, other in (("uniform_same_items", same), ("best_uniform", best_uniform)):
+            if other in totals:
+                row[f"mixed_speedup_vs_{key}"] = totals[other]["mixed"] / mine["mixed"]
+                row[f"control_speedup_vs_{key}"] = totals[other]["control"] / mine["control"]
+        agg["settings"][s["name"]] = row
+    balanced = [n for n, r in agg["settings"].items() if n.startswith("balanced") and r["correct"]]
+    if balanced and best_uniform:
+        agg["best_balanced"] = max(balanced, key=lambda n: agg["settings"][n]["mixed_speedup_vs_best_uniform"])
+    return agg
+
+
+def print_plan_sweep(res: dict):
+    ps = res["plan_sweep"]
+    shape, agg = ps["shape"], ps.get("aggregate", {})
+    print(f"\nMLA split-planner sweep, {res['machine']['device_kind']}: {shape['heads']} heads, "
+          f"{agg.get('batches', 0)} mixed batches of {shape['batch']} (histories {shape['history_range'][0]}.."
+          f"{shape['history_range'][1]}) + equal-length controls; tiling {tiling_label(ps['tiling'])}, "
+          f"{ps['row_blocks_per_item']} row blocks per item, {ps['sm_count']} SMs ({ps['sm_count_source']}); "
+          f"copy bandwidth {ps['copy_gbps']:.0f} GB/s. x = other total / this total (> 1: this is faster); "
+          f"best uniform: {agg.get('best_uniform')}")
+    print(f"{'setting':<30} {'prog/SM':>7} {'items':>6} {'mixed ms':>9} {'GB/s':>6} {'x uni=':>6} {'x best':>6} "
+          f"{'ctl x=':>6} {'ctl xb':>6} {'max err':>8} {'ok':>3}")
+    for s in ps["settings"]:
+        row = agg.get("settings", {}).get(s["name"])
+        if row is None:
+            print(f"{s['name']:<30} {s.get('error', 'not timed')[:100]}")
+            continue
+        f = lambda k: f"{row[k]:>6.3f}" if k in row else f"{'':>6}"  # noqa: E731
+        ok = "-" if s.get("correct") is None else "yes" if s["correct"] else "NO"
+        print(f"{s['name']:<30} {s['programs_per_sm']:>7.2f} {row['mean_mixed_items']:>6.0f} "
+              f"{row['mixed_ms_total']:>9.3f} {row['mixed_gbps']:>6.0f} {f('mixed_speedup_vs_uniform_same_items')} "
+              f"{f('mixed_speedup_vs_best_uniform')} {f('control_speedup_vs_uniform_same_items')} "
+              f"{f('control_speedup_vs_best_uniform')} {s.get('max_rel_err', float('nan')):>8.1e} {ok:>3}")
+    if "best_balanced" in agg:
+        best = agg["settings"][agg["best_balanced"]]
+        print(f"best balanced: {agg['best_balanced']}: x{best['mixed_speedup_vs_uniform_same_items']:.3f} vs uniform "
+              f"with the same items, x{best['mixed_speedup_vs_best_uniform']:.3f} vs {agg['best_uniform']}; controls "
+              f"x{best['control_speedup_vs_uniform_same_items']:.3f} / x{best['control_speedup_vs_best_uniform']:.3f}"
+              " (bar: >= 1.15 mixed, >= 0.97 controls)")
+    if res["skipped"]:
+        print("skipped (time budget):", res["skipped"])
+
+
 # ------------------------------------------------------------------------------------------- sections
 def run_mixed(bench, pool, cfg, plan_fn, num_parts, n_batches, mb, lo, hi, mixed):
     """Appends one entry per mixed batch: balanced plan and uniform splits on the batch and its control."""
@@ -910,6 +1165,12 @@ def main(argv=None) -> dict:
         return res
     pool = Pool(bench, 40_000 if smoke else args.pool_tokens)
     bw = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9
+    if args.plan_sweep:
+        run_plan_sweep(bench, pool, copy_gbps)
+        res["elapsed_s"] = time.time() - bench.t0
+        bench.save()
+        print_plan_sweep(res)
+        return res
     if args.backends:
         if not smoke:
             warm_clocks()

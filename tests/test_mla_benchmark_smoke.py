@@ -1,6 +1,6 @@
-"""Smoke runs of benchmarks/mla.py --shape-sweep (CPU, Pallas interpret mode, tiny shapes): the mode runs end to
-end, checks every case against mla_decode_reference on that case's own inputs, never calls a wrong tiling the
-fastest, and stops starting cases once its time budget is spent.
+"""Smoke runs of benchmarks/mla.py --shape-sweep and --plan-sweep (CPU, Pallas interpret mode, tiny shapes): each
+mode runs end to end, checks every case (setting) against mla_decode_reference on its own inputs, never calls a
+wrong one the fastest (best), and stops starting cases (batches) once its time budget is spent.
 
 Run: python -m pytest -q tests/test_mla_benchmark_smoke.py
 """
@@ -93,3 +93,68 @@ def test_shape_sweep_spent_budget_starts_no_case(tmp_path):
                                     "model tiling, plan precomputed, shuffled page table",
                                     "model reference path (paged_attention_reference)"]
     assert result["skipped"] == saved["skipped"]
+
+
+# --plan-sweep: 2 mixed batches of 3 requests (histories 40..700 over 16-token pages) at K3's 96 heads (2 row blocks
+# per item); today's 132-part plan, balanced plans at 0.1 programs per SM (7 parts) with two knob pairs, uniform 2 and
+# the same-items counts (44 for 132 parts, 3 for 7)
+PLAN_ARGS = ["--plan-sweep", "--smoke", "--programs-per-sm", "0.1", "--plan-knobs", "1/1,0/4", "--uniform-splits", "2",
+             "--reps", "1", "--inner", "1"]
+
+
+def test_plan_sweep_smoke_checks_every_setting_and_aggregates_over_the_same_batches(tmp_path, capsys, monkeypatch):
+    module = load_benchmark()
+    real_decode = module.md.mla_decode
+
+    def decode_wrong_for_uniform2(*args, **kwargs):  # uniform 2 (3 x 2 = 6 items) returns outputs 5% too large
+        out = real_decode(*args, **kwargs)
+        return out * 1.05 if args[5].work_request.shape[0] == 6 else out
+
+    monkeypatch.setattr(module.md, "mla_decode", decode_wrong_for_uniform2)
+    out = tmp_path / "mla_plan.json"
+    result = module.main(PLAN_ARGS + ["--out", str(out)])
+    table = capsys.readouterr().out
+    sweep = result["plan_sweep"]
+    assert json.loads(out.read_text())["plan_sweep"] == json.loads(json.dumps(sweep))
+    settings = {s["name"]: s for s in sweep["settings"]}
+    assert list(settings) == ["balanced p132 o1 c1 (today)", "balanced p7 o1 c1", "balanced p7 o0 c4", "uniform 2",
+                              "uniform 3", "uniform 44"]
+    assert sweep["row_blocks_per_item"] == 2 and sweep["sm_count"] == 132 and not result["skipped"]
+    today = settings["balanced p132 o1 c1 (today)"]
+    assert today["today"] and today["uniform_same_items"] == 44 and today["programs_per_sm"] == 2.0
+    assert settings["balanced p7 o0 c4"]["uniform_same_items"] == 3
+    # every setting checked on the first batch: the kernel sits at ~1e-3 of the fp32 reference (bf16 probabilities
+    # before P @ C), the 5% error is caught
+    for name, s in settings.items():
+        if name == "uniform 2":
+            assert not s["correct"] and abs(s["max_rel_err"] - 0.05) < 5e-3
+        else:
+            assert s["correct"] and s["max_rel_err"] < 3e-3, name
+    agg = sweep["aggregate"]
+    assert agg["batches"] == len(sweep["batches"]) == 2 and sweep["dropped_batches"] == 0
+    assert agg["best_uniform"] in ("uniform 3", "uniform 44")  # never the wrong one
+    for name, row in agg["settings"].items():
+        total = sum(b["times"][name]["mixed_ms"] for b in sweep["batches"])
+        assert row["mixed_ms_total"] == pytest.approx(total, rel=1e-12)
+        best = agg["settings"][agg["best_uniform"]]
+        assert row["mixed_speedup_vs_best_uniform"] == pytest.approx(best["mixed_ms_total"] / total, rel=1e-12)
+        assert row["control_speedup_vs_best_uniform"] == pytest.approx(
+            best["control_ms_total"] / row["control_ms_total"], rel=1e-12)
+        if name.startswith("balanced"):
+            same = agg["settings"][f"uniform {settings[name]['uniform_same_items']}"]
+            assert row["mixed_speedup_vs_uniform_same_items"] == pytest.approx(
+                same["mixed_ms_total"] / total, rel=1e-12)
+    # the balanced plans' items: at most num_parts + B, uniform exactly B x splits
+    for b in sweep["batches"]:
+        assert b["times"]["uniform 44"]["mixed_items"] == 132 and b["times"]["uniform 44"]["mixed_grid_items"] == 132
+        assert b["times"]["balanced p7 o1 c1"]["mixed_grid_items"] == 10
+        assert b["lens"][0] == 700 and len(b["lens"]) == 3 and b["control_len"] == int(sum(b["lens"]) / 3)
+    assert agg["best_balanced"] in settings and "best balanced:" in table and " NO" in table
+
+
+def test_plan_sweep_spent_budget_times_no_batch(tmp_path):
+    out = tmp_path / "mla_plan.json"
+    result = load_benchmark().main(PLAN_ARGS + ["--budget-s", "0", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["plan_sweep"]["batches"] == [] and saved["plan_sweep"]["aggregate"] == {}
+    assert saved["skipped"] == ["plan-sweep batch 0", "plan-sweep batch 1"] == result["skipped"]
