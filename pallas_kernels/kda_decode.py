@@ -9,7 +9,10 @@ Per sequence b (state slot slots[b]) and head h, for each new token t < T (k3-mo
     output: y = RMSNorm(o) * w * sigmoid(gate)
 
 Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there, so they leave S unchanged, and the decode
-conv state keeps the last W-1 *valid* inputs. Decode mode reads and writes the pooled conv / recurrent
+conv state keeps the last W-1 *valid* inputs. A row with fresh[b] != 0 starts from the zero recurrent state
+and zero conv window, whatever its (reused) slot holds: its pool loads are masked off (no memory read, zeros
+exact even over NaN/inf garbage, unlike multiplying by zero), and decode writes its new states over the slot
+as for any other row -- so the model needs no scatter zeroing fresh rows before the kernel. Decode mode reads and writes the pooled conv / recurrent
 states in place (input_output_aliases) at rows slots[b]. Verify mode (all_states=True) leaves the pools
 alone and writes the conv and recurrent state after every position, so rejection rolls back by index.
 
@@ -72,10 +75,10 @@ def _gate(z, a_log, dt_bias, gate, lower_bound):
     return -a * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref, onw_ref,
+def _decode_kernel(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref, onw_ref,
                    state_ref, y_ref, conv_out_ref, state_out_ref, *qk_conv_out_ref,
                    num_tokens, gate, lower_bound, eps, all_states, act_dtype, block_v):
-    # slots_ref, lens_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v projections (pre-conv)
+    # slots_ref, lens_ref, fresh_ref: [B] int32 (fresh != 0: start from zero states); x_ref: [B, T, 3*H*K] raw q|k|v projections (pre-conv)
     # conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
     # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
     # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
@@ -89,6 +92,7 @@ def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref
     vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
     slot, length = slots_ref[b], lens_ref[b]
+    from_pool = fresh_ref[b] == 0  # a fresh row's loads are masked off: zeros, and its slot is not read
     num_heads = alog_ref.shape[0]
     dk = dtb_ref.shape[1]
     width = convw_ref.shape[0]
@@ -98,10 +102,12 @@ def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref
     segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk), pl.ds((2 * num_heads + h) * dk + vb * block_v, block_v)]
     conv_w = [[convw_ref[i, segs[s]].astype(f32) for i in range(width)] for s in range(3)]
     # oldest first, in the activation dtype (the reference concatenates the state with x in x's dtype)
-    window = [[conv_ref[slot, r, segs[s]].astype(act_dtype) for r in range(width - 1)] for s in range(3)]
+    # (the row index as an int32 scalar, not a Python int: interpret mode's masked-load discharge needs .shape)
+    window = [[_pool_load(conv_ref.at[slot, jnp.int32(r), segs[s]], from_pool).astype(act_dtype)
+               for r in range(width - 1)] for s in range(3)]
     kept = [list(w) for w in window]  # the last W-1 *valid* inputs (decode's new conv state)
     alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
-    s = state_ref[slot, h, rows, :].astype(f32)  # [block_v, K]
+    s = _pool_load(state_ref.at[slot, h, rows, :], from_pool).astype(f32)  # [block_v, K]
 
     def store_conv(write_rows):
         # Each conv channel is written by exactly one program: q|k by V-block 0, v by the block owning it.
@@ -159,6 +165,11 @@ def _decode_kernel(slots_ref, lens_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref
         store_conv(write_kept)
 
 
+def _pool_load(ref, from_pool):
+    """ref's block, or zeros (of its dtype) without reading memory when `from_pool` (a scalar bool) is false."""
+    return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype))
+
+
 def _tiling(block_v, num_warps, dv, all_states):
     """(block_v, num_warps) with the defaults filled in and checked (see `kda_decode`)."""
     if block_v is None:
@@ -172,7 +183,8 @@ def _tiling(block_v, num_warps, dv, all_states):
     return block_v, num_warps
 
 
-def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate):
+def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
+           o_norm_weight, gate):
     if qkv.ndim != 3:
         raise ValueError(f"qkv must be [B, T, 3*H*K]; got {qkv.shape}")
     bsz, t, c = qkv.shape
@@ -194,6 +206,9 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
                          f"{z.shape}, {out_gate.shape}, {beta.shape}")
     if slots.shape != (bsz,) or lengths.shape != (bsz,):
         raise ValueError(f"slots and lengths must be [B={bsz}]; got {slots.shape}, {lengths.shape}")
+    if fresh is not None and (fresh.shape != (bsz,) or not (jnp.issubdtype(fresh.dtype, jnp.integer)
+                                                           or fresh.dtype == jnp.bool_)):
+        raise ValueError(f"fresh must be an integer or bool [B={bsz}] flag per row; got {fresh.dtype}{list(fresh.shape)}")
     if a_log.shape[0] < h or dt_bias.size != h * dk or o_norm_weight.shape != (dv,):
         raise ValueError(f"a_log [>= {h}], dt_bias [{h * dk}], o_norm_weight [{dv}]; got "
                          f"{a_log.shape}, {dt_bias.shape}, {o_norm_weight.shape}")
@@ -204,8 +219,8 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
                                              "num_warps"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
-               o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, interpret=False,
-               block_v=None, num_warps=None):
+               o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
+               interpret=False, block_v=None, num_warps=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -216,6 +231,9 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
       slots: [B] int32 pool rows (distinct); lengths: [B] int32 valid tokens per row (0 = idle row).
       a_log: [>= H]; dt_bias: [H*K]; o_norm_weight: [V]; gate / lower_bound: the gate form; eps: RMSNorm eps.
       all_states: verify mode (see Returns).
+      fresh: [B] int32 (or bool), non-zero for a row that starts from the zero conv and recurrent state whatever
+        its slot holds (a new request in a reused slot; the kernel skips reading that slot and, in decode,
+        overwrites it). None: no fresh rows.
       block_v: state rows per program, a power of two <= V. None: min(32, V), verify min(64, V). V is the
         one-program-per-head kernel with the gated RMSNorm fused; smaller blocks write the rounded o and
         finish the norm (which needs all V) in a jnp epilogue over [B, T, H, V] -- the same numbers.
@@ -226,14 +244,16 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         when the caller donates them (they are aliased to the outputs).
       verify: (y, conv states [B, T, W-1, 3*H*K], states [B, T, H, V, K]) after every position; pools untouched.
     """
-    _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate)
+    _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
+           o_norm_weight, gate)
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
+    fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
     block_v, num_warps = _tiling(block_v, num_warps, dv, all_states)
     w1 = conv_state.shape[1]
     act = qkv.dtype
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    ins = [slots.astype(jnp.int32), lengths.astype(jnp.int32), qkv, conv_state, conv_weight, z, beta, out_gate,
+    ins = [slots.astype(jnp.int32), lengths.astype(jnp.int32), fresh, qkv, conv_state, conv_weight, z, beta, out_gate,
            a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight, state]
     y_shape = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     if all_states:
@@ -243,7 +263,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     else:
         out_shape = [y_shape, jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                      jax.ShapeDtypeStruct(state.shape, jnp.float32)]
-        aliases = {3: 1, 11: 2}
+        aliases = {4: 1, 12: 2}  # conv pool -> conv out, state pool -> state out
         if block_v < dv:
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
@@ -269,16 +289,21 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
 
 
 def kda_decode_reference(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
-                         o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False):
+                         o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None):
     """Plain-jnp twin of `kda_decode` (same arguments and results), built from the model's reference layers:
-    gather the pools at `slots`, short conv + SiLU, L2 norm, gate, recurrence, gated RMSNorm, scatter back."""
+    gather the pools at `slots` (zeros for fresh rows), short conv + SiLU, L2 norm, gate, recurrence, gated
+    RMSNorm, scatter back."""
     from k3jax.kda import kda_recurrent_reference
     from k3jax.layers import causal_conv_with_state, gated_rms_norm, l2_normalize
 
-    _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, a_log, dt_bias, o_norm_weight, gate)
+    _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
+           o_norm_weight, gate)
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     conv0, s0 = conv_state[slots], state[slots]
+    if fresh is not None:  # a select, not a multiply: exact zeros whatever the slot holds
+        conv0 = jnp.where((fresh != 0)[:, None, None], jnp.zeros_like(conv0), conv0)
+        s0 = jnp.where((fresh != 0)[:, None, None, None], jnp.zeros_like(s0), s0)
     y, new_conv = causal_conv_with_state(qkv, conv0, conv_weight, lengths)
     q, k, v = (y[..., i * h * dk : (i + 1) * h * dk].reshape(bsz, t, h, dk) for i in range(3))
     q = l2_normalize(q) * dk**-0.5

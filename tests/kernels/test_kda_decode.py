@@ -107,6 +107,49 @@ def test_v_blocked_matches_reference(block_v, t, verify, gate):
         assert rel(got[1][6], pools["conv_state"][6]) > 1e-3  # the live rows' conv states did move
 
 
+FRESH_CASES = [(16, 1, False), (32, 1, False), (16, 3, False), (16, 3, True)]  # (block_v, T, verify); V = 32
+
+
+@pytest.mark.parametrize("block_v,t,verify", FRESH_CASES)
+def test_fresh_rows_ignore_their_slots(block_v, t, verify):
+    """Rows flagged fresh start from zero conv and recurrent states whatever their (reused) slots hold: random
+    garbage in one, inf / NaN in another (masked-off loads, not a multiply by zero). Against the same call on a
+    pool whose fresh slots are zeroed (flags all 0), y and the pools / per-position states agree to 1e-6 (the same
+    arithmetic on the same zeros: in interpret mode XLA on the CPU still lands 1 ulp apart in a few elements
+    when only the flag data differ), and both match the reference given the flag. Non-fresh rows read their
+    slots as usual; slots outside the batch stay untouched. A fresh idle row (length 0) leaves zeros in its slot,
+    as zeroing it in the pool before the kernel did. Blocked (16 < V) and whole-state (32) kernels, multi-token
+    in-place decode (T 3) and verify."""
+    step, pools, params = decode_inputs(20 + block_v + t, bsz=4, t=t, h=2, dk=32, pool=7)
+    slots, lengths, fresh = [5, 2, 0, 6], [t, t, 0, max(t - 1, 1)], [1, 0, 1, 1]
+    fresh_slots = np.array([5, 0, 6])
+    conv, state = np.array(pools["conv_state"]), np.array(pools["state"])
+    state[6, 1, 3, :5] = [np.inf, -np.inf, np.nan, 1e30, -1e30]
+    conv[6, 0, :3] = [np.nan, np.inf, -np.inf]
+    dirty = dict(conv_state=jnp.asarray(conv), state=jnp.asarray(state))
+    conv[fresh_slots], state[fresh_slots] = 0, 0
+    zeroed = dict(conv_state=jnp.asarray(conv), state=jnp.asarray(state))
+    kw = dict(all_states=verify, interpret=True, block_v=block_v)
+    got = call(kda_decode, step, dirty, params, slots, lengths, fresh=jnp.asarray(fresh, jnp.int32), **kw)
+    # all-zero flags, not None: the same compiled program (a constant flag would let XLA fuse differently)
+    from_zeros = call(kda_decode, step, zeroed, params, slots, lengths, fresh=jnp.zeros((4,), jnp.int32), **kw)
+    want = call(kda_decode_reference, step, dirty, params, slots, lengths, fresh=jnp.asarray(fresh, jnp.int32),
+                all_states=verify)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(np.asarray(got[0])[valid], np.asarray(from_zeros[0])[valid]) < 1e-6
+    assert rel(np.asarray(got[0])[valid], np.asarray(want[0])[valid]) < 1e-5
+    live = np.array([0, 1, 3]) if verify else slice(None)  # verify: per-row states of rows with tokens
+    for g, z, w in zip(got[1:], from_zeros[1:], want[1:]):
+        assert rel(g[live], z[live]) < 1e-6
+        assert np.isfinite(np.asarray(g[live])).all() and rel(g[live], w[live]) < 1e-5
+    if not verify:
+        untouched = np.array([1, 3, 4])
+        np.testing.assert_array_equal(got[2][untouched], pools["state"][untouched])
+        np.testing.assert_array_equal(got[1][untouched], pools["conv_state"][untouched])
+        assert not np.asarray(got[2][0]).any() and not np.asarray(got[1][0]).any()  # the fresh idle row's slot
+        assert rel(got[2][2], pools["state"][2]) > 1e-3  # the non-fresh row moved on from its own state
+
+
 @pytest.mark.parametrize("block_v", [8, 16])
 def test_bf16_activations(block_v):
     """bf16 activations, whole-state (16 = V) and blocked (8): the blocked kernel writes o rounded to bf16
@@ -127,6 +170,10 @@ def test_bad_arguments_raise():
         call(kda_decode, many, pools, params, [0], [1], interpret=True)
     with pytest.raises(ValueError, match="slots and lengths"):
         call(kda_decode, step, pools, params, [0, 1], [1], interpret=True)
+    with pytest.raises(ValueError, match="fresh must be"):
+        call(kda_decode, step, pools, params, [0], [1], fresh=jnp.zeros((2,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="fresh must be"):
+        call(kda_decode_reference, step, pools, params, [0], [1], fresh=jnp.zeros((1,), jnp.float32))
     with pytest.raises(ValueError, match="gate must be"):
         call(kda_decode, step, pools, params, [0], [1], gate="sigmoid", interpret=True)
     for block_v in (12, 32, 0):  # not a power of two; larger than V = 16; empty
