@@ -3,6 +3,14 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python benchmarks/moe.py --out $OUT/moe.json   # H200
     python benchmarks/moe.py --smoke --out /tmp/moe.json     # CPU: tiny shapes, interpret mode, no timing claims
 
+MXFP4 decode variants (pallas_kernels.moe_gemm.MXFP4_VARIANTS) against bf16 weights at decode sizes, one command,
+~150 s on the H200 (limits ~15 s, then the section stops starting cases after --budget-s, default 110 s):
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe,sweep \
+        --mxfp4-variants interleave,kmajor,swap,swap_wscale,swap_f16 --sweep-tokens 16,256,1024 --out $OUT/mxfp4.json
+  k3-ep16 shard; bf16 and every variant at each tiling of --mxfp4-configs (decode-sized, block_m 16) on identical
+  inputs; each checked on the device against the dense einsum over the dequantised-bf16 weights (rel error);
+  table column bf16/this = best bf16 ms at that T / this case's ms (> 1: faster than bf16).
+
 Limits (measured first, same process): bf16 matmul peak (jnp.dot 8192^3), XLA copy bandwidth (bf16 x*2 over
 2 GiB, bytes read + written) and, when torch imports, torch's copy bandwidth (the higher ceiling).
 
@@ -63,6 +71,12 @@ def parse_args(argv=None):
     p.add_argument("--skip", type=str, default="", help="comma list of sections to skip: moe,sweep,norms")
     p.add_argument("--sweep-tokens", type=str, default=None,
                    help="comma list of k3-ep16 token counts for the sweep (default: the first and second-last of --tokens)")
+    p.add_argument("--mxfp4-variants", type=str, default="",
+                   help="comma list of moe_gemm.MXFP4_VARIANTS to time against bf16 at --sweep-tokens (k3-ep16)")
+    p.add_argument("--mxfp4-configs", type=str, default="16/64/64/128/4/4,16/128/128/128/4/3",
+                   help="tilings (bm/gn/dn/bk/warps/stages) of the MXFP4 variant section, each run for bf16 and every variant")
+    p.add_argument("--budget-s", type=float, default=110.0,
+                   help="the MXFP4 variant section starts no new case after this many seconds")
     p.add_argument("--sweep-configs", type=str, default=None,
                    help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages tilings for the "
                         "sweep (default: the built-in alternatives)")
@@ -343,6 +357,76 @@ def bench_sweep(shape, token_counts, limits, interpret, configs=None):
     return out
 
 
+MXFP4_SMOKE_SHAPE = dict(local=6, total=12, top_k=3, k_dim=128, i_dim=64)  # kernel layouts: dims multiples of 64
+
+
+def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, configs, budget_s):
+    """bf16 vs each MXFP4 decode variant at each tiling, identical inputs per token count, every case checked on
+    the device against the dense einsum over the dequantised-bf16 weights. Stops starting cases after budget_s."""
+    import dataclasses
+
+    t_start = time.perf_counter()
+    e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
+    bf16, mx = make_experts(shape, seed=3)
+    mx_deq = dequantized(mx)
+    layouts = {moe_gemm.MXFP4_VARIANTS[v][0] for v in variants}
+    by_layout = {"hf": mx, **{lay: {n: moe_gemm.prepare_mxfp4(w, lay) for n, w in mx.items()}
+                              for lay in layouts - {"hf"}}}
+    cases, skipped, best = [], [], {}
+    for t in token_counts:
+        ids_np, w_np = routing(shape, t, seed=t + 11)
+        m = ids_np.size
+        counts = np.bincount(ids_np.reshape(-1), minlength=e)
+        touched = int((counts > 0).sum())
+        x = jax.random.normal(jax.random.key(t + 1), (ids_np.shape[0], k_dim), jnp.float32).astype(jnp.bfloat16)
+        ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
+        dense = jax.jit(functools.partial(dense_loop_moe, num_experts=e, capacity=int(counts.max())))
+        want = {"bf16": dense(x, ids, w, bf16), "mxfp4": dense(x, ids, w, mx_deq)}
+        for cfg in configs:
+            for name in ["bf16", *variants]:
+                tiling = "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n", "block_k",
+                                                                  "num_warps", "num_stages"))
+                row = dict(tokens=t, rows=m, rows_per_expert=m / e, experts_touched=touched, variant=name,
+                           tiling=tiling)
+                if time.perf_counter() - t_start > budget_s:
+                    skipped.append(row)
+                    continue
+                quant = "bf16" if name == "bf16" else "mxfp4"
+                if name == "bf16":
+                    experts, run_cfg = bf16, cfg
+                else:
+                    layout, overrides = moe_gemm.MXFP4_VARIANTS[name]
+                    experts, run_cfg = by_layout[layout], dataclasses.replace(cfg, **overrides)
+                try:
+                    f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, config=run_cfg, interpret=interpret))
+                    out = f(x, ids, w, experts)
+                    err = rel_err(out, want[quant])
+                    sec = timed(f, x, ids, w, experts) if not interpret else float("nan")
+                    wbytes = moe_gemm.expert_weight_bytes(touched, k_dim, i_dim, packed=quant == "mxfp4")
+                    row.update(ms=sec * 1e3, rel_err=err, correct=bool(err < 1e-2), weight_bytes=wbytes,
+                               weight_gbps=wbytes / sec / 1e9, of_copy=wbytes / sec / 1e9 / limits["copy_gbps"])
+                except Exception as err:  # a variant that does not compile is recorded, not fatal
+                    row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
+                    traceback.print_exc(limit=2)
+                cases.append(row)
+                print("mxfp4", row, flush=True)
+        at_t = [c for c in cases if c["tokens"] == t and c.get("correct")]
+        bf = [c for c in at_t if c["variant"] == "bf16"]
+        mxs = [c for c in at_t if c["variant"] != "bf16"]
+        if bf:
+            b = min(bf, key=lambda c: c["ms"])
+            for c in cases:
+                if c["tokens"] == t and "ms" in c:
+                    c["bf16_over_this"] = b["ms"] / c["ms"]
+            best[t] = dict(bf16_ms=b["ms"], bf16_tiling=b["tiling"])
+            if mxs:
+                q = min(mxs, key=lambda c: c["ms"])
+                best[t].update(mxfp4_ms=q["ms"], mxfp4_variant=q["variant"], mxfp4_tiling=q["tiling"],
+                               bf16_over_mxfp4=b["ms"] / q["ms"])
+    return dict(shape=shape, tokens=token_counts, variants=variants, budget_s=budget_s,
+                elapsed_s=time.perf_counter() - t_start, cases=cases, skipped=skipped, best=best)
+
+
 def bench_norms(tokens, limits, interpret, d=7168, heads=96, head_dim=128):
     out = []
     key = jax.random.key(5)
@@ -426,6 +510,23 @@ def table(result) -> str:
                          f"({100 * r['of_matmul_peak']:.1f} % of the matmul peak)")
         else:
             lines.append(f"sweep T={r['tokens']} {r['weights']} {tiling}: {r.get('error', '')[:100]}")
+    mv = result.get("mxfp4_variants")
+    if mv:
+        lines.append("| T | rows/expert | weights | tiling | ms | weight GB/s | % copy | bf16/this | rel err |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in mv["cases"]:
+            if "error" in r:
+                lines.append(f"| {r['tokens']} | {r['rows_per_expert']:.2f} | {r['variant']} | {r['tiling']} | "
+                             f"error: {r['error'][:60]} |||||")
+                continue
+            lines.append(f"| {r['tokens']} | {r['rows_per_expert']:.2f} | {r['variant']} | {r['tiling']} | {r['ms']:.3f} | "
+                         f"{r['weight_gbps']:.0f} | {100 * r['of_copy']:.1f} | {r.get('bf16_over_this', float('nan')):.2f} | "
+                         f"{r['rel_err']:.1e}{'' if r['correct'] else ' WRONG'} |")
+        for t, b in mv["best"].items():
+            lines.append(f"T={t}: best bf16 {b['bf16_ms']:.3f} ms ({b['bf16_tiling']}); best MXFP4 "
+                         f"{b.get('mxfp4_variant')} {b.get('mxfp4_tiling')} {b.get('mxfp4_ms', float('nan')):.3f} ms; "
+                         f"bf16/mxfp4 = {b.get('bf16_over_mxfp4', float('nan')):.2f} (issue 4 bar: >= 1.5)")
+        lines.append(f"mxfp4 section: {mv['elapsed_s']:.0f} s of a {mv['budget_s']:.0f} s budget, {len(mv['skipped'])} cases skipped")
     for r in result.get("norms", []):
         if "fused_ms" in r:
             lines.append(f"{r['op']} {r.get('sources', '')}: fused {r['fused_ms']:.3f} ms ({r['fused_gbps']:.0f} GB/s) vs XLA "
@@ -478,6 +579,16 @@ def main(argv=None) -> dict:
             sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
         configs = parse_configs(args.sweep_configs) if args.sweep_configs else None
         result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret, configs)
+        save()
+    if args.mxfp4_variants:
+        variants = [v for v in args.mxfp4_variants.split(",") if v]
+        unknown = set(variants) - set(moe_gemm.MXFP4_VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown MXFP4 variants {sorted(unknown)}; known: {sorted(moe_gemm.MXFP4_VARIANTS)}")
+        mtokens = [int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else ([5] if args.smoke else [16, 256, 1024])
+        result["mxfp4_variants"] = bench_mxfp4_variants(
+            MXFP4_SMOKE_SHAPE if args.smoke else SHAPES["k3-ep16"], mtokens, limits, interpret, variants,
+            parse_configs(args.mxfp4_configs), args.budget_s)
         save()
     print(table(result), flush=True)
     return result

@@ -14,16 +14,38 @@ Pipeline (`moe_grouped_mlp`):
   4. `grouped_down`: the down GEMM over the same schedule, rows scaled by their routing weight, fp32 out;
   5. each token sums its top_k rows (a gather through the inverse permutation, deterministic).
 
-Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4-packed as in
-k3jax.quant ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, HF orientation). Packed
-tiles are dequantised inside the kernel right before the MMA (nibbles -> E2M1 values by bit construction
--> times 2^(scale-127) -> activation dtype): weight-only, the activations stay bf16. Measured on the H200
-(benchmarks/moe.py), this decode is ALU-bound: it moves 4x fewer weight bytes than bf16 but is 1.6x
-slower than the bf16 kernel at decode sizes of K3's EP16 shard (0.62 vs 0.39 ms, 0.4 rows per expert)
-and 1.5x faster only at k3-small's narrower experts; a per-group variant (nibble planes decoded straight
-to bf16, de-interleaved activations, scale on the fp32 partial) was slower still (0.71 ms; 2.5x slower
-at large groups, from its 16-deep MMAs), so it was dropped. For large groups, dequantising once to bf16
-outside the kernel and running the bf16 path is faster than either.
+Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
+one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
+activations stay bf16), in one of three layouts (`mxfp4_layout`):
+  "hf"  the checkpoint's ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, k3jax.quant);
+        decode "interleave": nibbles interleaved back into input order, E2M1 built in fp32 by bit
+        construction with two selects, scales broadcast by reshape, cast to bf16, transposed MMA operand.
+        Measured on the H200 (benchmarks/moe.py) this is ALU-bound: 4x fewer weight bytes than bf16 but 1.6x
+        slower than the bf16 kernel at K3's EP16 decode (0.62 vs 0.39 ms at 16 tokens; 2.2 vs 1.09 ms at 1024).
+        A per-group variant (nibble planes straight to bf16, de-interleaved activations, scale on the fp32
+        partial) was slower still (0.71 ms) and was dropped.
+  "nk" / "kn"  `prepare_mxfp4`'s kernel layouts, made once at load time: per block of 64 inputs, byte j holds
+        input j (low nibble) and input j + 32 (high nibble), so each nibble plane is exactly one scale group and
+        decodes with no shuffle; scales stored [E, in/32, out] (one contiguous row per group). "nk" keeps the
+        weights [E, out, in/2] and makes the decoded plane the MMA's A operand (acc^T = W a^T: at 16-row tiles
+        the weights fill the MMA's M side, which Hopper's wgmma can take from registers, and the tiny activation
+        tile is the shared-memory B operand); "kn" stores [E, in/2, out] and multiplies a @ W (B operand, no
+        transpose).
+Plane decode (`_decode_plane`): f16 bits (m << 9) | sign << 15 = E2M1(m) * 2^-14 (m = 1 is the f16 subnormal
+2^-15, exact through the f16 -> f32/bf16 conversion), then cast to the MMA dtype; the 2^14 folds into the
+group scale. ~5 integer ops + 1-2 conversions per weight against ~15 + a shuffle for "interleave". A bf16
+placement (E2M1 * 2^-126, m = 1 a bf16 subnormal) was rejected: XLA:CPU flushes bf16/f32 subnormals in a
+multiply (checked: code 1 decoded to 0), the GPU's behaviour would need its own check, and folding 2^126
+into the scale overflows fp32 for scales above 2^1. Variants (MXFP4_VARIANTS, selected by the layout plus
+MoeGemmConfig.mxfp4_scale / mxfp4_mma): "interleave" (hf), "kmajor" (kn), "swap" (nk), "swap_wscale" (nk, the
+scale multiplies the decoded bf16 weights, 1 op/weight, instead of each group's fp32 partial product,
+block_m/32 ops/weight, which also splits the MMA chain per group), "swap_f16" (nk, MMA in f16: no f16 -> bf16
+conversion, activations cast to f16 per tile; SiTU bounds h by 100, but gate/up inputs above 65504 would
+overflow). NONE OF THE NEW VARIANTS HAS BEEN COMPILED OR TIMED ON A GPU YET (written 2026-11-30 without
+device time; interpret-mode tests check their numbers): `benchmarks/moe.py --mxfp4-variants` times them and
+tests/gpu/test_moe_gpu.py checks them; a checkpoint loader would call `prepare_mxfp4` on each packed expert
+weight once the winner is known. For large groups, dequantising once to bf16 outside the kernel and running
+the bf16 path is faster than the "interleave" decode.
 
 Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement on
 the H200 (../shared/design/gpu.md): a Pallas-Triton tiled matmul reached 540 TFLOP/s (87% of XLA's
@@ -56,6 +78,10 @@ class MoeGemmConfig:
 
     block_m rows per work item (shared by both kernels: one schedule); glu_block_n output columns of each
     of gate and up; down_block_n output columns of the down GEMM; block_k the contraction step of both.
+    The two mxfp4_* fields only act on weights in a kernel layout (`prepare_mxfp4`; see MXFP4_VARIANTS):
+    mxfp4_scale "partial" multiplies each 32-input group's fp32 partial product by its E8M0 scale, "weight"
+    multiplies the decoded weights before the MMA; mxfp4_mma "act" runs the MMA in the activation dtype,
+    "f16" in float16 (activations cast to f16: they must stay below 65504 in magnitude).
     """
 
     block_m: int = 64
@@ -64,12 +90,18 @@ class MoeGemmConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    mxfp4_scale: str = "partial"
+    mxfp4_mma: str = "act"
 
     def __post_init__(self):
         for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoeGemmConfig.{name}={v} must be a power of two >= 16")
+        if self.mxfp4_scale not in ("partial", "weight"):
+            raise ValueError(f"MoeGemmConfig.mxfp4_scale={self.mxfp4_scale!r} must be 'partial' or 'weight'")
+        if self.mxfp4_mma not in ("act", "f16"):
+            raise ValueError(f"MoeGemmConfig.mxfp4_mma={self.mxfp4_mma!r} must be 'act' or 'f16'")
 
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
@@ -164,28 +196,138 @@ def _dequant_tile(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (_e2m1_to_f32(codes) * factors).astype(dtype)
 
 
-class _WeightRefs:
-    """One expert weight operand: float [E, K, N] refs, or MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs."""
+PLANE_BLOCK = 2 * MXFP4_GROUP  # inputs per byte block of the kernel layouts (one group per nibble plane)
+# F16 bit placement decodes E2M1 code m to E2M1(m) * 2^-14 (code 1 = 2^-15 is an f16 subnormal, exact through
+# the hardware f16 -> f32 conversion); the 2^14 is folded into the group scale
+_PLANE_BIAS = 2.0**14
+# name -> (layout, MoeGemmConfig overrides); the layout is prepare_mxfp4's ("hf" = the checkpoint's own)
+MXFP4_VARIANTS = {
+    "interleave": ("hf", {}),
+    "kmajor": ("kn", {}),
+    "swap": ("nk", {}),
+    "swap_wscale": ("nk", {"mxfp4_scale": "weight"}),
+    "swap_f16": ("nk", {"mxfp4_mma": "f16"}),
+}
+_LAYOUT_KEYS = {"hf": ("packed", "scale"), "nk": ("planes_nk", "scales_gn"), "kn": ("planes_kn", "scales_gn")}
 
-    def __init__(self, refs, packed: bool):
-        self.refs, self.packed = refs, packed
+
+def mxfp4_layout(w) -> str:
+    """"float", "hf" ({"packed", "scale"}, HF orientation), "nk" or "kn" (`prepare_mxfp4` kernel layouts)."""
+    if not isinstance(w, dict):
+        return "float"
+    for layout, keys in _LAYOUT_KEYS.items():
+        if set(w) == set(keys):
+            return layout
+    raise ValueError(f"MXFP4 weight keys {sorted(w)} match no layout of {_LAYOUT_KEYS}")
+
+
+def _plane_codes(codes: jax.Array) -> jax.Array:
+    """E2M1 codes [..., in] (uint8, input order) -> bytes [..., in/2] of the kernel layouts: in each block of
+    PLANE_BLOCK inputs, byte j holds input j in its low nibble and input j + PLANE_BLOCK/2 in its high one."""
+    *lead, n_in = codes.shape
+    blocks = codes.reshape(*lead, n_in // PLANE_BLOCK, 2, PLANE_BLOCK // 2)
+    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(*lead, n_in // 2)
+
+
+def prepare_mxfp4(w: dict, layout: str = "nk") -> dict:
+    """MXFP4 weight in the checkpoint's layout -> a kernel layout, once at load time (exact: a re-packing).
+
+    w: {"packed": [E, out, in/2] uint8 (input 2j in the low nibble of byte j), "scale": [E, out, in/32] uint8}
+    (k3jax.quant, HF orientation); in must be a multiple of PLANE_BLOCK (64). Returns
+      layout "nk": {"planes_nk": [E, out, in/2], "scales_gn": [E, in/32, out]}  (weights as the MMA's A operand)
+      layout "kn": {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}  (weights as the B operand)
+    with the nibbles de-interleaved per block of 64 inputs (`_plane_codes`): the low nibbles of a block are
+    its first 32 inputs = one scale group, the high nibbles the next 32 = the next group, so each nibble plane
+    decodes straight into an MMA operand with a single scale per output column (no interleave, no broadcast
+    of scales along the contraction).
+    """
+    if mxfp4_layout(w) != "hf":
+        raise ValueError(f"prepare_mxfp4 takes the checkpoint layout {{'packed', 'scale'}}, got {sorted(w)}")
+    if layout not in ("nk", "kn"):
+        raise ValueError(f"layout must be 'nk' or 'kn', got {layout!r}")
+    e, n_in, n_out = _weight_dims(w)
+    if n_in % PLANE_BLOCK:
+        raise ValueError(f"input dim {n_in} must be a multiple of {PLANE_BLOCK} for the kernel layouts")
+    packed = jnp.asarray(w["packed"])
+    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n_out, n_in)
+    planes = _plane_codes(codes)  # [E, out, in/2]
+    scales = jnp.swapaxes(jnp.asarray(w["scale"]), -1, -2)  # [E, in/32, out]
+    if layout == "kn":
+        return {"planes_kn": jnp.swapaxes(planes, -1, -2), "scales_gn": scales}
+    return {"planes_nk": planes, "scales_gn": scales}
+
+
+def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
+    """One nibble plane of a uint8 tile -> E2M1 * 2^-14 as float16, by bit placement alone: the magnitude
+    m = e e f lands on f16 bits 9..11 (exponent field e, mantissa msb f: 2^(e-15)(1 + f/2) = E2M1(m) 2^-14
+    for e >= 1, and the f16 subnormal f/2 * 2^-14 for e = 0), the sign on bit 15. ~5 integer ops a weight;
+    no select, no arithmetic on a subnormal (XLA:CPU flushes bf16/f32 subnormals in multiplies, which is why
+    the bf16 placement E2M1 * 2^-126 was not used)."""
+    b = packed.astype(jnp.uint16)
+    if high:
+        bits = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    else:
+        bits = ((b & 0x07) << 9) | ((b & 0x08) << 12)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16)
+
+
+class _WeightRefs:
+    """One expert weight operand: float [E, K, N] refs, MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs
+    (checkpoint layout), or a `prepare_mxfp4` layout (planes + scales [E, K/32, N])."""
+
+    def __init__(self, refs, layout: str, config: MoeGemmConfig):
+        self.refs, self.layout, self.config = refs, layout, config
+
+    @property
+    def transposed(self) -> bool:
+        """The "nk" layout accumulates the transposed product acc^T [block_n, block_m] (weights are the MMA's
+        A operand, decoded in registers; the activations the B operand)."""
+        return self.layout == "nk"
 
     def accumulate(self, acc, a_ref, row0, expert, k0, n0, block_m: int, block_k: int, block_n: int):
-        """acc [block_m, block_n] fp32 + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n]."""
+        """acc [block_m, block_n] fp32 (transposed: [block_n, block_m])
+        + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n]."""
         rows = pl.ds(row0, block_m)
-        if not self.packed:
+        if self.layout == "float":
             (w_ref,) = self.refs
             a = a_ref[rows, pl.ds(k0, block_k)]  # [block_m, block_k]
             w = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)].astype(a.dtype)  # [block_k, block_n]
             return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
-        # MXFP4: the whole [block_n, block_k] tile is decoded in registers (nibbles interleaved back into
-        # input order, times the broadcast group scales) and fed to the MMA as a transposed operand
-        packed_ref, scale_ref = self.refs
-        a = a_ref[rows, pl.ds(k0, block_k)]  # [block_m, block_k]
-        packed = packed_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // 2, block_k // 2)]  # [block_n, block_k/2]
-        scale = scale_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // MXFP4_GROUP, block_k // MXFP4_GROUP)]
-        w = _dequant_tile(packed, scale, a.dtype)  # [block_n, block_k]
-        return acc + jnp.dot(a, w.T, preferred_element_type=jnp.float32)
+        if self.layout == "hf":
+            # the whole [block_n, block_k] tile is decoded in registers (nibbles interleaved back into input
+            # order, times the broadcast group scales) and fed to the MMA as a transposed operand
+            packed_ref, scale_ref = self.refs
+            a = a_ref[rows, pl.ds(k0, block_k)]  # [block_m, block_k]
+            packed = packed_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // 2, block_k // 2)]  # [block_n, block_k/2]
+            scale = scale_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // MXFP4_GROUP, block_k // MXFP4_GROUP)]
+            w = _dequant_tile(packed, scale, a.dtype)  # [block_n, block_k]
+            return acc + jnp.dot(a, w.T, preferred_element_type=jnp.float32)
+        # kernel layouts: per 64-input block one byte tile, two nibble planes = two scale groups
+        planes_ref, scales_ref = self.refs
+        half = PLANE_BLOCK // 2
+        on_weights = self.config.mxfp4_scale == "weight"
+        for c in range(block_k // PLANE_BLOCK):
+            kc = k0 + c * PLANE_BLOCK
+            if self.transposed:
+                packed = planes_ref[expert, pl.ds(n0, block_n), pl.ds(kc // 2, half)]  # [block_n, 32]
+            else:
+                packed = planes_ref[expert, pl.ds(kc // 2, half), pl.ds(n0, block_n)]  # [32, block_n]
+            for plane in (0, 1):
+                a = a_ref[rows, pl.ds(kc + plane * half, half)]  # [block_m, 32]
+                mma_dtype = jnp.float16 if self.config.mxfp4_mma == "f16" else a.dtype
+                a = a.astype(mma_dtype)
+                s = scales_ref[expert, kc // MXFP4_GROUP + plane, pl.ds(n0, block_n)]  # [block_n]
+                factor = _e8m0_to_f32(s.astype(jnp.int32)) * _PLANE_BIAS  # 2^(s-127) * 2^14, [block_n]
+                factor = factor[:, None] if self.transposed else factor[None, :]
+                w = _decode_plane(packed, plane == 1).astype(mma_dtype)  # exact in f16, bf16, f32
+                if on_weights:
+                    w = w * factor.astype(mma_dtype)  # exact (a power of two) unless it leaves the range
+                if self.transposed:
+                    part = jnp.dot(w, a.T, preferred_element_type=jnp.float32)  # [block_n, block_m]
+                else:
+                    part = jnp.dot(a, w, preferred_element_type=jnp.float32)  # [block_m, block_n]
+                acc = acc + (part if on_weights else part * factor)
+        return acc
 
 
 def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_beta: float | None) -> jax.Array:
@@ -202,16 +344,18 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 # kernels
 
 
-def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed: bool, block_m: int,
-                        block_n: int, block_k: int, activation: str, beta: float, linear_beta: float | None):
+def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout: str, config: MoeGemmConfig,
+                        block_m: int, block_n: int, block_k: int, activation: str, beta: float,
+                        linear_beta: float | None):
     # schedule_ref [4, W] int32 (tile row start, expert, first row, end row)
     # x_ref        [M_pad, K_pad] expert-sorted rows
-    # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8),
-    #       up refs (same), h_ref [M_pad, I_pad] output
-    n_gate = 2 if gate_packed else 1
-    n_up = 2 if up_packed else 1
-    gate = _WeightRefs(rest[:n_gate], gate_packed)
-    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_packed)
+    # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
+    #       planes [E, I_pad, K_pad/2] or [E, K_pad/2, I_pad] u8 + scales [E, K_pad/32, I_pad] u8),
+    #       up refs (same layout), h_ref [M_pad, I_pad] output
+    n_gate = 1 if gate_layout == "float" else 2
+    n_up = 1 if up_layout == "float" else 2
+    gate = _WeightRefs(rest[:n_gate], gate_layout, config)
+    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, config)
     h_ref = rest[n_gate + n_up]
     item, col = pl.program_id(0), pl.program_id(1)
     lo, hi = schedule_ref[2, item], schedule_ref[3, item]
@@ -228,22 +372,26 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_packed: bool, up_packed
             acc_up = up.accumulate(acc_up, x_ref, row0, expert, k0, n0, block_m, block_k, block_n)
             return acc_gate, acc_up
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        zeros = jnp.zeros((block_n, block_m) if gate.transposed else (block_m, block_n), jnp.float32)
         acc_gate, acc_up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
-        h = _glu(acc_gate, acc_up, activation, beta, linear_beta).astype(h_ref.dtype)
+        h = _glu(acc_gate, acc_up, activation, beta, linear_beta)
+        if gate.transposed:  # gate and up share the layout
+            h = h.T  # [block_m, block_n]
+        h = h.astype(h_ref.dtype)
         rows = row0 + jnp.arange(block_m)
         keep = jnp.broadcast_to(((rows >= lo) & (rows < hi))[:, None], (block_m, block_n))
         plgpu.store(h_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)], h, mask=keep)
 
 
-def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, packed: bool, block_m: int, block_n: int,
-                         block_k: int):
+def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, layout: str, config: MoeGemmConfig,
+                         block_m: int, block_n: int, block_k: int):
     # schedule_ref  [4, W] int32
     # h_ref         [M_pad, I_pad] GLU output rows
     # row_scale_ref [M_pad] fp32 routing weight of each row
-    # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8),
+    # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
+    #       planes [E, D_pad, I_pad/2] or [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8),
     #       y_ref [M_pad, D_pad] fp32 output
-    down = _WeightRefs(rest[:-1], packed)
+    down = _WeightRefs(rest[:-1], layout, config)
     y_ref = rest[-1]
     item, col = pl.program_id(0), pl.program_id(1)
     lo, hi = schedule_ref[2, item], schedule_ref[3, item]
@@ -256,7 +404,10 @@ def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, packed: bool
         def step(kb, acc):
             return down.accumulate(acc, h_ref, row0, expert, kb * block_k, n0, block_m, block_k, block_n)
 
-        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        zeros = jnp.zeros((block_n, block_m) if down.transposed else (block_m, block_n), jnp.float32)
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, zeros)
+        if down.transposed:
+            acc = acc.T  # [block_m, block_n]
         scale = row_scale_ref[pl.ds(row0, block_m)]  # [block_m]
         rows = row0 + jnp.arange(block_m)
         keep = jnp.broadcast_to(((rows >= lo) & (rows < hi))[:, None], (block_m, block_n))
@@ -272,33 +423,55 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _weight_dims(w) -> tuple[int, int, int]:
-    """(experts, in, out) of a float [E, in, out] or MXFP4-packed {packed [E, out, in/2], scale} weight."""
-    if isinstance(w, dict):
-        packed, scale = w["packed"], w["scale"]
-        if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
-            raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
-        if packed.ndim != 3 or scale.shape != (*packed.shape[:2], packed.shape[2] * 2 // MXFP4_GROUP) or packed.shape[2] % 16:
-            raise ValueError(f"MXFP4 shapes packed {packed.shape} / scale {scale.shape} are not [E, out, in/2] / [E, out, in/32]")
-        return packed.shape[0], packed.shape[2] * 2, packed.shape[1]
-    if w.ndim != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
-        raise ValueError(f"expert weight must be float [E, in, out], got {w.dtype}{list(w.shape)}")
-    return w.shape
+    """(experts, in, out) of a float [E, in, out] weight or an MXFP4 one in any layout (`mxfp4_layout`)."""
+    layout = mxfp4_layout(w)
+    if layout == "float":
+        if w.ndim != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
+            raise ValueError(f"expert weight must be float [E, in, out], got {w.dtype}{list(w.shape)}")
+        return w.shape
+    packed, scale = (w[k] for k in _LAYOUT_KEYS[layout])
+    if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
+        raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+    if packed.ndim != 3 or scale.ndim != 3:
+        raise ValueError(f"MXFP4 tensors must be 3-d [E, ...], got {packed.shape} / {scale.shape}")
+    if layout == "hf":
+        e, n_out, half = packed.shape
+        want, block = (e, n_out, half * 2 // MXFP4_GROUP), MXFP4_GROUP
+    elif layout == "nk":
+        e, n_out, half = packed.shape
+        want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
+    else:
+        e, half, n_out = packed.shape
+        want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
+    if scale.shape != want or (2 * half) % block:
+        raise ValueError(f"MXFP4 {layout} shapes {sorted(w)} = {packed.shape} / {scale.shape} do not match "
+                         f"(inputs must be a multiple of {block}; see prepare_mxfp4)")
+    return e, 2 * half, n_out
 
 
 def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
     """Zero-pads a weight to (n_in, n_out) -- a no-op (no copy) when the dims are already tile multiples,
-    as all of K3's are. Padded MXFP4 entries are code 0 (= 0.0) with scale 127 (= 1)."""
-    if isinstance(w, dict):
-        packed, scale = w["packed"], w["scale"]
-        e, out, half = packed.shape
-        if (out, 2 * half) != (n_out, n_in):
-            packed = jnp.pad(packed, ((0, 0), (0, n_out - out), (0, n_in // 2 - half)))
-            scale = jnp.pad(scale, ((0, 0), (0, n_out - out), (0, n_in // MXFP4_GROUP - scale.shape[2])), constant_values=127)
+    as all of K3's are. Padded MXFP4 entries are code 0 (= 0.0) with scale 127 (= 1); padding whole 64-input
+    blocks keeps the kernel layouts' plane structure."""
+    layout = mxfp4_layout(w)
+    if layout == "float":
+        e, i, o = w.shape
+        if (i, o) != (n_in, n_out):
+            w = jnp.pad(w, ((0, 0), (0, n_in - i), (0, n_out - o)))
+        return (w,)
+    _, i, o = _weight_dims(w)
+    packed, scale = (w[k] for k in _LAYOUT_KEYS[layout])
+    if (i, o) == (n_in, n_out):
         return packed, scale
-    e, i, o = w.shape
-    if (i, o) != (n_in, n_out):
-        w = jnp.pad(w, ((0, 0), (0, n_in - i), (0, n_out - o)))
-    return (w,)
+    d_half, d_group, d_out = (n_in - i) // 2, (n_in - i) // MXFP4_GROUP, n_out - o
+    if layout == "hf":
+        packed = jnp.pad(packed, ((0, 0), (0, d_out), (0, d_half)))
+        scale = jnp.pad(scale, ((0, 0), (0, d_out), (0, d_group)), constant_values=127)
+    else:
+        pad_planes = ((0, 0), (0, d_out), (0, d_half)) if layout == "nk" else ((0, 0), (0, d_half), (0, d_out))
+        packed = jnp.pad(packed, pad_planes)
+        scale = jnp.pad(scale, ((0, 0), (0, d_group), (0, d_out)), constant_values=127)
+    return packed, scale
 
 
 def _pad2(a: jax.Array, rows: int, cols: int) -> jax.Array:
@@ -328,9 +501,9 @@ def grouped_glu(xs: jax.Array, schedule: jax.Array, gate, up, *, config: MoeGemm
     """
     m_pad, k_pad = xs.shape
     i_pad = out_dim
-    gate_packed, up_packed = isinstance(gate, dict), isinstance(up, dict)
     kernel = functools.partial(
-        _grouped_glu_kernel, gate_packed=gate_packed, up_packed=up_packed, block_m=config.block_m,
+        _grouped_glu_kernel, gate_layout=mxfp4_layout(gate), up_layout=mxfp4_layout(up), config=config,
+        block_m=config.block_m,
         block_n=config.glu_block_n, block_k=config.block_k, activation=activation, beta=situ_beta,
         linear_beta=situ_linear_beta,
     )
@@ -350,7 +523,7 @@ def grouped_down(h: jax.Array, schedule: jax.Array, row_scale: jax.Array, down, 
     """row_scale * (h @ down_e) per expert-sorted row: h [M_pad, I_pad] -> y [M_pad, out_dim] float32."""
     m_pad, i_pad = h.shape
     kernel = functools.partial(
-        _grouped_down_kernel, packed=isinstance(down, dict), block_m=config.block_m,
+        _grouped_down_kernel, layout=mxfp4_layout(down), config=config, block_m=config.block_m,
         block_n=config.down_block_n, block_k=config.block_k,
     )
     return pl.pallas_call(
@@ -372,8 +545,9 @@ def _check_inputs(x, ids, weights, experts, activation):
         raise ValueError(f"routing weights {list(weights.shape)} must match ids {list(ids.shape)}")
     if set(experts) != {"gate", "up", "down"}:
         raise ValueError(f"experts must hold gate, up and down, got {sorted(experts)}")
-    if isinstance(experts["gate"], dict) != isinstance(experts["up"], dict):
-        raise ValueError("gate and up must both be MXFP4-packed or both float (they share the activation tile)")
+    if mxfp4_layout(experts["gate"]) != mxfp4_layout(experts["up"]):
+        raise ValueError("gate and up must both be MXFP4-packed or both float, in one layout (they share the "
+                         "activation tile and the accumulator orientation)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     eg, kg, ig = _weight_dims(experts["gate"])
@@ -401,10 +575,15 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     n, top_k = ids.shape
     m = n * top_k
     config = config or default_config(m, num_experts)
-    packed = any(isinstance(w, dict) for w in experts.values())
+    layouts = {mxfp4_layout(w) for w in experts.values()}
+    packed = layouts != {"float"}
     if packed and config.block_k < MXFP4_GROUP:
         raise ValueError(f"MXFP4 weights need block_k >= {MXFP4_GROUP}, got {config.block_k}")
-    block_k = _block(config.block_k, max(k_dim, i_dim), MXFP4_GROUP if packed else 16)
+    if config.mxfp4_scale == "weight" and config.mxfp4_mma == "f16":
+        raise ValueError("mxfp4_scale='weight' with mxfp4_mma='f16' would leave f16's range (scales 2^-14..2^15 only)")
+    # the kernel layouts are cut in 64-input blocks: their contraction step is a multiple of 64
+    min_block_k = PLANE_BLOCK if layouts & {"nk", "kn"} else MXFP4_GROUP if packed else 16
+    block_k = _block(max(config.block_k, min_block_k), max(k_dim, i_dim), min_block_k)
     config = dataclasses.replace(
         config, block_k=block_k,
         glu_block_n=_block(config.glu_block_n, i_dim), down_block_n=_block(config.down_block_n, k_dim),
@@ -442,6 +621,21 @@ def mxfp4_dequantize_reference(packed: jax.Array, scale: jax.Array, dtype=jnp.fl
     return jnp.swapaxes(values, -1, -2).astype(dtype)
 
 
+def mxfp4_weight_reference(w: dict, dtype=jnp.float32) -> jax.Array:
+    """Any MXFP4 layout (`mxfp4_layout`: checkpoint or `prepare_mxfp4`'s) -> [E, in, out] weight, plain jnp."""
+    layout = mxfp4_layout(w)
+    if layout == "hf":
+        return mxfp4_dequantize_reference(w["packed"], w["scale"], dtype)
+    if layout == "float":
+        raise ValueError("mxfp4_weight_reference takes an MXFP4 dict")
+    e, n_in, n_out = _weight_dims(w)
+    planes = w["planes_nk"] if layout == "nk" else jnp.swapaxes(w["planes_kn"], -1, -2)  # [E, out, in/2]
+    blocks = planes.reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-2).reshape(e, n_out, n_in).astype(jnp.int32)
+    factors = jnp.repeat(_e8m0_to_f32(jnp.swapaxes(w["scales_gn"], -1, -2).astype(jnp.int32)), MXFP4_GROUP, axis=-1)
+    return jnp.swapaxes(_e2m1_to_f32(codes) * factors, -1, -2).astype(dtype)
+
+
 def moe_grouped_mlp_reference(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *,
                               activation: str = "situ", situ_beta: float = 4.0,
                               situ_linear_beta: float | None = 25.0) -> jax.Array:
@@ -449,7 +643,7 @@ def moe_grouped_mlp_reference(x: jax.Array, ids: jax.Array, weights: jax.Array, 
     for tests), fp32 math throughout, result in x.dtype."""
     _check_inputs(x, ids, weights, experts, activation)
     w = {
-        name: mxfp4_dequantize_reference(v["packed"], v["scale"]) if isinstance(v, dict) else v.astype(jnp.float32)
+        name: mxfp4_weight_reference(v) if isinstance(v, dict) else v.astype(jnp.float32)
         for name, v in experts.items()
     }
     x32 = x.astype(jnp.float32)
@@ -474,5 +668,6 @@ def expert_weight_bytes(num_experts_touched: int, k_dim: int, i_dim: int, packed
 __all__ = [
     "MoeGemmConfig", "default_config", "tile_schedule", "num_work_items", "grouped_glu", "grouped_down",
     "moe_grouped_mlp", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
-    "expert_weight_bytes",
+    "expert_weight_bytes", "prepare_mxfp4", "mxfp4_layout", "mxfp4_weight_reference", "MXFP4_VARIANTS",
+    "PLANE_BLOCK",
 ]

@@ -74,6 +74,40 @@ def test_large_groups_match_reference(config):
     assert rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("variant", list(moe_gemm.MXFP4_VARIANTS))
+@pytest.mark.parametrize("tokens,top_k", [(7, 4), (600, 2)])
+def test_mxfp4_variants_match_dequantised_reference(variant, tokens, top_k):
+    """Every MXFP4 decode variant, compiled, at K3 widths (3584 -> 3072) and the decode tiling (block_m 16) for
+    7 tokens / the 64-row tiling for 600: random bytes cover all 16 codes (incl. the f16-subnormal +-0.5 of the
+    plane decode) and scales span 2^-10..2^10 around a 2^-9 base. Against the model's ragged_dot reference on
+    the same weights dequantised (exact in bf16): 1e-2 as above (bf16 activations; swap_f16 runs the MMA in f16, which holds
+    these bf16 activations exactly)."""
+    import dataclasses
+
+    e, k, i = 6, 3584, 3072
+    rng = np.random.default_rng(tokens + 1)
+    ids = np.stack([rng.choice(e - 1, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)  # 5 empty
+    ids[:, 0] = 2  # hot expert
+    ids, w = jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
+    x = jax.random.normal(jax.random.key(tokens), (tokens, k)).astype(jnp.bfloat16)
+
+    def hf(n_out, n_in, base):  # base 2^-9 (so |w| ~ E2M1 * 2^-9 ~ 1/sqrt(fan-in)), +-10 octaves on a few groups
+        scale = rng.integers(base - 1, base + 2, (e, n_out, n_in // 32))
+        scale[:, :4, :4] = rng.integers(base - 10, base + 11, (e, 4, 4))
+        return {"packed": jnp.asarray(rng.integers(0, 256, (e, n_out, n_in // 2)).astype(np.uint8)),
+                "scale": jnp.asarray(scale.astype(np.uint8))}
+
+    checkpoint = {"gate": hf(i, k, 118), "up": hf(i, k, 118), "down": hf(k, i, 118)}
+    layout, overrides = moe_gemm.MXFP4_VARIANTS[variant]
+    experts = checkpoint if layout == "hf" else {n: moe_gemm.prepare_mxfp4(v, layout) for n, v in checkpoint.items()}
+    config = dataclasses.replace(moe_gemm.default_config(ids.size, e), **overrides)
+    got = moe_gemm.moe_grouped_mlp(x, ids, w, experts, config=config)
+    cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=top_k)
+    want = grouped_experts_reference(x, ids, w, checkpoint, cfg)  # ragged_dot over the dequantised weights
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel(got, want) < 1e-2, variant
+
+
 def moe_gemm_quantize(w):
     from k3jax.quant import mxfp4_quantize
 

@@ -224,3 +224,81 @@ def test_model_forward_interpret_equals_reference(monkeypatch):
     want = k3jax.forward(params, cfg, tokens)
     got = k3jax.forward(params, cfg, tokens, backend_name="interpret")
     assert rel(got, want) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# MXFP4 kernel layouts (prepare_mxfp4) and decode variants
+
+
+def random_mxfp4(rng, e, n_out, n_in, lo=117, hi=137):
+    """Checkpoint-layout MXFP4 with uniform random bytes (all 16 codes, incl. the subnormal +-0.5) and E8M0
+    scales spanning 2^(lo-127)..2^(hi-127)."""
+    return {"packed": jnp.asarray(rng.integers(0, 256, (e, n_out, n_in // 2)).astype(np.uint8)),
+            "scale": jnp.asarray(rng.integers(lo, hi + 1, (e, n_out, n_in // 32)).astype(np.uint8))}
+
+
+def test_plane_decode_is_exact_for_every_byte():
+    """Both nibble planes of all 256 bytes decode to E2M1 * 2^-14 exactly (f16 bit placement; code 1 is an f16
+    subnormal, exact through the conversion -- unlike a bf16 subnormal, which XLA:CPU flushes in a multiply)."""
+    b = jnp.arange(256, dtype=jnp.uint8)
+    for high, codes in ((False, np.arange(256) & 15), (True, np.arange(256) >> 4)):
+        got = np.asarray(moe_gemm._decode_plane(b, high).astype(jnp.float32), np.float64) * 2.0**14
+        np.testing.assert_array_equal(got, E2M1_TABLE[codes])
+        assert (np.signbit(got) == (codes >= 8)).all()
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_prepare_mxfp4_is_an_exact_repacking(layout):
+    rng = np.random.default_rng(10)
+    w = random_mxfp4(rng, 3, 40, 192)
+    prepared = moe_gemm.prepare_mxfp4(w, layout)
+    assert moe_gemm.mxfp4_layout(prepared) == layout
+    want = numpy_dequantize(w["packed"], w["scale"])  # [E, in, out]
+    np.testing.assert_array_equal(np.asarray(moe_gemm.mxfp4_weight_reference(prepared), np.float64), want)
+    # block 1's byte 5 holds input 64 + 5 (low nibble) and input 64 + 32 + 5 (high nibble)
+    planes = np.asarray(prepared["planes_nk"] if layout == "nk" else np.swapaxes(prepared["planes_kn"], -1, -2))
+    codes = np.asarray(w["packed"])
+    lo, hi = (codes[0, 7, 69 // 2] >> (4 * (69 % 2))) & 15, (codes[0, 7, 101 // 2] >> (4 * (101 % 2))) & 15
+    assert planes[0, 7, 32 + 5] == lo | (hi << 4)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 96), layout)
+
+
+@pytest.mark.parametrize("config", [MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=128, block_k=128),
+                                    MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64)],
+                         ids=["bk128", "bk64"])
+def test_mxfp4_variants_match_float64(config):
+    """Every variant of MXFP4_VARIANTS on ragged groups with an empty and a hot expert, scales 2^-10..2^10,
+    dims that need padding (K 192 -> 256 with 128-wide tiles) and two tilings. fp32 activations: the decoded
+    weights are exact, so the variants differ from the float64 oracle by fp32 rounding only (2e-6, as above);
+    "swap_f16" rounds the activations to f16 (2^-11 relative) before the MMA, so 2e-3."""
+    import dataclasses
+
+    rng = np.random.default_rng(11)
+    e, k_dim, i_dim = 5, 192, 128
+    x, ids, w, _ = make_case(rng, 21, 2, e, k_dim, i_dim, jnp.float32, empty=(3,), hot=1)
+    hf = {"gate": random_mxfp4(rng, e, i_dim, k_dim), "up": random_mxfp4(rng, e, i_dim, k_dim),
+          "down": random_mxfp4(rng, e, k_dim, i_dim)}
+    dequant = {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}
+    x = x * 2.0**-8  # scales up to 2^10 times E2M1 6: keep SiTU out of its saturated range
+    want = numpy_moe(x, ids, w, dequant, "situ")
+    assert rel(moe_grouped_mlp_reference(x, ids, w, {k: moe_gemm.prepare_mxfp4(v) for k, v in hf.items()}), want) < 2e-6
+    for name, (layout, overrides) in moe_gemm.MXFP4_VARIANTS.items():
+        experts = hf if layout == "hf" else {k: moe_gemm.prepare_mxfp4(v, layout) for k, v in hf.items()}
+        got = moe_grouped_mlp(x, ids, w, experts, config=dataclasses.replace(config, **overrides), interpret=True)
+        assert rel(got, want) < (2e-3 if name == "swap_f16" else 2e-6), name
+
+
+def test_mxfp4_layout_errors():
+    rng = np.random.default_rng(12)
+    x, ids, w, experts = make_case(rng, 4, 2, 3, 64, 64, jnp.float32)
+    hf = random_mxfp4(rng, 3, 64, 64)
+    with pytest.raises(ValueError, match="both be MXFP4"):
+        moe_grouped_mlp(x, ids, w, {**experts, "gate": moe_gemm.prepare_mxfp4(hf), "up": hf}, interpret=True)
+    with pytest.raises(ValueError, match="match no layout"):
+        moe_gemm.mxfp4_layout({"planes": hf["packed"]})
+    with pytest.raises(ValueError, match="f16"):
+        prepared = {k: moe_gemm.prepare_mxfp4(random_mxfp4(rng, 3, 64, 64)) for k in ("gate", "up", "down")}
+        moe_grouped_mlp(x, ids, w, prepared, config=MoeGemmConfig(mxfp4_scale="weight", mxfp4_mma="f16"), interpret=True)
+    with pytest.raises(ValueError, match="mxfp4_scale"):
+        MoeGemmConfig(mxfp4_scale="input")
