@@ -6,7 +6,7 @@
 MXFP4 decode variants (pallas_kernels.moe_gemm.MXFP4_VARIANTS) against bf16 weights at decode sizes, one command,
 ~150 s on the H200 (limits ~15 s, then the section stops starting cases after --budget-s, default 110 s):
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe,sweep \
-        --mxfp4-variants interleave,kmajor,swap,swap_wscale,swap_f16 --sweep-tokens 16,256,1024 --out $OUT/mxfp4.json
+        --mxfp4-variants interleave,kmajor,swap,swap_wscale,swap_f16,swap_asm --sweep-tokens 16,256,1024 --out $OUT/mxfp4.json
   k3-ep16 shard; bf16 and every variant at each tiling of --mxfp4-configs (decode-sized, block_m 16) on identical
   inputs; each checked on the device against the dense einsum over the dequantised-bf16 weights (rel error);
   table column bf16/this = best bf16 ms at that T / this case's ms (> 1: faster than bf16).

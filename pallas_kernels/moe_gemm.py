@@ -41,7 +41,17 @@ MoeGemmConfig.mxfp4_scale / mxfp4_mma): "interleave" (hf), "kmajor" (kn), "swap"
 scale multiplies the decoded bf16 weights, 1 op/weight, instead of each group's fp32 partial product,
 block_m/32 ops/weight, which also splits the MMA chain per group), "swap_f16" (nk, MMA in f16: no f16 -> bf16
 conversion, activations cast to f16 per tile; SiTU bounds h by 100, but gate/up inputs above 65504 would
-overflow). NONE OF THE NEW VARIANTS HAS BEEN COMPILED OR TIMED ON A GPU YET (written 2026-11-30 without
+overflow), "swap_asm" (nk, each plane decoded by 4 PTX instructions per 2 weights, `_PLANE_ASM`, exact E2M1
+in bf16; interpret mode substitutes the jnp decode). Static cost, from compiling an equivalent hand-written
+Triton kernel with Triton 3.6 for sm_90 on a CPU (SASS instructions in the K loop per weight per thread,
+16-row tiles, block_k 128, 64 / 128-wide output tiles; not the Pallas-lowered kernel, not a timing):
+bf16 weights 1.1 (128-wide), interleave 13.3 / 13.0, kmajor 9.7 / 8.9, swap 8.8 / 8.3, swap_wscale
+8.9 / 8.3, swap_f16 7.9 / 7.1, swap_asm 4.9 / 4.4. Only the "nk" variants get Hopper's wgmma (A operand in
+registers: the decode feeds it with no shared-memory round trip); kmajor, interleave and bf16 use mma.sync
+at 16-row tiles. The jnp decodes spend ~2 shifts, ~1.5 byte permutes and a 1.5-op f16 -> bf16 conversion
+per weight; the PTX shares one multiply between the two shifts and one bf16x2 fma between 2 weights.
+By the brief's budget (~10 ops/weight for 1.5x over bf16) only swap_asm has a clear margin.
+NONE OF THE NEW VARIANTS HAS BEEN COMPILED OR TIMED ON A GPU YET (written 2026-11-30 without
 device time; interpret-mode tests check their numbers): `benchmarks/moe.py --mxfp4-variants` times them and
 tests/gpu/test_moe_gpu.py checks them; a checkpoint loader would call `prepare_mxfp4` on each packed expert
 weight once the winner is known. For large groups, dequantising once to bf16 outside the kernel and running
@@ -81,7 +91,9 @@ class MoeGemmConfig:
     The two mxfp4_* fields only act on weights in a kernel layout (`prepare_mxfp4`; see MXFP4_VARIANTS):
     mxfp4_scale "partial" multiplies each 32-input group's fp32 partial product by its E8M0 scale, "weight"
     multiplies the decoded weights before the MMA; mxfp4_mma "act" runs the MMA in the activation dtype,
-    "f16" in float16 (activations cast to f16: they must stay below 65504 in magnitude).
+    "f16" in float16 (activations cast to f16: they must stay below 65504 in magnitude); mxfp4_decode "asm"
+    decodes each nibble plane with inline PTX (`_decode_plane_asm`; GPU only, interpret mode runs the jnp
+    decode in its place), "jnp" with `_decode_plane`.
     """
 
     block_m: int = 64
@@ -92,6 +104,7 @@ class MoeGemmConfig:
     num_stages: int = 3
     mxfp4_scale: str = "partial"
     mxfp4_mma: str = "act"
+    mxfp4_decode: str = "jnp"
 
     def __post_init__(self):
         for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
@@ -102,6 +115,8 @@ class MoeGemmConfig:
             raise ValueError(f"MoeGemmConfig.mxfp4_scale={self.mxfp4_scale!r} must be 'partial' or 'weight'")
         if self.mxfp4_mma not in ("act", "f16"):
             raise ValueError(f"MoeGemmConfig.mxfp4_mma={self.mxfp4_mma!r} must be 'act' or 'f16'")
+        if self.mxfp4_decode not in ("jnp", "asm"):
+            raise ValueError(f"MoeGemmConfig.mxfp4_decode={self.mxfp4_decode!r} must be 'jnp' or 'asm'")
 
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
@@ -207,6 +222,7 @@ MXFP4_VARIANTS = {
     "swap": ("nk", {}),
     "swap_wscale": ("nk", {"mxfp4_scale": "weight"}),
     "swap_f16": ("nk", {"mxfp4_mma": "f16"}),
+    "swap_asm": ("nk", {"mxfp4_decode": "asm"}),
 }
 _LAYOUT_KEYS = {"hf": ("packed", "scale"), "nk": ("planes_nk", "scales_gn"), "kn": ("planes_kn", "scales_gn")}
 
@@ -271,12 +287,46 @@ def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float16)
 
 
+# Inline PTX for one nibble plane, two bytes at a time (pack=2: $1 holds 2 uint8 elements, $0 gets 2 bf16):
+# prmt spreads the bytes into 16-bit lanes; the nibble (x = lane & 0xF, or & 0xF0 for the high plane) times
+# 0x1040 (0x104) puts the magnitude on bits 6..9 and a copy on 12..15 with no carry between them, the mask
+# 0x81C0 keeps magnitude bits 6..8 and the sign on bit 15: bf16 bits of E2M1 * 2^-126 (code 1 = the subnormal
+# 0.5 * 2^-126), and fma.rn.bf16x2 by 2^126 (bf16 arithmetic has no flush-to-zero on the GPU) makes it exact
+# E2M1. 4 instructions per 2 weights (+ Triton's packing); compiled with Triton 3.6 for sm_90 in an equivalent
+# Triton kernel: 4.4-4.9 SASS instructions per weight in the K loop against 8.3-8.8 for the jnp decode and
+# 13 for "interleave" (static counts, not timings).
+_PLANE_ASM = {
+    False: """{
+.reg .b32 t, m, c, z;
+mov.b32 c, 0x7E807E80; mov.b32 z, 0x80008000;
+prmt.b32 t, $1, 0, 0x4140;
+and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, c, z;
+}""",
+    True: """{
+.reg .b32 t, m, c, z;
+mov.b32 c, 0x7E807E80; mov.b32 z, 0x80008000;
+prmt.b32 t, $1, 0, 0x4140;
+and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, c, z;
+}""",
+}
+
+
+def _decode_plane_asm(packed: jax.Array, high: bool, interpret: bool) -> jax.Array:
+    """One nibble plane of a uint8 tile -> exact E2M1 values in bf16 (inline PTX on the GPU; in interpret mode
+    the same values from `_decode_plane`, so the interpret tests check the kernel around it, not the PTX)."""
+    if interpret:
+        return (_decode_plane(packed, high).astype(jnp.float32) * _PLANE_BIAS).astype(jnp.bfloat16)
+    [out] = plgpu.elementwise_inline_asm(_PLANE_ASM[high], args=[packed], constraints="=r,r", pack=2,
+                                         result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
+    return out
+
+
 class _WeightRefs:
     """One expert weight operand: float [E, K, N] refs, MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs
     (checkpoint layout), or a `prepare_mxfp4` layout (planes + scales [E, K/32, N])."""
 
-    def __init__(self, refs, layout: str, config: MoeGemmConfig):
-        self.refs, self.layout, self.config = refs, layout, config
+    def __init__(self, refs, layout: str, config: MoeGemmConfig, interpret: bool):
+        self.refs, self.layout, self.config, self.interpret = refs, layout, config, interpret
 
     @property
     def transposed(self) -> bool:
@@ -306,6 +356,7 @@ class _WeightRefs:
         planes_ref, scales_ref = self.refs
         half = PLANE_BLOCK // 2
         on_weights = self.config.mxfp4_scale == "weight"
+        asm = self.config.mxfp4_decode == "asm"
         for c in range(block_k // PLANE_BLOCK):
             kc = k0 + c * PLANE_BLOCK
             if self.transposed:
@@ -317,9 +368,13 @@ class _WeightRefs:
                 mma_dtype = jnp.float16 if self.config.mxfp4_mma == "f16" else a.dtype
                 a = a.astype(mma_dtype)
                 s = scales_ref[expert, kc // MXFP4_GROUP + plane, pl.ds(n0, block_n)]  # [block_n]
-                factor = _e8m0_to_f32(s.astype(jnp.int32)) * _PLANE_BIAS  # 2^(s-127) * 2^14, [block_n]
+                factor = _e8m0_to_f32(s.astype(jnp.int32))  # 2^(s-127), [block_n]
+                if asm:  # exact E2M1 values in bf16
+                    w = _decode_plane_asm(packed, plane == 1, self.interpret).astype(mma_dtype)
+                else:  # E2M1 * 2^-14, exact in f16, bf16, f32
+                    w = _decode_plane(packed, plane == 1).astype(mma_dtype)
+                    factor = factor * _PLANE_BIAS
                 factor = factor[:, None] if self.transposed else factor[None, :]
-                w = _decode_plane(packed, plane == 1).astype(mma_dtype)  # exact in f16, bf16, f32
                 if on_weights:
                     w = w * factor.astype(mma_dtype)  # exact (a power of two) unless it leaves the range
                 if self.transposed:
@@ -345,7 +400,7 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 
 
 def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout: str, config: MoeGemmConfig,
-                        block_m: int, block_n: int, block_k: int, activation: str, beta: float,
+                        interpret: bool, block_m: int, block_n: int, block_k: int, activation: str, beta: float,
                         linear_beta: float | None):
     # schedule_ref [4, W] int32 (tile row start, expert, first row, end row)
     # x_ref        [M_pad, K_pad] expert-sorted rows
@@ -354,8 +409,8 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout:
     #       up refs (same layout), h_ref [M_pad, I_pad] output
     n_gate = 1 if gate_layout == "float" else 2
     n_up = 1 if up_layout == "float" else 2
-    gate = _WeightRefs(rest[:n_gate], gate_layout, config)
-    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, config)
+    gate = _WeightRefs(rest[:n_gate], gate_layout, config, interpret)
+    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, config, interpret)
     h_ref = rest[n_gate + n_up]
     item, col = pl.program_id(0), pl.program_id(1)
     lo, hi = schedule_ref[2, item], schedule_ref[3, item]
@@ -384,14 +439,14 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout:
 
 
 def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, layout: str, config: MoeGemmConfig,
-                         block_m: int, block_n: int, block_k: int):
+                         interpret: bool, block_m: int, block_n: int, block_k: int):
     # schedule_ref  [4, W] int32
     # h_ref         [M_pad, I_pad] GLU output rows
     # row_scale_ref [M_pad] fp32 routing weight of each row
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
     #       planes [E, D_pad, I_pad/2] or [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8),
     #       y_ref [M_pad, D_pad] fp32 output
-    down = _WeightRefs(rest[:-1], layout, config)
+    down = _WeightRefs(rest[:-1], layout, config, interpret)
     y_ref = rest[-1]
     item, col = pl.program_id(0), pl.program_id(1)
     lo, hi = schedule_ref[2, item], schedule_ref[3, item]
@@ -503,7 +558,7 @@ def grouped_glu(xs: jax.Array, schedule: jax.Array, gate, up, *, config: MoeGemm
     i_pad = out_dim
     kernel = functools.partial(
         _grouped_glu_kernel, gate_layout=mxfp4_layout(gate), up_layout=mxfp4_layout(up), config=config,
-        block_m=config.block_m,
+        interpret=interpret, block_m=config.block_m,
         block_n=config.glu_block_n, block_k=config.block_k, activation=activation, beta=situ_beta,
         linear_beta=situ_linear_beta,
     )
@@ -523,7 +578,8 @@ def grouped_down(h: jax.Array, schedule: jax.Array, row_scale: jax.Array, down, 
     """row_scale * (h @ down_e) per expert-sorted row: h [M_pad, I_pad] -> y [M_pad, out_dim] float32."""
     m_pad, i_pad = h.shape
     kernel = functools.partial(
-        _grouped_down_kernel, layout=mxfp4_layout(down), config=config, block_m=config.block_m,
+        _grouped_down_kernel, layout=mxfp4_layout(down), config=config, interpret=interpret,
+        block_m=config.block_m,
         block_n=config.down_block_n, block_k=config.block_k,
     )
     return pl.pallas_call(

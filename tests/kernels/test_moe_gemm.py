@@ -264,12 +264,14 @@ def test_prepare_mxfp4_is_an_exact_repacking(layout):
         moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 96), layout)
 
 
-@pytest.mark.parametrize("config", [MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=128, block_k=128),
-                                    MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64)],
-                         ids=["bk128", "bk64"])
-def test_mxfp4_variants_match_float64(config):
+@pytest.mark.parametrize("config,variants", [
+    (MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=128, block_k=128), tuple(moe_gemm.MXFP4_VARIANTS)),
+    (MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64), ("kmajor", "swap_wscale")),
+], ids=["bk128", "bk64"])
+def test_mxfp4_variants_match_float64(config, variants):
     """Every variant of MXFP4_VARIANTS on ragged groups with an empty and a hot expert, scales 2^-10..2^10,
-    dims that need padding (K 192 -> 256 with 128-wide tiles) and two tilings. fp32 activations: the decoded
+    dims that need padding (K 192 -> 256 with 128-wide tiles); a second tiling (one 64-input block per step,
+    32-row tiles, 32/64-wide columns) for both kernel layouts and both scale placements. fp32 activations: the decoded
     weights are exact, so the variants differ from the float64 oracle by fp32 rounding only (2e-6, as above);
     "swap_f16" rounds the activations to f16 (2^-11 relative) before the MMA, so 2e-3."""
     import dataclasses
@@ -283,7 +285,8 @@ def test_mxfp4_variants_match_float64(config):
     x = x * 2.0**-8  # scales up to 2^10 times E2M1 6: keep SiTU out of its saturated range
     want = numpy_moe(x, ids, w, dequant, "situ")
     assert rel(moe_grouped_mlp_reference(x, ids, w, {k: moe_gemm.prepare_mxfp4(v) for k, v in hf.items()}), want) < 2e-6
-    for name, (layout, overrides) in moe_gemm.MXFP4_VARIANTS.items():
+    for name in variants:
+        layout, overrides = moe_gemm.MXFP4_VARIANTS[name]
         experts = hf if layout == "hf" else {k: moe_gemm.prepare_mxfp4(v, layout) for k, v in hf.items()}
         got = moe_grouped_mlp(x, ids, w, experts, config=dataclasses.replace(config, **overrides), interpret=True)
         assert rel(got, want) < (2e-3 if name == "swap_f16" else 2e-6), name
@@ -302,3 +305,61 @@ def test_mxfp4_layout_errors():
         moe_grouped_mlp(x, ids, w, prepared, config=MoeGemmConfig(mxfp4_scale="weight", mxfp4_mma="f16"), interpret=True)
     with pytest.raises(ValueError, match="mxfp4_scale"):
         MoeGemmConfig(mxfp4_scale="input")
+
+
+def _run_plane_ptx(asm: str, reg_in: int) -> int:
+    """A tiny emulator of the PTX subset in moe_gemm._PLANE_ASM (mov, prmt, and, mul.lo.u32, fma.rn.bf16x2) on
+    32-bit registers; bf16x2 lanes are multiplied in float64 and must be exact in bf16 (they are: powers of two)."""
+    import re
+
+    def bf16_value(bits):
+        return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
+
+    def bf16_bits(value):
+        f = np.array([value], np.float32).view(np.uint32)[0]
+        assert f & 0xFFFF == 0, value  # exact in bf16
+        return int(f >> 16)
+
+    regs = {"$1": reg_in}
+    val = lambda tok: regs[tok] if tok in regs else int(tok, 0)
+    for ins in filter(None, (i.strip() for i in asm.replace("{", "").replace("}", "").split(";"))):
+        if ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[d] = val(src[0])
+        elif op == "prmt.b32":
+            pool = val(src[0]) | (val(src[1]) << 32)
+            sel = val(src[2])
+            regs[d] = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "and.b32":
+            regs[d] = val(src[0]) & val(src[1])
+        elif op == "mul.lo.u32":
+            regs[d] = (val(src[0]) * val(src[1])) & 0xFFFFFFFF
+        elif op == "fma.rn.bf16x2":
+            a, b, c = (val(x) for x in src)
+            lanes = [bf16_value((a >> s) & 0xFFFF) * bf16_value((b >> s) & 0xFFFF) + bf16_value((c >> s) & 0xFFFF)
+                     for s in (0, 16)]
+            regs[d] = bf16_bits(lanes[0]) | (bf16_bits(lanes[1]) << 16)
+        else:
+            raise AssertionError(f"unexpected instruction {ins!r}")
+        assert re.fullmatch(r"\$0|[a-z]\w*", d), d
+    return regs["$0"]
+
+
+def test_plane_ptx_decodes_every_byte_pair():
+    """The swap_asm variant's inline PTX, emulated (its GPU form is only checked by tests/gpu/test_moe_gpu.py):
+    every byte in either lane of a register, garbage in the two unused bytes, both planes, exact E2M1 results
+    (the bf16 subnormal 0.5 * 2^-126 of code 1 is exact in the emulator's float64 and in the GPU's bf16 fma)."""
+    rng = np.random.default_rng(13)
+    first = np.arange(256)
+    second = rng.permutation(256)
+    for high in (False, True):
+        asm = moe_gemm._PLANE_ASM[high]
+        for b0, b1 in zip(first, second):
+            reg = int(b0) | (int(b1) << 8) | (int(rng.integers(0, 1 << 16)) << 16)
+            out = np.array([_run_plane_ptx(asm, reg)], np.uint32).view(np.uint16)  # lane 0 = element 0
+            got = (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+            codes = np.array([b0, b1]) >> 4 if high else np.array([b0, b1]) & 15
+            np.testing.assert_array_equal(got, E2M1_TABLE[codes])
