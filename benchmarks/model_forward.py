@@ -504,19 +504,26 @@ def profile_kernel_times(trace_dir: str, steps: int) -> dict:
     pids = device_pids or set(names)
     total_us: Counter = Counter()
     count: Counter = Counter()
+    first_start, last_end = float("inf"), float("-inf")
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e and not e["name"].startswith("$"):  # $: Python frames
             total_us[e["name"]] += float(e["dur"])
             count[e["name"]] += 1
+            first_start = min(first_start, float(e["ts"]))
+            last_end = max(last_end, float(e["ts"]) + float(e["dur"]))
     by_group: Counter = Counter()
     for name, us in total_us.items():
         by_group[kernel_group(name)] += us
     per_step = lambda us: us / 1e3 / steps  # noqa: E731
     return {
         "source": source, "steps": steps, "ms_per_step": per_step(sum(total_us.values())),
+        "kernels_per_step": sum(count.values()) / steps,
+        # first kernel start to last kernel end over the traced steps: span - ms_per_step is the device idle
+        # time between kernels (launch gaps, host waits between synchronous steps)
+        "span_ms_per_step": per_step(last_end - first_start) if count else 0.0,
         "by_group_ms_per_step": {g: per_step(us) for g, us in by_group.most_common()},
         "by_kernel": [{"name": n, "ms_per_step": per_step(us), "calls_per_step": count[n] / steps,
-                       "group": kernel_group(n)} for n, us in total_us.most_common(40)],
+                       "group": kernel_group(n)} for n, us in total_us.most_common(80)],
     }
 
 
@@ -836,7 +843,9 @@ def profile_tables(result: dict) -> list[list[list[str]]]:
         step_ms = prof["ms_per_step"]
         rows = [[f"decode [{name}], {prof['source']} time", "ms/step", "share"]]
         rows += [[g, f"{ms:.3f}", f"{100 * ms / step_ms:.1f} %"] for g, ms in prof["by_group_ms_per_step"].items()]
-        rows.append(["total (sum of kernels)", f"{step_ms:.3f}", "100 %"])
+        rows.append([f"total (sum of {prof.get('kernels_per_step', 0):g} kernels)", f"{step_ms:.3f}", "100 %"])
+        if prof.get("span_ms_per_step"):
+            rows.append(["device idle between kernels (span - sum)", f"{prof['span_ms_per_step'] - step_ms:.3f}", ""])
         rows += [[f"  {k['name'][:70]} (x{k['calls_per_step']:g})", f"{k['ms_per_step']:.3f}",
                   f"{100 * k['ms_per_step'] / step_ms:.1f} %"] for k in prof["by_kernel"][:10]]
         tables.append(rows)

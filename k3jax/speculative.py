@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.compile_options import STEP_COMPILER_OPTIONS
 from k3jax.config import ModelConfig
 from k3jax.drafter import DrafterConfig, draft_tokens, init_drafter_state, target_ids
 from k3jax.model import (
@@ -45,7 +46,8 @@ SAMPLINGS = ("greedy", "rejection")
 # ----------------------------------------------------------------------------------------------------
 
 
-@partial(jax.jit, static_argnames=("cfg", "capture", "verify", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "capture", "verify", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def target_step(params: dict, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
                 capture: tuple[int, ...], verify: bool, backend_name: str = "reference"):
     """k3jax.prefill (verify=False; chunked KDA, logits at each row's last new token) or k3jax.verify

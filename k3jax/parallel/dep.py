@@ -41,6 +41,7 @@ from k3jax.moe import route
 from k3jax.parallel.common import (AXIS, cache_free_mixer, cached_mixer, check_tokens, mesh_size, pad_groups, padded,
                                    run_decoder)
 from k3jax.parallel.tep import local_expert_cfg
+from k3jax.compile_options import STEP_COMPILER_OPTIONS
 
 
 def param_specs(params: dict) -> dict:
@@ -198,7 +199,8 @@ def _step(params, cfg, state, tokens, meta, mesh, kda_mode, capacity, backend_na
                          out_specs=(P(AXIS), STATE_SPECS))(params, state, tokens, meta)
 
 
-@partial(jax.jit, static_argnames=("cfg", "mesh", "capacity", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "mesh", "capacity", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta, mesh: Mesh,
             capacity: int | None = None, backend_name: str = "reference"):
     """`k3jax.model.prefill` under DEP: rows of tokens [n*Bl, T] and meta split by rank (local slot and
@@ -207,7 +209,8 @@ def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, met
     return _step(params, cfg, state, tokens, meta, mesh, "chunked", capacity, backend_name)
 
 
-@partial(jax.jit, static_argnames=("cfg", "mesh", "capacity", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "mesh", "capacity", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta, mesh: Mesh,
            capacity: int | None = None, backend_name: str = "reference"):
     """`k3jax.model.decode` under DEP: tokens int32 [n*Bl] -> (logits float32 [n*Bl, V], new state)."""

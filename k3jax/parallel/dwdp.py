@@ -36,6 +36,7 @@ from k3jax.parallel import dep
 from k3jax.parallel.common import (AXIS, cache_free_mixer, cached_mixer, check_tokens, mesh_size, pad_groups,
                                    run_decoder)
 from k3jax.parallel.common import padded as padded_count
+from k3jax.compile_options import STEP_COMPILER_OPTIONS
 
 param_specs = dep.param_specs  # same storage layout as DEP: routed experts split by expert, the rest replicated
 shard_params = dep.shard_params
@@ -104,7 +105,8 @@ def _step(params, cfg, state, tokens, meta, mesh, kda_mode, backend_name):
                          out_specs=(P(AXIS), STATE_SPECS))(params, state, tokens, meta)
 
 
-@partial(jax.jit, static_argnames=("cfg", "mesh", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "mesh", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta, mesh: Mesh,
             backend_name: str = "reference"):
     """`k3jax.model.prefill` under SPMD DWDP (layout as `dep.prefill`: rows and meta split by rank, local
@@ -113,7 +115,8 @@ def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, met
     return _step(params, cfg, state, tokens, meta, mesh, "chunked", backend_name)
 
 
-@partial(jax.jit, static_argnames=("cfg", "mesh", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "mesh", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta, mesh: Mesh,
            backend_name: str = "reference"):
     """`k3jax.model.decode` under SPMD DWDP: tokens int32 [n*Bl] -> (logits float32 [n*Bl, V], new state)."""
