@@ -382,10 +382,12 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
         ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
         dense = jax.jit(functools.partial(dense_loop_moe, num_experts=e, capacity=int(counts.max())))
         want = {"bf16": dense(x, ids, w, bf16), "mxfp4": dense(x, ids, w, mx_deq)}
-        for cfg in configs:
-            for name in ["bf16", *variants]:
-                tiling = "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n", "block_k",
-                                                                  "num_warps", "num_stages"))
+        # bf16 also at the tiling moe_grouped_mlp picks for this size (the model's bf16 path), then every tiling
+        runs = [(moe_gemm.default_config(m, e), ["bf16"], "default ")] + [(cfg, ["bf16", *variants], "") for cfg in configs]
+        for cfg, names, tag in runs:
+            for name in names:
+                tiling = tag + "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n",
+                                                                        "block_k", "num_warps", "num_stages"))
                 row = dict(tokens=t, rows=m, rows_per_expert=m / e, experts_touched=touched, variant=name,
                            tiling=tiling)
                 if time.perf_counter() - t_start > budget_s:
