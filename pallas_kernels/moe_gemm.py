@@ -129,13 +129,16 @@ def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
     tiles with 8 warps (best of the H200 sweep in benchmarks/moe.py at 292 rows/expert: 302 TFLOP/s, against
     274 for 128x64 GLU tiles and 280 for 64-row tiles). A 256-wide down GEMM (LARGE_GROUP_WIDE_DOWN) was faster
     in the 2026-11-30 sweep at 65536 tokens, 1170 rows/expert: 10.58 ms = 62.5 % of the jnp.dot peak against
-    11.08 ms / 59.7 %; it becomes the default once tests/gpu/test_moe_gpu.py has checked it on the GPU (the sweep
-    timed it without a correctness check, and a Triton tiling can miscompile: see mla_decode's two stages)."""
+    11.08 ms / 59.7 %, and matched the reference on the H200 (tests/gpu/test_moe_gpu.py, 2026-11-30): it is the
+    default from 256 rows per expert (the issue's large-group range), where the down GEMM's 3584-wide output
+    gives every 128-row item 14 wide tiles."""
     per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 16:
         return MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
         return MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64, num_warps=4, num_stages=3)
+    if per_expert >= 256:
+        return LARGE_GROUP_WIDE_DOWN
     return MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 

@@ -59,9 +59,13 @@ def test_grouped_mlp_bf16_and_mxfp4_match_reference(tokens, top_k):
     assert rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("config", [None, moe_gemm.LARGE_GROUP_WIDE_DOWN], ids=["default", "wide_down"])
+NARROW_DOWN = moe_gemm.MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=128, block_k=64, num_warps=8,
+                                     num_stages=3)
+
+
+@pytest.mark.parametrize("config", [None, NARROW_DOWN], ids=["default_wide_down", "narrow_down"])
 def test_large_groups_match_reference(config):
-    """~700 rows per expert: the large-group tiling (and the 256-wide down GEMM waiting to become its default)."""
+    """~700 rows per expert: the default large-group tiling (the 256-wide down GEMM) and the 128-wide one."""
     e, k, i, tokens, top_k = 6, 3584, 3072, 2100, 2
     rng = np.random.default_rng(7)
     ids = jnp.asarray(np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32))
