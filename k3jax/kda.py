@@ -140,6 +140,7 @@ def kda_mixer(
     backend_name: str = "reference",
     linear: Linear | None = None,
     slots: jax.Array | None = None,
+    fresh: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA attention block on pre-normed x [B, T, D].
 
@@ -156,6 +157,10 @@ def kda_mixer(
       slots: [B] int32 distinct pool rows (None: the states are per row, see above). Not with all_states.
         The fused decode kernel reads and writes the pools at `slots` itself (in place when the caller donates
         them); every other path gathers the B rows, runs as without slots, and scatters them back.
+      fresh: [B] bool / int (None: none) rows that start from the zero conv and recurrent states whatever
+        conv_state / rec_state hold for them (a new request in a reused slot). The fused decode kernel takes the
+        flag itself (it skips reading those slots, then overwrites them); every other path zeroes the rows it
+        gathered (or was given) with a select, so no pool is written to clear a slot.
 
     Returns: (y [B, T, D], new_conv_state, new_rec_state) -- with `slots`, the pools updated at those rows.
     """
@@ -163,14 +168,22 @@ def kda_mixer(
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     fused_op = {"chunked": "kda_chunked_fused", "recurrent": "kda_decode_fused"}.get(mode)
     fused = fused_op is not None and backend_name in backend.implemented(fused_op)
+    fused_decode = fused and mode == "recurrent"  # the only path that indexes pools and zeroes fresh rows itself
+    if fresh is not None and fresh.shape != (b,):
+        raise ValueError(f"kda_mixer: fresh must be [B={b}]; got {fresh.shape}")
     if slots is not None:
         if all_states:
             raise ValueError("kda_mixer: slots (pooled states) cannot be combined with all_states")
-        if not (fused and mode == "recurrent"):  # only the decode kernel indexes pools itself
+        if not fused_decode:
             y, new_conv, new_rec = kda_mixer(params, x, conv_state[slots], rec_state[slots], cfg, lengths=lengths,
-                                             mode=mode, backend_name=backend_name, linear=linear)
+                                             mode=mode, backend_name=backend_name, linear=linear, fresh=fresh)
             return (y, conv_state.at[slots].set(new_conv),
                     rec_state.at[slots].set(new_rec))
+    if fresh is not None and not fused_decode:  # a select, not a multiply: exact zeros whatever the rows hold
+        keep = fresh == 0
+        conv_state = jnp.where(keep[:, None, None], conv_state, jnp.zeros_like(conv_state))
+        rec_state = jnp.where(keep[:, None, None, None], rec_state, jnp.zeros_like(rec_state))
+        fresh = None
     linear = linear or dense_each
     gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)
     proj = linear(x, {name: params[name] for name in ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", gate_in)})
@@ -182,7 +195,8 @@ def kda_mixer(
     if fused:
         y, new_conv, new_rec = _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, z, beta_logits, gate,
                                             conv_w, conv_state, rec_state, cfg, lengths=lengths, mode=mode,
-                                            all_states=all_states, backend_name=backend_name, slots=slots)
+                                            all_states=all_states, backend_name=backend_name, slots=slots,
+                                            fresh=fresh)
         return linear(y.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"], new_conv, new_rec
     if all_states:
         y, conv_states = _conv_all_states(qkv, conv_state, conv_w)
@@ -219,14 +233,14 @@ def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
 
 
 def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, rec_state, cfg: ModelConfig, *,
-                 lengths, mode, all_states, backend_name, slots=None):
+                 lengths, mode, all_states, backend_name, slots=None, fresh=None):
     """kda_mixer's core through a fused kernel op, from the input projections (qkv [B, T, 3HK], z and gate
     [B, T, H, K], beta_logits [B, T, H] fp32) to the gated-normed heads y [B, T, H, K] before o_proj (same
     results as the reference path, to kernel tolerance).
 
     chunked: the short conv stays in XLA; the kernel fuses the L2 norms, gate, beta and the chunked scan.
     recurrent: the kernel fuses conv, norms, gate, beta, the delta rule and the gated RMSNorm; the states are
-    pools indexed by `slots` (None: per-row states, rows 0..B-1).
+    pools indexed by `slots` (None: per-row states, rows 0..B-1), and rows flagged `fresh` start from zero states.
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
@@ -236,7 +250,7 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
         rows = jnp.arange(b, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
         y, new_conv, new_rec = op(qkv, conv_state, conv_w, z, beta_logits, gate, rec_state, rows, lens,
                                   a_log=params["A_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm"],
-                                  eps=cfg.rms_norm_eps, all_states=all_states, **gate_kw)
+                                  eps=cfg.rms_norm_eps, all_states=all_states, fresh=fresh, **gate_kw)
     else:
         conv_out, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)
         q, k, v = (conv_out[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))
