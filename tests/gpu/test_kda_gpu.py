@@ -7,7 +7,8 @@ tensor cores (fp32 accumulation, as fla does): 2e-2. A subset of the gate x dtyp
 combinations keeps the GPU run short; benchmarks/kda.py checks the variants against fla at full size.
 The solve="pallas" cases and the per-kernel tests (each Pallas kernel of the chunked prefill alone, at
 D128, against its own reference; added with the one-kernel-per-file split) have not run on a GPU yet
-(added after the 2026-11-30 device runs); nor have the V-blocked decode cases (block_v < 128).
+(added after the 2026-11-30 device runs); nor have the V-blocked decode cases (block_v < 128), nor the decode
+fresh flag (masked-off pool loads: test_decode_fresh_rows_match_reference).
 """
 
 import jax
@@ -111,3 +112,36 @@ def test_decode_matches_reference(t, all_states, block_v, num_warps):
     want = jax.device_get(kda_decode_reference(*args, **kw))
     for g, w in zip(got, want):
         assert rel(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("t,all_states,block_v", [(1, False, None), (4, False, 16), (4, True, None), (1, False, 128)])
+def test_decode_fresh_rows_match_reference(t, all_states, block_v):
+    """The per-row fresh flag compiled for the GPU (masked-off Triton loads of the pool rows): fresh rows whose
+    slots hold garbage, inf and NaN give the reference's outputs and states (finite), and rows outside the batch
+    stay untouched; the fresh idle row (length 0) leaves zeros in its slot. D128, default and small V-blocks and
+    the whole-state kernel."""
+    rng = np.random.default_rng(4)
+    b, h, d, pool = 5, 4, 128, 9
+    arr = lambda *s: rng.standard_normal(s).astype(np.float32)
+    conv_pool, state_pool = arr(pool, 3, 3 * h * d), arr(pool, h, d, d)
+    conv_pool[8, 1, :4] = [np.nan, np.inf, -np.inf, 1e30]  # slot 8 is a fresh row's
+    state_pool[8, 2, 5, :4] = [np.nan, np.inf, -np.inf, 1e30]
+    slots, lengths = [7, 0, 3, 8, 1], [t, t, 0, 1, t]
+    fresh = jnp.asarray([0, 1, 1, 1, 0], jnp.int32)  # row 2 (slot 3) is fresh and idle
+    args = (jnp.asarray(arr(b, t, 3 * h * d)), jnp.asarray(conv_pool), jnp.asarray(arr(4, 3 * h * d) * 0.5),
+            jnp.asarray(arr(b, t, h, d)), jnp.asarray(arr(b, t, h)), jnp.asarray(arr(b, t, h, d)),
+            jnp.asarray(state_pool), jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    kw = dict(a_log=jnp.asarray(arr(h) * 0.5), dt_bias=jnp.asarray(arr(h * d)),
+              o_norm_weight=jnp.asarray(1 + 0.1 * arr(d)), all_states=all_states, fresh=fresh)
+    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v))
+    want = jax.device_get(kda_decode_reference(*args, **kw))
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(got[0][valid], want[0][valid]) < 1e-5
+    live = np.array([0, 1, 3, 4]) if all_states else slice(None)
+    for g, w in zip(got[1:], want[1:]):
+        assert np.isfinite(g[live]).all() and rel(g[live], w[live]) < 1e-5
+    if not all_states:
+        untouched = np.array([2, 4, 5, 6])
+        np.testing.assert_array_equal(got[2][untouched], state_pool[untouched])
+        np.testing.assert_array_equal(got[1][untouched], conv_pool[untouched])
+        assert not got[2][3].any() and not got[1][3].any()
