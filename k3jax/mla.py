@@ -118,21 +118,38 @@ def paged_attention_reference(
     return jnp.einsum("bhts,bsc->bthc", probs, c.astype(jnp.float32))
 
 
+# The decode kernel of the "pallas" / "interpret" ops: "triton" (pallas_kernels/mla_decode.py's Triton kernel) or
+# "mosaic" (its Mosaic GPU kernel: TMA page copies, wgmma; bf16 pages and kv_lora_rank 512 only, other sizes fall
+# back to Triton). Read at trace time. Triton until a GPU run of benchmarks/mla.py --shape-sweep at k3-small's
+# 16 heads shows Mosaic faster (Triton 0.382 ms per layer there, 37 % of copy bandwidth; Mosaic untimed).
+MLA_DECODE_KERNEL = "triton"
+
+
 def _kernel_paged_attention(interpret: bool):
     """The "pallas" / "interpret" implementation of mla_paged_attention: the Pallas MLA kernels
     (pallas_kernels/mla_decode.py for q_len <= 8, with a balanced split plan built on device from the
-    positions; mla_prefill.py for longer chunks). Sizes the kernels' Triton tiling cannot take (C or R not a
-    power of two >= 16, page_size not a power of two <= 64: e.g. the tiny test configs) use the reference."""
+    positions, Triton or Mosaic GPU as MLA_DECODE_KERNEL says; mla_prefill.py for longer chunks). Sizes the
+    kernels' Triton tiling cannot take (C or R not a power of two >= 16, page_size not a power of two <= 64: e.g.
+    the tiny test configs) use the reference."""
 
     def attend(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank, scale, layer=None):
         from pallas_kernels import mla_decode, mla_prefill  # imported on use: k3jax does not need Pallas
 
+        if MLA_DECODE_KERNEL not in ("triton", "mosaic"):
+            raise ValueError(f"k3jax.mla.MLA_DECODE_KERNEL must be 'triton' or 'mosaic', got {MLA_DECODE_KERNEL!r}")
         if not mla_decode.supported(kv_lora_rank, q_pe.shape[-1], kv_pages.shape[-2], kv_pages.dtype):
             return paged_attention_reference(q_latent, q_pe, kv_pages, page_table, query_positions,
                                              kv_lora_rank=kv_lora_rank, scale=scale, layer=layer)
-        kernel = mla_decode.mla_decode if q_latent.shape[1] <= mla_decode.MAX_Q_LEN else mla_prefill.mla_prefill
-        return kernel(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank=kv_lora_rank, scale=scale,
-                      layer=layer, interpret=interpret)
+        if q_latent.shape[1] > mla_decode.MAX_Q_LEN:
+            return mla_prefill.mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions,
+                                           kv_lora_rank=kv_lora_rank, scale=scale, layer=layer, interpret=interpret)
+        page_size = kv_pages.shape[-2]
+        mosaic = MLA_DECODE_KERNEL == "mosaic" and mla_decode.mgpu_supported(
+            kv_lora_rank, q_pe.shape[-1], page_size, kv_pages.dtype,
+            max(mla_decode.MGPU_DEFAULT_BLOCK_KV, page_size))
+        return mla_decode.mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank=kv_lora_rank,
+                                     scale=scale, layer=layer, backend="mosaic" if mosaic else "triton",
+                                     interpret=interpret)
 
     return attend
 

@@ -41,7 +41,9 @@ Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop 
   latency-bound (one 150-220 KiB program per SM, no warp specialisation), not bandwidth-bound.
 The memory limit needs FlashMLA's structure: `backend="mosaic"` (_mgpu_decode_kernel below) is a first
 Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two compute warpgroups owning
-256 value columns each). Not wired into the model yet. It lowers to Mosaic GPU MLIR on CPU and matches the
+256 value columns each). The model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic" (default "triton"); at
+k3-small's 16 heads (16 query rows padded to its 64-row tile, 64-token pages) it matches the reference under the
+interpreter but is untimed on the GPU (benchmarks/mla.py --shape-sweep times it against Triton's tilings). It lowers to Mosaic GPU MLIR on CPU and matches the
 reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py); on the H200 (2026-11-30,
 benchmarks/mla.py --backends, docs/results/mla_backends_h200_2026-11-30b.json) it compiled, matched the
 reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4, and ran B64 x 32k in 4.25 ms
@@ -236,14 +238,20 @@ def _combine_kernel(
 
 # --------------------------------------------------------------------------------------------------
 # Mosaic GPU kernel (Hopper: TMA page copies, wgmma, a memory warpgroup and two compute warpgroups).
-# Mosaic GPU decode (see the module docstring): H200-checked in benchmarks/mla.py --backends, not used by the model.
+# Mosaic GPU decode (see the module docstring): H200-checked in benchmarks/mla.py --backends at 96 heads; the model's
+# when k3jax.mla.MLA_DECODE_KERNEL == "mosaic".
 # Program = (64-row block, work item). Warpgroup 2 copies each KV block's pages (TMA, `stages` slots deep);
 # warpgroups 0 and 1 both compute the [64, block_kv] scores and softmax (duplicated: 1.5x the MMA work of
 # one score pass, but no exchange between them) and each accumulates its own 256 of the 512 value columns.
 # Every item writes a normalised partial + lse; merge_partials combines them in XLA.
 # --------------------------------------------------------------------------------------------------
-MGPU_ROWS = 64  # one wgmma M tile: the query rows (t, h) of a program
+MGPU_ROWS = 64  # one wgmma M tile: the query rows (t, h) of a program; fewer rows (k3-small's 16 heads x q_len 1)
+# are padded to it (position -1: they see no key, their output rows are dropped before the merge)
 MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value columns (its accumulator: 64 x 256 fp32)
+# The H200-checked setting (benchmarks/mla.py --backends, 2026-11-30): 64-key blocks, a 2-slot TMA ring (~216 KiB)
+MGPU_DEFAULT_BLOCK_KV = 64
+MGPU_DEFAULT_STAGES = 2
+MGPU_SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 _MGPU_INTERPRET_KW = {}
 
 
@@ -403,6 +411,16 @@ def _mgpu_decode_kernel(
                 plmgpu.wait_smem_to_gmem(0)
 
 
+def mgpu_smem_bytes(block_kv: int, stages: int, r_dim: int) -> int:
+    """Shared memory of _mgpu_decode_kernel: queries [64, 512 + R] bf16 and row positions, then the KV ring
+    [stages, block_kv, 512 + R] bf16 sharing its space with the outputs [2, 64, 256] fp32 + lse [64] (barriers
+    and alignment not counted: ~1 KiB of slack is left under MGPU_SMEM_LIMIT)."""
+    q = MGPU_ROWS * (2 * MGPU_VALUE_HALF + r_dim) * 2 + MGPU_ROWS * 4
+    ring = stages * block_kv * (2 * MGPU_VALUE_HALF + r_dim) * 2
+    outputs = 2 * MGPU_ROWS * MGPU_VALUE_HALF * 4 + MGPU_ROWS * 4
+    return q + max(ring, outputs)
+
+
 def mgpu_supported(c_dim: int, r_dim: int, page_size: int, kv_dtype, block_kv: int) -> bool:
     """Sizes the Mosaic GPU kernel takes: C = 512 (two 256-column halves), R a multiple of 64, bf16 pages of
     a power-of-two size >= 8 dividing block_kv, a multiple of 64 (the P @ C wgmma's K with 128-byte swizzle)."""
@@ -453,8 +471,9 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
         interpret=mgpu.InterpretGPUParams(**_MGPU_INTERPRET_KW) if interpret else None,
     )
     part_o, part_lse = kernel(work_request, work_start, work_end, q, row_pos, page_table, layer, kv_pages)
-    out = merge_partials(part_o, part_lse, work_request, b)
-    return out[:, : t * h].reshape(b, t, h, c_dim)
+    # only the real rows are merged (16 heads x q_len 1: 16 of the 64 rows)
+    out = merge_partials(part_o[:, : t * h], part_lse[:, : t * h], work_request, b)
+    return out.reshape(b, t, h, c_dim)
 
 
 def merge_partials(part_o, part_lse, work_request, batch: int):
@@ -622,8 +641,10 @@ def mla_decode(
         num_warps / num_stages: Triton launch parameters.
       value_groups: programs sharing one (row block, work item), each accumulating C / value_groups of the output
         columns (scores recomputed by each: a smaller accumulator for more score FLOPs; measured slower).
-      backend: "triton" (default) or "mosaic" (the Mosaic GPU kernel, not yet the model's: bf16 pages,
-        C = 512, block_kv (a multiple of 64) and num_stages as its KV block and TMA ring depth).
+      backend: "triton" (default) or "mosaic" (the Mosaic GPU kernel: bf16 pages, C = 512, any T*H <= 64 per row
+        block (padded to 64 rows); block_kv (a multiple of 64, default MGPU_DEFAULT_BLOCK_KV) and num_stages
+        (default MGPU_DEFAULT_STAGES) as its KV block and TMA ring depth, within mgpu_smem_bytes <= 226 KiB; the
+        model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic").
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -631,6 +652,9 @@ def mla_decode(
     page_size = kv_pages.shape[-2]
     b, t, h, c_dim = q_latent.shape
     block_rows = default_block_rows(t * h, 64) if block_rows is None else block_rows
+    if backend == "mosaic":
+        block_kv = max(MGPU_DEFAULT_BLOCK_KV, page_size) if block_kv is None else block_kv
+        num_stages = MGPU_DEFAULT_STAGES if num_stages is None else num_stages
     block_kv = default_decode_block_kv(page_size, block_rows) if block_kv is None else block_kv
     num_stages = default_num_stages(kv_pages.dtype) if num_stages is None else num_stages
     _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows,
@@ -651,6 +675,12 @@ def mla_decode(
             raise ValueError("the Mosaic GPU kernel takes bf16 pages, kv_lora_rank 512, a rope dim that is a multiple "
                              f"of 64 and pages of >= 8 tokens dividing block_kv; got C={c_dim}, R={q_pe.shape[-1]}, "
                              f"page_size={page_size}, {kv_pages.dtype}, block_kv={block_kv}")
+        smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1])
+        if num_stages < 2:  # one slot: the Mosaic GPU interpreter never finishes (2026-11-30, not understood)
+            raise ValueError(f"the Mosaic GPU kernel needs num_stages >= 2 (a TMA ring of >= 2 slots), got {num_stages}")
+        if smem > MGPU_SMEM_LIMIT - 1024:
+            raise ValueError(f"the Mosaic GPU kernel's block_kv={block_kv} x num_stages={num_stages} ring needs "
+                             f"{smem} B of shared memory, over the {MGPU_SMEM_LIMIT - 1024} B it may use")
         return _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), layer,
                                 kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv,
                                 stages=num_stages, interpret=interpret)

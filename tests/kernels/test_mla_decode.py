@@ -218,3 +218,40 @@ def test_mosaic_decode_matches_reference_in_interpret_mode():
     assert got.shape == (b, q_len, heads, c_dim)
     for r in range(b):
         assert rel(got[r], want[r]) < TOL, r
+
+
+def test_mosaic_decode_at_16_heads_and_64_token_pages():
+    """k3-small's decode shape under the Mosaic GPU interpreter: 16 heads x q_len 1 = 16 query rows, padded to the
+    kernel's 64-row wgmma tile (the padding rows see no key and are dropped before the merge), 64-token pages, the
+    kernel's defaults (64-key blocks = one page each, a 2-slot TMA ring). Histories 0 / 62 / 300 / 700 (+ the new
+    token): a 1-token history, one a token short of a page, and a 701-token one the 4-part plan splits into items
+    of 5 and 6 blocks (both wrap the ring). Tolerance as above."""
+    heads, c_dim, r_dim, page = 16, 512, 64, 64
+    rng = np.random.default_rng(16)
+    hist = np.array([0, 62, 300, 700])
+    b = len(hist)
+    max_pages = -(-(hist.max() + 1) // page) + 1
+    num_pages = b * max_pages + 3
+    table = jnp.asarray(shuffled_page_tables(rng, b, max_pages, num_pages))
+    kv = jnp.asarray(rng.standard_normal((num_pages, page, c_dim + r_dim)), jnp.bfloat16)
+    q_latent = jnp.asarray(rng.standard_normal((b, 1, heads, c_dim)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((b, 1, heads, r_dim)), jnp.bfloat16)
+    positions = jnp.asarray(hist[:, None], jnp.int32)
+    scale = 192**-0.5
+    lens = np.asarray(md.attended_lengths(positions, max_pages * page))
+    plan = mla_plan.plan_balanced(lens, block_kv=md.MGPU_DEFAULT_BLOCK_KV, num_parts=4)
+    assert list(plan.request_num_work) == [1, 1, 1, 2]
+    assert list((plan.work_block_end - plan.work_block_start)[3:5]) == [5, 6]
+    got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale,
+                        backend="mosaic", interpret=True)
+    want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=c_dim, scale=scale)
+    assert got.shape == (b, 1, heads, c_dim)
+    for r in range(b):
+        assert rel(got[r], want[r]) < TOL, r
+    call = lambda **kw: md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale,
+                                      backend="mosaic", interpret=True, **kw)
+    with pytest.raises(ValueError, match="shared memory"):  # 2 slots of 128 keys: 288 KiB with the queries
+        call(block_kv=128, num_stages=2)
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        call(num_stages=1)
+    assert md.mgpu_smem_bytes(64, 2, r_dim) == 221440  # ~216 KiB: 72 KiB of queries + two 72 KiB slots
