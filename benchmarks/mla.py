@@ -40,7 +40,8 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             default tiling, balanced plan built on device inside the jit), the same tiling with the plan
             precomputed (the baseline of every ratio; the grid's plans are precomputed too, since the model
             builds one plan per step for all its MLA layers), and on a shuffled page table; the model's reference
-            path once; then the grid: block_rows x block_kv x warps at 1 stage, plan part counts and
+            path once; the Mosaic GPU kernel (the model's call with k3jax.mla.MLA_DECODE_KERNEL = "mosaic", then
+            --mosaic block_kv/stages with the plan precomputed; summary: mosaic vs Triton); then the grid: block_rows x block_kv x warps at 1 stage, plan part counts and
             value_groups for the fastest. Every case is checked against mla_decode_reference on the same inputs first
             (--tol, largest per-request relative error) and only correct cases can be "fastest". See
             run_shape_sweep.
@@ -84,6 +85,7 @@ from jax.experimental.pallas import triton as plgpu
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from k3jax import backend as k3_backend  # noqa: E402
 from k3jax.mla import paged_attention_reference  # noqa: E402
+from k3jax import mla as k3_mla  # noqa: E402
 from pallas_kernels import mla_decode as md  # noqa: E402
 from pallas_kernels import mla_plan  # noqa: E402
 from pallas_kernels import mla_prefill as mp  # noqa: E402
@@ -147,6 +149,10 @@ def parse_args(argv=None):
     s.add_argument("--diag", default="read,qk,pv",
                    help="last: the model tiling's loop with stages left out, modes of diag_call (read: page gathers "
                         "only; qk: + scores and softmax statistics; pv: loads + P @ C, no scores)")
+    s.add_argument("--mosaic", default="64/2",
+                   help="Mosaic GPU kernel block_kv/stages pairs timed right after the model's cases (plus the model's "
+                        "call with MLA_DECODE_KERNEL='mosaic'); '' for none. 128/2 needs 288 KiB of shared memory and "
+                        "is refused by mla_decode; 1 stage is refused (hangs the Mosaic GPU interpreter)")
     s.add_argument("--tol", type=float, default=1e-2,
                    help="largest per-request relative error vs mla_decode_reference of a correct case")
     g = p.add_argument_group("--plan-sweep (defaults: K3's 96 heads, 16-token pages, the benchmark's mixed batches)")
@@ -186,6 +192,12 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.spare_tokens < 0:
         p.error(f"--spare-tokens must be >= 0, got {args.spare_tokens}")
+    try:
+        args.mosaic = [tuple(int(v) for v in pair.split("/")) for pair in args.mosaic.split(",") if pair.strip()]
+    except ValueError:
+        p.error(f"--mosaic takes block_kv/stages pairs, got {args.mosaic!r}")
+    if any(len(m) != 2 for m in args.mosaic):
+        p.error(f"--mosaic takes block_kv/stages pairs, got {args.mosaic}")
     args.diag = [m for m in args.diag.split(",") if m.strip()]
     if set(args.diag) - set(DIAG_MODES):
         p.error(f"--diag takes modes of {sorted(DIAG_MODES)}, got {args.diag}")
@@ -599,7 +611,7 @@ def model_tiling(heads: int, page_size: int) -> dict:
     block_rows = md.default_block_rows(heads, 64)
     return dict(block_rows=block_rows, block_kv=md.default_decode_block_kv(page_size, block_rows),
                 num_warps=DECODE_DEFAULTS["num_warps"], num_stages=md.default_num_stages(jnp.bfloat16),
-                value_groups=DECODE_DEFAULTS["value_groups"], num_parts=MODEL_PARTS)
+                value_groups=DECODE_DEFAULTS["value_groups"], num_parts=MODEL_PARTS, backend="triton")
 
 
 class ShapeCase:
@@ -671,6 +683,8 @@ def _relative_errors(got, want):
 
 
 def tiling_label(cfg: dict) -> str:
+    if cfg.get("backend") == "mosaic":
+        return f"mosaic/kv{cfg['block_kv']}/s{cfg['num_stages']}/p{cfg['num_parts']}"
     return (f"rows{cfg['block_rows']}/kv{cfg['block_kv']}/w{cfg['num_warps']}/s{cfg['num_stages']}"
             f"/vg{cfg['value_groups']}/p{cfg['num_parts']}")
 
@@ -694,12 +708,14 @@ class ShapeSweep:
         self._kernels = {}  # one jitted callable per tiling: the shuffled-table and parts cases reuse compiles
 
     def kernel(self, cfg: dict):
-        key = tuple(cfg[k] for k in ("block_kv", "block_rows", "num_warps", "num_stages", "value_groups"))
+        key = tuple(cfg.get(k, "triton") for k in ("block_kv", "block_rows", "num_warps", "num_stages", "value_groups",
+                                                    "backend"))
         if key not in self._kernels:
             self._kernels[key] = jax.jit(functools.partial(
                 md.mla_decode, kv_lora_rank=C, scale=SCALE, layer=self.case.layer, block_kv=cfg["block_kv"],
                 block_rows=cfg["block_rows"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                value_groups=cfg["value_groups"], interpret=self.bench.interpret))
+                value_groups=cfg["value_groups"], backend=cfg.get("backend", "triton"),
+                interpret=self.bench.interpret))
         return self._kernels[key]
 
     def room_for(self, what: str) -> bool:
@@ -789,7 +805,7 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
     seen = {tiling_label(base_cfg)}
 
     def grid_case(**overrides):
-        cfg = dict(base_cfg, num_stages=1, **overrides)
+        cfg = {**base_cfg, "num_stages": 1, **overrides}
         label = tiling_label(cfg)
         if label in seen:
             return
@@ -805,16 +821,34 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
               if c.get("kind") == "tiling" and c.get("page_table") == "contiguous" and c.get("correct") and "ms" in c]
         return sorted(ok, key=lambda c: c["ms"])[:k]
 
+    # the Mosaic GPU kernel: the model's call with k3jax.mla.MLA_DECODE_KERNEL = "mosaic" (read at trace time: set
+    # around the first, tracing call), then each --mosaic block_kv/stages with the plan precomputed
+    if a.mosaic:
+        mosaic_call = jax.jit(functools.partial(registry, kv_lora_rank=C, scale=SCALE, layer=case.layer))
+
+        def model_call_mosaic():
+            before, k3_mla.MLA_DECODE_KERNEL = k3_mla.MLA_DECODE_KERNEL, "mosaic"
+            try:
+                return mosaic_call(*case.args())
+            finally:
+                k3_mla.MLA_DECODE_KERNEL = before
+
+        mosaic_default = dict(base_cfg, backend="mosaic", block_rows=md.MGPU_ROWS, num_warps=0,
+                              block_kv=max(md.MGPU_DEFAULT_BLOCK_KV, a.page_size), num_stages=md.MGPU_DEFAULT_STAGES)
+        sweep.run("model call, MLA_DECODE_KERNEL='mosaic' (registry, plan built in the jit)", "model call",
+                  model_call_mosaic, mosaic_default)
+    for block_kv, stages in a.mosaic:
+        grid_case(backend="mosaic", block_rows=md.MGPU_ROWS, num_warps=0, block_kv=block_kv, num_stages=stages)
     for block_rows in a.block_rows:
         for block_kv in a.block_kv:
             for warps in a.warps:
                 grid_case(block_rows=block_rows, block_kv=block_kv, num_warps=warps)
     # part counts first: with 16 rows a work item is one program, so the plan sets how many programs fill the SMs
-    tiling_keys = ("block_rows", "block_kv", "num_warps", "value_groups", "num_parts")
+    tiling_keys = ("block_rows", "block_kv", "num_warps", "num_stages", "value_groups", "num_parts", "backend")
     for best in fastest(a.top):
         for parts in a.parts:
             grid_case(**{**{k: best[k] for k in tiling_keys}, "num_parts": parts})
-    for best in fastest(a.top):
+    for best in [c for c in fastest(a.top) if c.get("backend") != "mosaic"]:  # the Mosaic kernel has no groups
         for groups in a.value_groups:
             grid_case(**{**{k: best[k] for k in tiling_keys}, "value_groups": groups})
 
@@ -841,13 +875,23 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
     base_ms = timed.get("model tiling, plan precomputed (baseline)")
     shuffled_ms = timed.get("model tiling, plan precomputed, shuffled page table")
     reference_ms = timed.get("model reference path (paged_attention_reference)")
+    mosaic_model_ms = timed.get("model call, MLA_DECODE_KERNEL='mosaic' (registry, plan built in the jit)")
     ratio = lambda x, y: x / y if x and y else None  # noqa: E731
     out["summary"] = {
         "model_call_ms": model_ms, "model_call_step_ms_estimate": model_ms * a.layers if model_ms else None,
         "baseline_ms": base_ms, "plan_in_jit_over_precomputed": ratio(model_ms, base_ms),
         "shuffled_over_contiguous_table": ratio(shuffled_ms, base_ms),
         "reference_path_ms": reference_ms, "reference_path_over_model_call": ratio(reference_ms, model_ms),
+        "mosaic_model_call_ms": mosaic_model_ms,
+        # > 1: the model's call is faster with MLA_DECODE_KERNEL = "mosaic" than with the default Triton kernel
+        "mosaic_speedup_vs_triton_model_call": ratio(model_ms, mosaic_model_ms),
     }
+    correct = lambda backend: [c for c in fastest(len(out["cases"])) if c.get("backend", "triton") == backend]  # noqa: E731
+    best_triton, best_mosaic = correct("triton")[:1], correct("mosaic")[:1]
+    if best_triton and best_mosaic:  # the kernels' best correct tilings, both with the plan precomputed
+        out["summary"]["best_triton_tiling"] = best_triton[0]["name"]
+        out["summary"]["best_mosaic_tiling"] = best_mosaic[0]["name"]
+        out["summary"]["best_mosaic_speedup_vs_best_triton"] = best_triton[0]["ms"] / best_mosaic[0]["ms"]
     top = fastest(1)
     if top and base_ms:
         out["fastest_correct"] = dict(top[0], speedup_vs_baseline=base_ms / top[0]["ms"])
