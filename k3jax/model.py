@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from k3jax import kda, mla
 from k3jax.attnres import attn_res_mix_norm
+from k3jax.compile_options import STEP_COMPILER_OPTIONS
 from k3jax.config import ModelConfig
 from k3jax.layers import Linear, rms_norm
 from k3jax.moe import ffn
@@ -267,7 +268,8 @@ def last_token_hidden(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
-@partial(jax.jit, static_argnames=("cfg", "all_logits", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "all_logits", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
             all_logits: bool = False, backend_name: str = "reference"):
     """Appends tokens int32 [B, T] (row b's first meta.lengths[b] are real) to the state.
@@ -284,7 +286,8 @@ def prefill(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, met
     return lm_head(params, cfg, hidden), state
 
 
-@partial(jax.jit, static_argnames=("cfg", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
            backend_name: str = "reference"):
     """One token per row: tokens int32 [B] -> (logits float32 [B, V], new state). meta.lengths is 1 (or 0
@@ -295,7 +298,8 @@ def decode(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
     return lm_head(params, cfg, hidden[:, 0]), state
 
 
-@partial(jax.jit, static_argnames=("cfg", "backend_name"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "backend_name"), donate_argnames=("state",),
+         compiler_options=STEP_COMPILER_OPTIONS)
 def verify(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
            backend_name: str = "reference"):
     """Scores k tokens per row (tokens int32 [B, k]: the last accepted token, then k-1 drafts).
