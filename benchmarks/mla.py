@@ -932,7 +932,8 @@ def print_shape_sweep(res: dict):
               f"{best['step_ms_estimate']:.3f} ms per step at {shape['layers']} layers)")
     else:
         print("fastest correct: none (no correct timed tiling, or no baseline)")
-    summary = {k: round(v, 4) for k, v in sw.get("summary", {}).items() if v is not None}
+    summary = {k: round(v, 4) if isinstance(v, float) else v for k, v in sw.get("summary", {}).items()
+               if v is not None}
     print(f"summary: {summary}")
     if res["skipped"]:
         print("skipped (time budget):", res["skipped"])
