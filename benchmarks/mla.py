@@ -41,7 +41,8 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             precomputed (the baseline of every ratio; the grid's plans are precomputed too, since the model
             builds one plan per step for all its MLA layers), and on a shuffled page table; the model's reference
             path once; the Mosaic GPU kernel (the model's call with k3jax.mla.MLA_DECODE_KERNEL = "mosaic", then
-            --mosaic block_kv/stages with the plan precomputed; summary: mosaic vs Triton); then the grid: block_rows x block_kv x warps at 1 stage, plan part counts and
+            --mosaic block_kv/stages with the plan precomputed; summary: mosaic vs Triton);
+            then the grid: block_rows x block_kv x warps at 1 stage, plan part counts and
             value_groups for the fastest. Every case is checked against mla_decode_reference on the same inputs first
             (--tol, largest per-request relative error) and only correct cases can be "fastest". See
             run_shape_sweep.
@@ -203,7 +204,8 @@ def parse_args(argv=None):
         p.error(f"--diag takes modes of {sorted(DIAG_MODES)}, got {args.diag}")
     try:
         args.programs_per_sm = [float(x) for x in args.programs_per_sm.split(",") if x.strip()]
-        args.plan_knobs = [tuple(int(v) for v in pair.split("/")) for pair in args.plan_knobs.split(",") if pair.strip()]
+        args.plan_knobs = [tuple(int(v) for v in pair.split("/"))
+                           for pair in args.plan_knobs.split(",") if pair.strip()]
         args.mixed_range = tuple(int(x) for x in args.mixed_range.split(","))
     except ValueError:
         p.error("--programs-per-sm takes numbers, --plan-knobs overhead/min_chunk integer pairs, --mixed-range lo,hi")
@@ -886,7 +888,8 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
         # > 1: the model's call is faster with MLA_DECODE_KERNEL = "mosaic" than with the default Triton kernel
         "mosaic_speedup_vs_triton_model_call": ratio(model_ms, mosaic_model_ms),
     }
-    correct = lambda backend: [c for c in fastest(len(out["cases"])) if c.get("backend", "triton") == backend]  # noqa: E731
+    ranked = fastest(len(out["cases"]))  # every correct tiling, fastest first
+    correct = lambda backend: [c for c in ranked if c.get("backend", "triton") == backend]  # noqa: E731
     best_triton, best_mosaic = correct("triton")[:1], correct("mosaic")[:1]
     if best_triton and best_mosaic:  # the kernels' best correct tilings, both with the plan precomputed
         out["summary"]["best_triton_tiling"] = best_triton[0]["name"]

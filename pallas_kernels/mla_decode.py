@@ -43,7 +43,8 @@ The memory limit needs FlashMLA's structure: `backend="mosaic"` (_mgpu_decode_ke
 Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two compute warpgroups owning
 256 value columns each). The model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic" (default "triton"); at
 k3-small's 16 heads (16 query rows padded to its 64-row tile, 64-token pages) it matches the reference under the
-interpreter but is untimed on the GPU (benchmarks/mla.py --shape-sweep times it against Triton's tilings). It lowers to Mosaic GPU MLIR on CPU and matches the
+interpreter but is untimed on the GPU (benchmarks/mla.py --shape-sweep times it against Triton's tilings).
+It lowers to Mosaic GPU MLIR on CPU and matches the
 reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py); on the H200 (2026-11-30,
 benchmarks/mla.py --backends, docs/results/mla_backends_h200_2026-11-30b.json) it compiled, matched the
 reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4, and ran B64 x 32k in 4.25 ms
@@ -677,7 +678,8 @@ def mla_decode(
                              f"page_size={page_size}, {kv_pages.dtype}, block_kv={block_kv}")
         smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1])
         if num_stages < 2:  # one slot: the Mosaic GPU interpreter never finishes (2026-11-30, not understood)
-            raise ValueError(f"the Mosaic GPU kernel needs num_stages >= 2 (a TMA ring of >= 2 slots), got {num_stages}")
+            raise ValueError(f"the Mosaic GPU kernel needs num_stages >= 2 (a TMA ring of >= 2 slots), "
+                             f"got {num_stages}")
         if smem > MGPU_SMEM_LIMIT - 1024:
             raise ValueError(f"the Mosaic GPU kernel's block_kv={block_kv} x num_stages={num_stages} ring needs "
                              f"{smem} B of shared memory, over the {MGPU_SMEM_LIMIT - 1024} B it may use")
