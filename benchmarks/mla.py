@@ -41,7 +41,8 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             precomputed (the baseline of every ratio; the grid's plans are precomputed too, since the model
             builds one plan per step for all its MLA layers), and on a shuffled page table; the model's reference
             path once; the Mosaic GPU kernel (the model's call with k3jax.mla.MLA_DECODE_KERNEL = "mosaic", then
-            --mosaic block_kv/stages with the plan precomputed; summary: mosaic vs Triton);
+            --mosaic block_kv/stages with the plan precomputed, the first at each --parts; summary: mosaic vs
+            Triton);
             then the grid: block_rows x block_kv x warps at 1 stage, plan part counts and
             value_groups for the fastest. Every case is checked against mla_decode_reference on the same inputs first
             (--tol, largest per-request relative error) and only correct cases can be "fastest". See
@@ -841,6 +842,11 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
                   model_call_mosaic, mosaic_default)
     for block_kv, stages in a.mosaic:
         grid_case(backend="mosaic", block_rows=md.MGPU_ROWS, num_warps=0, block_kv=block_kv, num_stages=stages)
+    # its part counts right away (one ~216 KiB program per SM: how the items fill the SM waves matters most here)
+    for block_kv, stages in a.mosaic[:1]:
+        for parts in a.parts:
+            grid_case(backend="mosaic", block_rows=md.MGPU_ROWS, num_warps=0, block_kv=block_kv, num_stages=stages,
+                      num_parts=parts)
     for block_rows in a.block_rows:
         for block_kv in a.block_kv:
             for warps in a.warps:
