@@ -485,6 +485,27 @@ def kernel_group(name: str) -> str:
     return next((group for key, group in KERNEL_GROUPS if key in low), "XLA fusions / other")
 
 
+def idle_gaps(intervals: list[tuple[float, float]], long_us: float = 100.0) -> dict:
+    """Device idle time within the union of kernel intervals (start, end) in us: the span from the first start to
+    the last end, and the uncovered time in it split into gaps shorter / not shorter than `long_us`."""
+    span = short = long = 0.0
+    long_count = 0
+    if intervals:
+        intervals = sorted(intervals)
+        span = max(end for _, end in intervals) - intervals[0][0]
+        covered_to = intervals[0][1]
+        for start, end in intervals[1:]:
+            if start > covered_to:
+                gap = start - covered_to
+                if gap < long_us:
+                    short += gap
+                else:
+                    long += gap
+                    long_count += 1
+            covered_to = max(covered_to, end)
+    return {"span_us": span, "short_us": short, "long_us": long, "long_count": long_count}
+
+
 def profile_kernel_times(trace_dir: str, steps: int) -> dict:
     """Device time per kernel name from the perfetto trace jax.profiler wrote under `trace_dir`, per step.
 
@@ -504,13 +525,13 @@ def profile_kernel_times(trace_dir: str, steps: int) -> dict:
     pids = device_pids or set(names)
     total_us: Counter = Counter()
     count: Counter = Counter()
-    first_start, last_end = float("inf"), float("-inf")
+    intervals = []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e and not e["name"].startswith("$"):  # $: Python frames
             total_us[e["name"]] += float(e["dur"])
             count[e["name"]] += 1
-            first_start = min(first_start, float(e["ts"]))
-            last_end = max(last_end, float(e["ts"]) + float(e["dur"]))
+            intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    gaps = idle_gaps(intervals)
     by_group: Counter = Counter()
     for name, us in total_us.items():
         by_group[kernel_group(name)] += us
@@ -520,7 +541,11 @@ def profile_kernel_times(trace_dir: str, steps: int) -> dict:
         "kernels_per_step": sum(count.values()) / steps,
         # first kernel start to last kernel end over the traced steps: span - ms_per_step is the device idle
         # time between kernels (launch gaps, host waits between synchronous steps)
-        "span_ms_per_step": per_step(last_end - first_start) if count else 0.0,
+        "span_ms_per_step": per_step(gaps["span_us"]),
+        # idle split by gap length: short gaps are launch latency between kernels, long ones (>= 100 us) are mostly
+        # the host between two synchronous steps (dispatch, sync) or a host-side wait inside one
+        "idle_short_ms_per_step": per_step(gaps["short_us"]), "idle_long_ms_per_step": per_step(gaps["long_us"]),
+        "idle_long_gaps_per_step": gaps["long_count"] / steps,
         "by_group_ms_per_step": {g: per_step(us) for g, us in by_group.most_common()},
         "by_kernel": [{"name": n, "ms_per_step": per_step(us), "calls_per_step": count[n] / steps,
                        "group": kernel_group(n)} for n, us in total_us.most_common(80)],
@@ -845,7 +870,9 @@ def profile_tables(result: dict) -> list[list[list[str]]]:
         rows += [[g, f"{ms:.3f}", f"{100 * ms / step_ms:.1f} %"] for g, ms in prof["by_group_ms_per_step"].items()]
         rows.append([f"total (sum of {prof.get('kernels_per_step', 0):g} kernels)", f"{step_ms:.3f}", "100 %"])
         if prof.get("span_ms_per_step"):
-            rows.append(["device idle between kernels (span - sum)", f"{prof['span_ms_per_step'] - step_ms:.3f}", ""])
+            rows.append(["device idle, gaps < 100 us (launches)", f"{prof['idle_short_ms_per_step']:.3f}", ""])
+            rows.append([f"device idle, gaps >= 100 us ({prof['idle_long_gaps_per_step']:g} per step)",
+                         f"{prof['idle_long_ms_per_step']:.3f}", ""])
         rows += [[f"  {k['name'][:70]} (x{k['calls_per_step']:g})", f"{k['ms_per_step']:.3f}",
                   f"{100 * k['ms_per_step'] / step_ms:.1f} %"] for k in prof["by_kernel"][:10]]
         tables.append(rows)

@@ -182,3 +182,12 @@ def test_model_forward_shadow_check_finds_a_wrong_kernel_and_restriction_bisects
     assert "interpret" in backend.implemented("kda_chunked_fused")  # the restriction was lifted
     table = capsys.readouterr().out
     assert re.search(rf"shadow check \[{re.escape(spec)}\]\s*\| FAIL", table)
+
+
+def test_profile_idle_gaps_split_short_and_long():
+    """Overlapping kernels cover each other; uncovered time is split at 100 us (launch gaps vs host waits)."""
+    module = load_benchmark()
+    intervals = [(0.0, 10.0), (12.5, 20.0), (15.0, 30.0), (30.0, 31.0), (231.0, 240.0), (243.0, 250.0)]
+    gaps = module.idle_gaps(intervals)
+    assert gaps == {"span_us": 250.0, "short_us": 2.5 + 3.0, "long_us": 200.0, "long_count": 1}
+    assert module.idle_gaps([]) == {"span_us": 0.0, "short_us": 0.0, "long_us": 0.0, "long_count": 0}
