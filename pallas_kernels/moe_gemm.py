@@ -80,6 +80,7 @@ from jax.experimental.pallas import triton as plgpu
 
 MXFP4_GROUP = 32  # inputs per E8M0 scale
 ACTIVATIONS = ("situ", "silu")
+ROW_LAYOUTS = ("packed", "aligned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,11 @@ class MoeGemmConfig:
     "f16" in float16 (activations cast to f16: they must stay below 65504 in magnitude); mxfp4_decode "asm"
     decodes each nibble plane with inline PTX (`_decode_plane_asm`; GPU only, interpret mode runs the jnp
     decode in its place), "jnp" with `_decode_plane`.
+    row_layout (mid-size groups, opt-in; see `aligned_schedule`): "packed" cuts the expert-sorted rows into
+    global block_m tiles (a tile straddling two experts is two work items, each a full block_m-row MMA);
+    "aligned" starts every expert's rows at a multiple of block_m in a padded row buffer, so each work item is
+    one tile of one expert. tail_block_m (0 = off): a work item with at most this many rows runs a
+    tail_block_m-row MMA instead of a block_m-row one (both code paths are compiled; the branch is per item).
     """
 
     block_m: int = 64
@@ -105,6 +111,8 @@ class MoeGemmConfig:
     mxfp4_scale: str = "partial"
     mxfp4_mma: str = "act"
     mxfp4_decode: str = "jnp"
+    row_layout: str = "packed"
+    tail_block_m: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
@@ -117,6 +125,12 @@ class MoeGemmConfig:
             raise ValueError(f"MoeGemmConfig.mxfp4_mma={self.mxfp4_mma!r} must be 'act' or 'f16'")
         if self.mxfp4_decode not in ("jnp", "asm"):
             raise ValueError(f"MoeGemmConfig.mxfp4_decode={self.mxfp4_decode!r} must be 'jnp' or 'asm'")
+        if self.row_layout not in ROW_LAYOUTS:
+            raise ValueError(f"MoeGemmConfig.row_layout={self.row_layout!r} must be one of {ROW_LAYOUTS}")
+        t = self.tail_block_m
+        if t and (t < 16 or t & (t - 1) or t >= self.block_m):
+            raise ValueError(f"MoeGemmConfig.tail_block_m={t} must be 0 (off) or a power of two >= 16 below "
+                             f"block_m={self.block_m}")
 
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
@@ -180,6 +194,42 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Ar
     lo = jnp.where(valid, lo, 0)
     hi = jnp.where(valid, hi, 0)
     return jnp.stack([tile * block_m, expert, lo, hi]).astype(jnp.int32)
+
+
+def aligned_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
+    """Group-aligned layout: expert e's rows sit at aligned rows tile_start[e] * block_m + r of a buffer of
+    W * block_m rows (W = `num_work_items`, the same fixed bound as `tile_schedule`: a group of s rows
+    overlaps at least cdiv(s, block_m) global tiles, so sum_e cdiv(s_e, block_m) <= W), and work item w is
+    exactly aligned tile w -- no tile holds two experts, so no MMA row is spent on a neighbour's rows.
+
+    group_sizes [E] int32. Returns
+      schedule [4, W] int32 in `tile_schedule`'s format (tile start, expert, first row, end row), first row =
+        tile start, end row = tile start + the expert's real rows in the tile; unused items first == end == 0;
+      source [W * block_m] int32: the expert-sorted row each aligned row holds (clipped into range for pad rows);
+      real [W * block_m] bool: whether the aligned row holds a real row (pad rows are zero-filled);
+      shift [E] int32: aligned row = expert-sorted row + shift[expert] (the combine's gather).
+    """
+    e = group_sizes.shape[0]
+    w = num_work_items(num_rows, e, block_m)
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    tiles = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    item = jnp.arange(w, dtype=jnp.int32)
+    expert = jnp.minimum((tile_end[None, :] <= item[:, None]).sum(1), e - 1).astype(jnp.int32)  # no while loop
+    valid = item < tile_end[-1]
+    before = (item - tile_start[expert]) * block_m  # the expert's rows in its earlier tiles
+    in_tile = jnp.where(valid, jnp.clip(sizes[expert] - before, 0, block_m), 0)
+    row0 = jnp.where(valid, item * block_m, 0)
+    schedule = jnp.stack([row0, expert, row0, row0 + in_tile]).astype(jnp.int32)
+    r = jnp.arange(block_m, dtype=jnp.int32)
+    real = r[None, :] < in_tile[:, None]  # [W, block_m]
+    source = jnp.where(real, (starts[expert] + before)[:, None] + r[None, :], 0)
+    source = jnp.clip(source, 0, max(num_rows - 1, 0)).reshape(-1)
+    real = real.reshape(-1)
+    shift = tile_start * block_m - starts
+    return schedule, source, real, shift.astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -416,29 +466,29 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout:
     up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, config, interpret)
     h_ref = rest[n_gate + n_up]
     item, col = pl.program_id(0), pl.program_id(1)
-    lo, hi = schedule_ref[2, item], schedule_ref[3, item]
 
-    @pl.when(hi > lo)
-    def _():
-        row0, expert = schedule_ref[0, item], schedule_ref[1, item]
+    def tile(row_start, rows, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
+        expert = schedule_ref[1, item]
         n0 = col * block_n
 
         def step(kb, carry):
             acc_gate, acc_up = carry
             k0 = kb * block_k
-            acc_gate = gate.accumulate(acc_gate, x_ref, row0, expert, k0, n0, block_m, block_k, block_n)
-            acc_up = up.accumulate(acc_up, x_ref, row0, expert, k0, n0, block_m, block_k, block_n)
+            acc_gate = gate.accumulate(acc_gate, x_ref, row_start, expert, k0, n0, rows, block_k, block_n)
+            acc_up = up.accumulate(acc_up, x_ref, row_start, expert, k0, n0, rows, block_k, block_n)
             return acc_gate, acc_up
 
-        zeros = jnp.zeros((block_n, block_m) if gate.transposed else (block_m, block_n), jnp.float32)
+        zeros = jnp.zeros((block_n, rows) if gate.transposed else (rows, block_n), jnp.float32)
         acc_gate, acc_up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
         h = _glu(acc_gate, acc_up, activation, beta, linear_beta)
         if gate.transposed:  # gate and up share the layout
-            h = h.T  # [block_m, block_n]
+            h = h.T  # [rows, block_n]
         h = h.astype(h_ref.dtype)
-        rows = row0 + jnp.arange(block_m)
-        keep = jnp.broadcast_to(((rows >= lo) & (rows < hi))[:, None], (block_m, block_n))
-        plgpu.store(h_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)], h, mask=keep)
+        row_ids = row_start + jnp.arange(rows)
+        keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
+        plgpu.store(h_ref.at[pl.ds(row_start, rows), pl.ds(n0, block_n)], h, mask=keep)
+
+    _for_item_rows(schedule_ref, item, block_m, config.tail_block_m, tile)
 
 
 def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, layout: str, config: MoeGemmConfig,
@@ -452,24 +502,38 @@ def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, layout: str,
     down = _WeightRefs(rest[:-1], layout, config, interpret)
     y_ref = rest[-1]
     item, col = pl.program_id(0), pl.program_id(1)
-    lo, hi = schedule_ref[2, item], schedule_ref[3, item]
 
-    @pl.when(hi > lo)
-    def _():
-        row0, expert = schedule_ref[0, item], schedule_ref[1, item]
+    def tile(row_start, rows, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
+        expert = schedule_ref[1, item]
         n0 = col * block_n
 
         def step(kb, acc):
-            return down.accumulate(acc, h_ref, row0, expert, kb * block_k, n0, block_m, block_k, block_n)
+            return down.accumulate(acc, h_ref, row_start, expert, kb * block_k, n0, rows, block_k, block_n)
 
-        zeros = jnp.zeros((block_n, block_m) if down.transposed else (block_m, block_n), jnp.float32)
+        zeros = jnp.zeros((block_n, rows) if down.transposed else (rows, block_n), jnp.float32)
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, zeros)
         if down.transposed:
-            acc = acc.T  # [block_m, block_n]
-        scale = row_scale_ref[pl.ds(row0, block_m)]  # [block_m]
-        rows = row0 + jnp.arange(block_m)
-        keep = jnp.broadcast_to(((rows >= lo) & (rows < hi))[:, None], (block_m, block_n))
-        plgpu.store(y_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)], acc * scale[:, None], mask=keep)
+            acc = acc.T  # [rows, block_n]
+        scale = row_scale_ref[pl.ds(row_start, rows)]  # [rows]
+        row_ids = row_start + jnp.arange(rows)
+        keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
+        plgpu.store(y_ref.at[pl.ds(row_start, rows), pl.ds(n0, block_n)], acc * scale[:, None], mask=keep)
+
+    _for_item_rows(schedule_ref, item, block_m, config.tail_block_m, tile)
+
+
+def _for_item_rows(schedule_ref, item, block_m: int, tail_block_m: int, tile):
+    """Calls tile(row_start, rows, lo, hi) for work item `item` with static `rows`: block_m rows from the item's
+    tile start, or -- when tail_block_m is set and the item has at most tail_block_m rows -- tail_block_m rows
+    from min(lo, tile start + block_m - tail_block_m), which covers lo..hi-1 (hi <= tile start + block_m) and
+    stays inside the tile, so inside the padded row buffer. Both branches are compiled; empty items run none."""
+    row0, lo, hi = schedule_ref[0, item], schedule_ref[2, item], schedule_ref[3, item]
+    if not tail_block_m:
+        pl.when(hi > lo)(lambda: tile(row0, block_m, lo, hi))
+        return
+    is_tail = hi - lo <= tail_block_m
+    pl.when((hi > lo) & is_tail)(lambda: tile(jnp.minimum(lo, row0 + block_m - tail_block_m), tail_block_m, lo, hi))
+    pl.when(hi - lo > tail_block_m)(lambda: tile(row0, block_m, lo, hi))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -656,15 +720,23 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     order = jnp.argsort(flat, stable=True)  # rows grouped by expert
     token = order // top_k
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    schedule = tile_schedule(group_sizes, m, config.block_m)
-    xs = _pad2(x[token], m_pad, k_pad)
-    row_scale = jnp.pad(weights.reshape(-1).astype(jnp.float32)[order], (0, m_pad - m))
+    sorted_scale = weights.reshape(-1).astype(jnp.float32)[order]
+    if config.row_layout == "aligned":  # each expert's rows from a multiple of block_m; pad rows are zeros
+        schedule, source, real, shift = aligned_schedule(group_sizes, m, config.block_m)
+        xs = _pad2(jnp.where(real[:, None], x[token[source]], 0).astype(x.dtype), source.shape[0], k_pad)
+        row_scale = jnp.where(real, sorted_scale[source], 0.0)
+    else:
+        schedule = tile_schedule(group_sizes, m, config.block_m)
+        xs = _pad2(x[token], m_pad, k_pad)
+        row_scale = jnp.pad(sorted_scale, (0, m_pad - m))
 
     h = grouped_glu(xs, schedule, experts["gate"], experts["up"], config=config, out_dim=i_pad, activation=activation,
                     situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
     y = grouped_down(h, schedule, row_scale, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
     # row of each (token, slot): the permutation's inverse by one scatter, not a second sort
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype), unique_indices=True)
+    if config.row_layout == "aligned":
+        inverse = inverse + shift[flat]  # the aligned row of each (token, slot)
     out = y[inverse][:, :k_dim].reshape(n, top_k, k_dim).sum(axis=1)
     return out.astype(x.dtype)
 
@@ -725,7 +797,8 @@ def expert_weight_bytes(num_experts_touched: int, k_dim: int, i_dim: int, packed
 
 
 __all__ = [
-    "MoeGemmConfig", "default_config", "tile_schedule", "num_work_items", "grouped_glu", "grouped_down",
+    "MoeGemmConfig", "default_config", "tile_schedule", "aligned_schedule", "ROW_LAYOUTS", "num_work_items",
+    "grouped_glu", "grouped_down",
     "moe_grouped_mlp", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
     "expert_weight_bytes", "prepare_mxfp4", "mxfp4_layout", "mxfp4_weight_reference", "MXFP4_VARIANTS",
     "PLANE_BLOCK",

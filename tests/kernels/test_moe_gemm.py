@@ -363,3 +363,78 @@ def test_plane_ptx_decodes_every_byte_pair():
             got = (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
             codes = np.array([b0, b1]) >> 4 if high else np.array([b0, b1]) & 15
             np.testing.assert_array_equal(got, E2M1_TABLE[codes])
+
+
+@pytest.mark.parametrize("num_rows,block_m", [(1, 16), (37, 16), (300, 64)])
+def test_aligned_schedule_gives_each_expert_whole_tiles(num_rows, block_m):
+    """Group-aligned layout: every real row appears once, at its expert's aligned offset (sorted row + shift), in a
+    tile of that expert alone; pad rows are flagged; the item count stays within the packed schedule's bound."""
+    rng = np.random.default_rng(num_rows + 1)
+    e = 9
+    sizes = rng.multinomial(num_rows, rng.dirichlet(np.full(e, 0.3)))
+    sizes[0] += sizes[3]
+    sizes[3] = 0
+    sched, source, real, shift = (np.asarray(a) for a in moe_gemm.aligned_schedule(jnp.asarray(sizes, jnp.int32),
+                                                                                   num_rows, block_m))
+    w = moe_gemm.num_work_items(num_rows, e, block_m)
+    assert sched.shape == (4, w) and source.shape == real.shape == (w * block_m,)
+    owner = np.repeat(np.arange(e), sizes)
+    seen = np.zeros(num_rows, int)
+    for row0, expert, lo, hi in sched.T:
+        if hi <= lo:
+            continue
+        assert row0 % block_m == 0 and lo == row0 < hi <= row0 + block_m
+        assert real[lo:hi].all() and not real[hi:row0 + block_m].any()
+        assert (owner[source[lo:hi]] == expert).all()
+        seen[source[lo:hi]] += 1
+    assert (seen == 1).all() and real.sum() == num_rows
+    aligned_row = np.arange(num_rows) + shift[owner]
+    assert (source[aligned_row] == np.arange(num_rows)).all()
+    first_rows = (np.cumsum(sizes) - sizes)[sizes > 0]
+    assert (aligned_row[first_rows] % block_m == 0).all()  # each group starts a tile
+
+
+@pytest.mark.parametrize("config", [
+    MoeGemmConfig(block_m=32, row_layout="aligned"),
+    MoeGemmConfig(block_m=32, tail_block_m=16),
+    MoeGemmConfig(block_m=64, glu_block_n=32, down_block_n=32, block_k=32, row_layout="aligned", tail_block_m=16),
+], ids=["aligned", "packed_tail16", "aligned_tail16"])
+def test_mid_size_modes_match_float64(config):
+    """The opt-in modes for mid-size groups on ragged groups with an empty expert (1), a hot expert (2) spanning
+    several tiles and odd sizes: fp32, so the 2e-6 band of the default path. The routing has items on both sides
+    of tail_block_m, so both compiled branches of the kernels run."""
+    rng = np.random.default_rng(5)
+    x, ids, w, experts = make_case(rng, 75, 2, 5, 40, 24, jnp.float32, empty=(1,), hot=2)
+    sizes = jnp.bincount(ids.reshape(-1), length=5).astype(jnp.int32)
+    if config.row_layout == "aligned":
+        sched = moe_gemm.aligned_schedule(sizes, ids.size, config.block_m)[0]
+    else:
+        sched = tile_schedule(sizes, ids.size, config.block_m)
+    counts = np.asarray(sched[3] - sched[2])
+    if config.tail_block_m:
+        assert ((counts > 0) & (counts <= config.tail_block_m)).any() and (counts > config.tail_block_m).any()
+    want = numpy_moe(x, ids, w, as_f64(experts), "situ")
+    got = moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True)
+    assert rel(got, want) < 2e-6
+    assert rel(moe_grouped_mlp_reference(x, ids, w, experts), want) < 2e-6
+
+
+def test_mid_size_modes_bf16_and_config_errors():
+    """bf16 activations through the aligned layout with a tail tile (1e-2: the bf16 band above), and the new
+    fields' ValueErrors."""
+    rng = np.random.default_rng(6)
+    x, ids, w, experts = make_case(rng, 41, 3, 6, 64, 48, jnp.bfloat16, empty=(4,), hot=0)
+    want = numpy_moe(x, ids, w, as_f64(experts), "situ")
+    got = moe_grouped_mlp(x, ids, w, experts, config=MoeGemmConfig(block_m=32, row_layout="aligned", tail_block_m=16),
+                          interpret=True)
+    assert got.dtype == jnp.bfloat16 and rel(got, want) < 1e-2
+    aligned = MoeGemmConfig(block_m=32, row_layout="aligned")
+    prims = _primitives(jax.make_jaxpr(lambda *a: moe_grouped_mlp(*a, config=aligned, interpret=True))(
+        x, ids, w, experts).jaxpr)
+    assert prims["while"] == 0 and prims["sort"] == 1  # the same bookkeeping budget as the packed layout
+    with pytest.raises(ValueError, match="row_layout"):
+        MoeGemmConfig(row_layout="sorted")
+    with pytest.raises(ValueError, match="tail_block_m"):
+        MoeGemmConfig(block_m=64, tail_block_m=64)
+    with pytest.raises(ValueError, match="tail_block_m"):
+        MoeGemmConfig(block_m=64, tail_block_m=24)
