@@ -11,6 +11,15 @@ MXFP4 decode variants (pallas_kernels.moe_gemm.MXFP4_VARIANTS) against bf16 weig
   inputs; each checked on the device against the dense einsum over the dequantised-bf16 weights (rel error);
   table column bf16/this = best bf16 ms at that T / this case's ms (> 1: faster than bf16).
 
+Mid-size groups (issue 4: >= 60 % of the jnp.dot peak and >= 1.0x ragged_dot_mgpu from 256 rows/expert), one command,
+<= 90 s on the H200 (limits ~15 s, then the sweep starts no new case after --sweep-budget-s 65):
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe \
+        --sweep-tokens 16384,65536 --sweep-budget-s 65 --sweep-configs 128/128/256/64/8/3/aligned,\
+128/128/256/64/8/3/aligned/64,128/128/256/64/8/3/packed/64,64/256/256/64/8/3/aligned --out $OUT/moe_mid.json
+  per T: moe_grouped_mlp's default, each tiling (/row_layout/tail_block_m: MoeGemmConfig's mid-size modes), then
+  ragged_dot_mgpu (rows zero-padded to its 128-row tile, pad_sorted_rows); each checked against the dense einsum on
+  the device; TFLOP/s, % of the jnp.dot peak of the same run, peer ms / ours; a summary line per T against the bar.
+
 Limits (measured first, same process): bf16 matmul peak (jnp.dot 8192^3), XLA copy bandwidth (bf16 x*2 over
 2 GiB, bytes read + written) and, when torch imports, torch's copy bandwidth (the higher ceiling).
 
@@ -77,9 +86,11 @@ def parse_args(argv=None):
                    help="tilings (bm/gn/dn/bk/warps/stages) of the MXFP4 variant section, each run for bf16 and every variant")
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="the MXFP4 variant section starts no new case after this many seconds")
+    p.add_argument("--sweep-budget-s", type=float, default=None,
+                   help="the sweep section starts no new case after this many seconds (default: no limit)")
     p.add_argument("--sweep-configs", type=str, default=None,
-                   help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages tilings for the "
-                        "sweep (default: the built-in alternatives)")
+                   help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages[/row_layout"
+                        "[/tail_block_m]] tilings for the sweep (default: the built-in alternatives)")
     return p.parse_args(argv)
 
 
@@ -208,18 +219,46 @@ def _combine(y, order, weights, n, k):
     return y[jnp.argsort(order)].reshape(n, k, -1).sum(1).astype(jnp.bfloat16)
 
 
-def mgpu_moe(x, ids, weights, gate_up, down, *, num_experts):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+MGPU_BLOCK_M = 128  # ragged_dot_mgpu's row tile in this benchmark
 
+
+def pad_sorted_rows(xs, sizes, multiple: int):
+    """Expert-sorted rows [M, K] + group sizes [E] -> rows padded with zero rows up to a multiple of `multiple`,
+    the pad rows counted in the last group (they follow its rows, so the sort order holds). ragged_dot_mgpu needs
+    M to be a multiple of its tiling (at T=16384 it failed on 16361 rows). A zero row stays zero through the GLU
+    (SiTU(0) = 0) and the down GEMM, and the pad rows are dropped before the combine, so the result is unchanged."""
+    m = xs.shape[0]
+    pad = -m % multiple
+    if not pad:
+        return xs, sizes
+    return jnp.pad(xs, ((0, pad), (0, 0))), sizes.at[-1].add(pad)
+
+
+def mgpu_moe(x, ids, weights, gate_up, down, *, num_experts, ragged=None):
+    """The shipped Mosaic-GPU grouped GEMM as a MoE: gate|up fused into one [E, K, 2I] GEMM, GLU in XLA, down.
+    ragged(a, w, group_sizes) replaces ragged_dot_mgpu (the CPU test passes jax.lax.ragged_dot to check the
+    padding; the peer itself only runs on a GPU)."""
     n, k = ids.shape
     xs, order, _ = _sorted(x, ids)
+    m = xs.shape[0]
     sizes = jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
-    rd = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
-                           max_concurrent_steps=4, grid_block_n=1)
+    xs, sizes = pad_sorted_rows(xs, sizes, MGPU_BLOCK_M)
+    if ragged is None:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+        rd = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=sizes, block_m=MGPU_BLOCK_M, block_n=128,
+                               block_k=64, max_concurrent_steps=4, grid_block_n=1)
+    else:
+        rd = lambda a, w: ragged(a, w, sizes)
     gu = rd(xs, gate_up)
     i = gu.shape[1] // 2
-    y = rd(_glu(gu[:, :i], gu[:, i:]), down)
+    y = rd(_glu(gu[:, :i], gu[:, i:]), down)[:m]
     return _combine(y, order, weights, n, k)
+
+
+def xla_ragged_dot_bf16(a, w, sizes):
+    """jax.lax.ragged_dot with fp32 accumulation, bf16 out (ragged_dot_mgpu's contract; CPU stand-in)."""
+    return jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
 def xla_ragged_moe(x, ids, weights, experts, *, num_experts):
@@ -312,18 +351,42 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
 
 
 def parse_configs(spec: str) -> list[MoeGemmConfig]:
-    """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages)."""
+    """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages),
+    optionally followed by /row_layout (packed | aligned) and /tail_block_m (0 = off),
+    e.g. 128/128/256/64/8/3/aligned/64."""
     configs = []
     for item in filter(None, spec.split(",")):
-        fields = [int(x) for x in item.split("/")]
-        if len(fields) != 6:
-            raise ValueError(f"a sweep tiling has 6 fields bm/gn/dn/bk/warps/stages; got {item!r}")
-        configs.append(MoeGemmConfig(*fields))
+        parts = item.split("/")
+        if len(parts) not in (6, 7, 8):
+            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /row_layout and "
+                             f"/tail_block_m; got {item!r}")
+        fields = [int(x) for x in parts[:6]]
+        extra = {}
+        if len(parts) > 6:
+            extra["row_layout"] = parts[6]
+        if len(parts) > 7:
+            extra["tail_block_m"] = int(parts[7])
+        configs.append(MoeGemmConfig(*fields, **extra))
     return configs
 
 
-def bench_sweep(shape, token_counts, limits, interpret, configs=None):
-    """Tile configurations of ours at the decode and the largest size (the default is picked by rows/expert)."""
+def config_name(cfg: MoeGemmConfig) -> str:
+    """The tiling string parse_configs reads (mode fields only when not the defaults)."""
+    name = "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n", "block_k", "num_warps",
+                                                   "num_stages"))
+    if cfg.row_layout != "packed" or cfg.tail_block_m:
+        name += f"/{cfg.row_layout}"
+    if cfg.tail_block_m:
+        name += f"/{cfg.tail_block_m}"
+    return name
+
+
+def bench_sweep(shape, token_counts, limits, interpret, configs=None, budget_s=None):
+    """Tilings and row modes of ours per token count, against the dense einsum on the device (rel err, correct if
+    < 1e-2) and ragged_dot_mgpu (on a CPU: jax.lax.ragged_dot through the same padding, untimed). Per T: first
+    moe_grouped_mlp's own default tiling ("default ..."), then each config of the matching size class (block_m
+    <= 32 at <= 16 rows/expert, larger otherwise), then the peer. Starts no new case after budget_s seconds."""
+    t_start = time.perf_counter()
     configs = configs or [  # the defaults (first of each group) are measured in the main table; alternatives
         MoeGemmConfig(16, 128, 128, 128, 4, 3), MoeGemmConfig(16, 64, 128, 256, 4, 3),
         MoeGemmConfig(128, 128, 128, 64, 8, 3), MoeGemmConfig(64, 64, 128, 64, 4, 4),
@@ -331,30 +394,78 @@ def bench_sweep(shape, token_counts, limits, interpret, configs=None):
     out = []
     e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
     bf16, mx = make_experts(shape, seed=2)
+    gate_up = jnp.concatenate([bf16["gate"], bf16["up"]], axis=-1)
+    peak = limits["matmul_tflops"]
     for t in token_counts:
         ids_np, w_np = routing(shape, t, seed=t + 7)
         m = ids_np.size
+        counts = np.bincount(ids_np.reshape(-1), minlength=e)
         x = jax.random.normal(jax.random.key(t), (ids_np.shape[0], k_dim), jnp.float32).astype(jnp.bfloat16)
         ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
-        touched = int((np.bincount(ids_np.reshape(-1), minlength=e) > 0).sum())
+        touched = int((counts > 0).sum())
         small = m / e <= 16
-        for cfg in configs:
-            if (cfg.block_m <= 32) != small:
-                continue
-            for quant, experts in (("bf16", bf16), ("mxfp4", mx)) if small else (("bf16", bf16),):
-                row = dict(tokens=t, rows=m, weights=quant, config=cfg.__dict__)
-                try:
-                    f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, config=cfg, interpret=interpret))
-                    sec = timed(f, x, ids, w, experts) if not interpret else float("nan")
-                    wbytes = moe_gemm.expert_weight_bytes(touched, k_dim, i_dim, packed=quant == "mxfp4")
-                    tflops = moe_gemm.grouped_flops(m, k_dim, i_dim) / sec / 1e12
-                    row.update(ms=sec * 1e3, tflops=tflops, weight_gbps=wbytes / sec / 1e9,
-                               of_matmul_peak=tflops / limits["matmul_tflops"])
-                except Exception as err:
-                    row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
+        flops = moe_gemm.grouped_flops(m, k_dim, i_dim)
+        want = {"bf16": jax.jit(functools.partial(dense_loop_moe, num_experts=e, capacity=int(counts.max())))(
+            x, ids, w, bf16)}
+        default = moe_gemm.default_config(m, e)
+        runs = [(default, "default ")] + [(c, "") for c in configs if (c.block_m <= 32) == small]
+        cases = [("pallas", quant, cfg, tag) for cfg, tag in runs
+                 for quant in (("bf16", "mxfp4") if small and tag == "" else ("bf16",))]
+        cases.append(("ragged_dot_mgpu" if not interpret else "ragged_dot_padded_xla", "bf16", None, ""))
+        for impl, quant, cfg, tag in cases:
+            row = dict(tokens=t, rows=m, rows_per_expert=m / e, max_rows=int(counts.max()), impl=impl, weights=quant,
+                       tiling=tag + (config_name(cfg) if cfg else ""), config=cfg.__dict__ if cfg else None)
+            if budget_s is not None and time.perf_counter() - t_start > budget_s:
+                row["skipped"] = f"past the {budget_s:.0f} s budget"
                 out.append(row)
-                print("sweep", row, flush=True)
+                continue
+            try:
+                if cfg is None:
+                    args = (x, ids, w, gate_up, bf16["down"])
+                    f = jax.jit(functools.partial(mgpu_moe, num_experts=e,
+                                                  ragged=xla_ragged_dot_bf16 if interpret else None))
+                else:
+                    args = (x, ids, w, bf16 if quant == "bf16" else mx)
+                    f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, config=cfg, interpret=interpret))
+                got = f(*args)
+                if quant == "bf16":
+                    err = rel_err(got, want["bf16"])
+                    row.update(rel_err=err, correct=bool(err < 1e-2))
+                sec = timed(f, *args) if not interpret else float("nan")
+                wbytes = moe_gemm.expert_weight_bytes(touched, k_dim, i_dim, packed=quant == "mxfp4")
+                tflops = flops / sec / 1e12
+                row.update(ms=sec * 1e3, tflops=tflops, weight_gbps=wbytes / sec / 1e9, of_matmul_peak=tflops / peak)
+            except Exception as err:
+                row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
+                traceback.print_exc(limit=2)
+            out.append(row)
+            print("sweep", {k: v for k, v in row.items() if k != "config"}, flush=True)
+        at_t = [r for r in out if r["tokens"] == t and "ms" in r and r["weights"] == "bf16"]
+        peer = next((r for r in at_t if r["impl"] != "pallas"), None)
+        for r in at_t:
+            if peer and r["impl"] == "pallas":
+                r["peer_ms_over_this"] = peer["ms"] / r["ms"]
     return out
+
+
+def sweep_summary(rows) -> list[str]:
+    """Per T: the best correct bf16 case of ours against issue 4's bar (>= 60 % of the jnp.dot peak, >= 1.0x the
+    ragged_dot_mgpu peer)."""
+    lines = []
+    for t in sorted({r["tokens"] for r in rows}):
+        ours = [r for r in rows if r["tokens"] == t and r["impl"] == "pallas" and r["weights"] == "bf16"
+                and r.get("correct") and "ms" in r]
+        peer = next((r for r in rows if r["tokens"] == t and r["impl"] != "pallas" and "ms" in r), None)
+        if not ours:
+            lines.append(f"sweep T={t}: no correct case of ours")
+            continue
+        b = min(ours, key=lambda r: r["ms"])
+        vs = f"{peer['ms'] / b['ms']:.2f}x {peer['impl']}" if peer else "no peer"
+        bar = b["of_matmul_peak"] >= 0.6 and (peer is None or peer["ms"] >= b["ms"])
+        lines.append(f"sweep T={t} ({b['rows_per_expert']:.0f} rows/expert): best {b['tiling']} {b['ms']:.3f} ms = "
+                     f"{100 * b['of_matmul_peak']:.1f} % of the jnp.dot peak, {vs}; issue 4 bar (>= 60 %, >= 1.0x): "
+                     f"{'met' if bar else 'NOT met'}")
+    return lines
 
 
 MXFP4_SMOKE_SHAPE = dict(local=6, total=12, top_k=3, k_dim=128, i_dim=64)  # kernel layouts: dims multiples of 64
@@ -505,13 +616,15 @@ def table(result) -> str:
                          f"{r['weight_gbps']:.0f} | {r['floor_ratio']:.2f} | {ratio:.2f} |")
     lines.append("(x floor: ms / max(FLOPs / matmul peak, weight bytes / copy bandwidth); last column > 1: ours-bf16 is faster)")
     for r in result.get("sweep", []):
-        c = r["config"]
-        tiling = "/".join(str(c[k]) for k in ("block_m", "glu_block_n", "down_block_n", "block_k", "num_warps", "num_stages"))
+        head = f"sweep T={r['tokens']} {r['impl']} {r['weights']} {r['tiling']}"
         if "ms" in r:
-            lines.append(f"sweep T={r['tokens']} {r['weights']} {tiling}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s "
-                         f"({100 * r['of_matmul_peak']:.1f} % of the matmul peak)")
+            check = "" if "rel_err" not in r else f", rel err {r['rel_err']:.1e}{'' if r['correct'] else ' WRONG'}"
+            vs = f", {r['peer_ms_over_this']:.2f}x the peer" if "peer_ms_over_this" in r else ""
+            lines.append(f"{head}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({100 * r['of_matmul_peak']:.1f} % of "
+                         f"the matmul peak){vs}{check}")
         else:
-            lines.append(f"sweep T={r['tokens']} {r['weights']} {tiling}: {r.get('error', '')[:100]}")
+            lines.append(f"{head}: {(r.get('error') or r.get('skipped', ''))[:100]}")
+    lines += sweep_summary(result.get("sweep", []))
     mv = result.get("mxfp4_variants")
     if mv:
         lines.append("| T | rows/expert | weights | tiling | ms | weight GB/s | % copy | bf16/this | rel err |")
@@ -580,7 +693,7 @@ def main(argv=None) -> dict:
         if args.sweep_tokens:
             sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
         configs = parse_configs(args.sweep_configs) if args.sweep_configs else None
-        result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret, configs)
+        result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret, configs, args.sweep_budget_s)
         save()
     if args.mxfp4_variants:
         variants = [v for v in args.mxfp4_variants.split(",") if v]

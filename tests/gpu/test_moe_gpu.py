@@ -8,6 +8,8 @@ Each compiled kernel is compared with the model's reference op on the same devic
 gpu.md: the kernels round h and the output to bf16 once each, ~3e-3 expected).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,34 @@ def test_large_groups_match_reference(config):
     got = moe_gemm.moe_grouped_mlp(x, ids, w, experts, config=config)
     want = grouped_experts_reference(x, ids, w, experts, cfg)
     assert rel(got, want) < 1e-2
+
+
+MID_SIZE_MODES = {  # the opt-in row modes for mid-size groups (benchmarks/moe.py --sweep-configs names them alike)
+    "aligned": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, row_layout="aligned"),
+    "aligned_tail64": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, row_layout="aligned", tail_block_m=64),
+    "packed_tail64": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, tail_block_m=64),
+    "aligned_64x256": moe_gemm.MoeGemmConfig(block_m=64, glu_block_n=256, down_block_n=256, block_k=64, num_warps=8,
+                                             num_stages=3, row_layout="aligned"),
+}
+
+
+@pytest.mark.parametrize("mode", list(MID_SIZE_MODES))
+def test_mid_size_modes_match_reference(mode):
+    """~300 rows per expert (the issue's failing 292-row range) at K3 widths, compiled: ragged groups, expert 5
+    empty, expert 2 hot (every token's first slot, ~900 rows), so items of both sizes around tail_block_m occur."""
+    e, k, i, tokens, top_k = 6, 3584, 3072, 900, 2
+    rng = np.random.default_rng(11)
+    ids = np.stack([rng.choice(e - 1, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids[:, 0] = 2
+    ids = jnp.asarray(ids)
+    w = jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (tokens, k)).astype(jnp.bfloat16)
+    experts = _experts(e, k, i, 2)
+    cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=top_k)
+    got = moe_gemm.moe_grouped_mlp(x, ids, w, experts, config=MID_SIZE_MODES[mode])
+    want = grouped_experts_reference(x, ids, w, experts, cfg)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel(got, want) < 1e-2, mode
 
 
 @pytest.mark.parametrize("variant", list(moe_gemm.MXFP4_VARIANTS))
