@@ -415,6 +415,8 @@ def bench_sweep(shape, token_counts, limits, interpret, configs=None, budget_s=N
         for impl, quant, cfg, tag in cases:
             row = dict(tokens=t, rows=m, rows_per_expert=m / e, max_rows=int(counts.max()), impl=impl, weights=quant,
                        tiling=tag + (config_name(cfg) if cfg else ""), config=cfg.__dict__ if cfg else None)
+            if cfg is not None:  # MMA rows computed / real rows (1.0 = no wasted MMA work)
+                row["mma_rows_over_rows"] = mma_rows(cfg, counts) / m
             if budget_s is not None and time.perf_counter() - t_start > budget_s:
                 row["skipped"] = f"past the {budget_s:.0f} s budget"
                 out.append(row)
@@ -446,6 +448,22 @@ def bench_sweep(shape, token_counts, limits, interpret, configs=None, budget_s=N
             if peer and r["impl"] == "pallas":
                 r["peer_ms_over_this"] = peer["ms"] / r["ms"]
     return out
+
+
+def mma_rows(cfg: MoeGemmConfig, counts: np.ndarray) -> int:
+    """Rows the MMAs of one config compute for these group sizes (every work item costs block_m rows, or
+    tail_block_m when it has at most that many): the wasted-work model behind the mid-size modes."""
+    sizes = jnp.asarray(counts, jnp.int32)
+    m = int(counts.sum())
+    if cfg.row_layout == "aligned":
+        sched = moe_gemm.aligned_schedule(sizes, m, cfg.block_m)[0]
+    else:
+        sched = moe_gemm.tile_schedule(sizes, m, cfg.block_m)
+    n = np.asarray(sched[3] - sched[2])
+    n = n[n > 0]
+    if cfg.tail_block_m:
+        return int(np.where(n <= cfg.tail_block_m, cfg.tail_block_m, cfg.block_m).sum())
+    return int(n.size * cfg.block_m)
 
 
 def sweep_summary(rows) -> list[str]:
@@ -620,8 +638,9 @@ def table(result) -> str:
         if "ms" in r:
             check = "" if "rel_err" not in r else f", rel err {r['rel_err']:.1e}{'' if r['correct'] else ' WRONG'}"
             vs = f", {r['peer_ms_over_this']:.2f}x the peer" if "peer_ms_over_this" in r else ""
+            waste = f", MMA rows / rows {r['mma_rows_over_rows']:.2f}" if "mma_rows_over_rows" in r else ""
             lines.append(f"{head}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({100 * r['of_matmul_peak']:.1f} % of "
-                         f"the matmul peak){vs}{check}")
+                         f"the matmul peak){vs}{check}{waste}")
         else:
             lines.append(f"{head}: {(r.get('error') or r.get('skipped', ''))[:100]}")
     lines += sweep_summary(result.get("sweep", []))
