@@ -14,6 +14,16 @@ Pipeline (`moe_grouped_mlp`):
   4. `grouped_down`: the down GEMM over the same schedule, rows scaled by their routing weight, fp32 out;
   5. each token sums its top_k rows (a gather through the inverse permutation, deterministic).
 
+Mid-size groups (opt-in, MoeGemmConfig.row_layout / tail_block_m; defaults unchanged). Every work item costs a
+full block_m-row MMA, so step 2's items waste the rows of a tile that belong to a neighbouring expert: with 56
+groups of ~292 rows in 128-row tiles the MMAs compute 1.42x the real rows (1.11x at ~1170 rows), which alone
+accounts for 47 % vs 64.6 % of the jnp.dot peak measured on the H200 at those sizes. row_layout="aligned"
+(`aligned_schedule`) gathers the rows into a padded buffer where each expert starts a tile (same fixed item
+bound, one gather builds xs and the combine gathers through the same shift): 1.28x at 292 rows/expert, the
+remaining waste being each expert's last partial tile; tail_block_m=64 runs items of <= 64 rows as a 64-row MMA
+(a second compiled branch of each kernel): 1.10x with the aligned layout, 1.21x without (counted by
+benchmarks/moe.py's sweep, `mma_rows`). Untimed on a GPU when written (2026-11-30); the sweep times them.
+
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
 one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
 activations stay bf16), in one of three layouts (`mxfp4_layout`):
