@@ -97,7 +97,7 @@ SCALE = 192**-0.5
 # mla_decode's keyword defaults, i.e. what the model gets (it passes no tiling): num_parts is the part count of the
 # plan it builds on device
 DECODE_DEFAULTS = {name: p.default for name, p in inspect.signature(md.mla_decode).parameters.items()}
-MODEL_PARTS = DECODE_DEFAULTS["num_parts"]
+MODEL_PARTS = md.TRITON_NUM_PARTS  # mla_decode's num_parts=None for the Triton kernel
 SHAPE_SWEEP_BUDGET_S = 120.0
 # --plan-sweep: no batch starts after this many seconds, and a batch still running at PLAN_SWEEP_BUDGET_S +
 # PLAN_SWEEP_GRACE_S stops (its partial times are dropped): with imports and setup the command ends within ~130 s
@@ -122,7 +122,7 @@ def parse_args(argv=None):
     p.add_argument("--explore", action="store_true",
                    help="only the profile at B64 x 32k (kernel variants, stages left out, XLA split-KV), then stop")
     p.add_argument("--backends", action="store_true", help="only the kernel-variant A/B (see run_backends), then stop")
-    p.add_argument("--backend", default="triton", choices=("triton", "mosaic"), help="kernel of the decode table")
+    p.add_argument("--backend", default="triton", choices=("triton", "mosaic"), help="kernel of the decode table and of --plan-sweep")
     p.add_argument("--variants", default="", help="comma-separated substrings selecting run_backends variants")
     p.add_argument("--case-limit-s", type=float, default=20.0,
                    help="a case whose first timed call takes longer is timed once, not --reps x --inner times")
@@ -1008,6 +1008,9 @@ def run_plan_sweep(bench: Bench, pool: Pool, copy_gbps: float) -> dict:
     heads, batch = a.heads, a.mixed_batch_size
     lo, hi = a.mixed_range
     tiling = model_tiling(heads, PAGE)
+    if a.backend == "mosaic":  # the Mosaic GPU kernel at its defaults (64-row wgmma tiles, 64-key blocks, 2-slot ring)
+        tiling = dict(block_rows=md.MGPU_ROWS, block_kv=max(md.MGPU_DEFAULT_BLOCK_KV, PAGE), num_warps=0,
+                      num_stages=md.MGPU_DEFAULT_STAGES, value_groups=1, num_parts=MODEL_PARTS, backend="mosaic")
     row_blocks = -(-heads // tiling["block_rows"])  # q_len 1: one row per head
     device_sms = getattr(jax.devices()[0], "core_count", None)
     sm_count = device_sms or DEFAULT_SM_COUNT
@@ -1021,6 +1024,9 @@ def run_plan_sweep(bench: Bench, pool: Pool, copy_gbps: float) -> dict:
     }
     kw = dict(kv_lora_rank=C, scale=SCALE, block_kv=tiling["block_kv"], block_rows=tiling["block_rows"],
               num_warps=tiling["num_warps"], num_stages=tiling["num_stages"], interpret=bench.interpret)
+    if a.backend == "mosaic":
+        kw = dict(kv_lora_rank=C, scale=SCALE, block_kv=tiling["block_kv"], num_stages=tiling["num_stages"],
+                  backend="mosaic", interpret=bench.interpret)
     decode = jax.jit(functools.partial(md.mla_decode, **kw))
     reference = jax.jit(functools.partial(md.mla_decode_reference, kv_lora_rank=C, scale=SCALE))
     if not bench.interpret:

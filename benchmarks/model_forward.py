@@ -472,6 +472,7 @@ def decode_steps(args) -> int:
 # kernel-name substrings -> the part of the step they belong to (first match wins; names lower-cased)
 KERNEL_GROUPS = (
     ("kda_decode", "KDA decode kernel"), ("kda_chunk", "KDA prefill kernels"), ("mla_decode", "MLA decode kernel"),
+    ("mgpu_decode", "MLA decode kernel"), ("mosaic", "Mosaic GPU kernels"),
     ("mla_prefill", "MLA prefill kernel"), ("moe_grouped", "MoE grouped GEMM kernels"),
     ("attn_res", "AttnRes mix+norm kernel"), ("gated_rms", "gated RMSNorm kernel"),
     ("gemm", "dense GEMMs (cuBLAS/XLA)"), ("xmma", "dense GEMMs (cuBLAS/XLA)"), ("nvjet", "dense GEMMs (cuBLAS/XLA)"),

@@ -118,25 +118,31 @@ def paged_attention_reference(
     return jnp.einsum("bhts,bsc->bthc", probs, c.astype(jnp.float32))
 
 
-# The decode kernel of the "pallas" / "interpret" ops: "triton" (pallas_kernels/mla_decode.py's Triton kernel) or
-# "mosaic" (its Mosaic GPU kernel: TMA page copies, wgmma; bf16 pages and kv_lora_rank 512 only, other sizes fall
-# back to Triton). Read at trace time. Triton until a GPU run of benchmarks/mla.py --shape-sweep at k3-small's
-# 16 heads shows Mosaic faster (Triton 0.382 ms per layer there, 37 % of copy bandwidth; Mosaic untimed).
-MLA_DECODE_KERNEL = "triton"
+# The decode kernel of the "pallas" op: "triton" (pallas_kernels/mla_decode.py's Triton kernel) or "mosaic" (its
+# Mosaic GPU kernel: TMA page copies, wgmma; bf16 pages and kv_lora_rank 512 only, other sizes fall back to Triton).
+# Read at trace time. Mosaic, by the H200 (benchmarks/mla.py --shape-sweep, 2026-11-30, k3-small's 16 heads, B64 x 8k,
+# docs/results/mla_small_h200_2026-11-30e.json): 0.206 ms per layer at one wave of programs (69 % of copy bandwidth)
+# against Triton's best 0.384 ms; at K3's 96 heads it was 1.48x Triton on 2026-11-30 (4.25 vs 6.30 ms, B64 x 32k).
+MLA_DECODE_KERNEL = "mosaic"
+# The "interpret" op's kernel (CPU CI): Triton, as the Mosaic GPU interpreter takes ~17 s per model-sized call; the
+# Mosaic kernel's interpreter tests are in tests/kernels/test_mla_decode.py.
+MLA_INTERPRET_KERNEL = "triton"
 
 
 def _kernel_paged_attention(interpret: bool):
     """The "pallas" / "interpret" implementation of mla_paged_attention: the Pallas MLA kernels
     (pallas_kernels/mla_decode.py for q_len <= 8, with a balanced split plan built on device from the
-    positions, Triton or Mosaic GPU as MLA_DECODE_KERNEL says; mla_prefill.py for longer chunks). Sizes the
+    positions, Triton or Mosaic GPU as MLA_DECODE_KERNEL / MLA_INTERPRET_KERNEL say; mla_prefill.py for longer chunks). Sizes the
     kernels' Triton tiling cannot take (C or R not a power of two >= 16, page_size not a power of two <= 64: e.g.
     the tiny test configs) use the reference."""
 
     def attend(q_latent, q_pe, kv_pages, page_table, query_positions, *, kv_lora_rank, scale, layer=None):
         from pallas_kernels import mla_decode, mla_prefill  # imported on use: k3jax does not need Pallas
 
-        if MLA_DECODE_KERNEL not in ("triton", "mosaic"):
-            raise ValueError(f"k3jax.mla.MLA_DECODE_KERNEL must be 'triton' or 'mosaic', got {MLA_DECODE_KERNEL!r}")
+        kernel = MLA_INTERPRET_KERNEL if interpret else MLA_DECODE_KERNEL
+        if kernel not in ("triton", "mosaic"):
+            name = "MLA_INTERPRET_KERNEL" if interpret else "MLA_DECODE_KERNEL"
+            raise ValueError(f"k3jax.mla.{name} must be 'triton' or 'mosaic', got {kernel!r}")
         if not mla_decode.supported(kv_lora_rank, q_pe.shape[-1], kv_pages.shape[-2], kv_pages.dtype):
             return paged_attention_reference(q_latent, q_pe, kv_pages, page_table, query_positions,
                                              kv_lora_rank=kv_lora_rank, scale=scale, layer=layer)
@@ -144,7 +150,7 @@ def _kernel_paged_attention(interpret: bool):
             return mla_prefill.mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions,
                                            kv_lora_rank=kv_lora_rank, scale=scale, layer=layer, interpret=interpret)
         page_size = kv_pages.shape[-2]
-        mosaic = MLA_DECODE_KERNEL == "mosaic" and mla_decode.mgpu_supported(
+        mosaic = kernel == "mosaic" and mla_decode.mgpu_supported(
             kv_lora_rank, q_pe.shape[-1], page_size, kv_pages.dtype,
             max(mla_decode.MGPU_DEFAULT_BLOCK_KV, page_size))
         return mla_decode.mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank=kv_lora_rank,

@@ -41,10 +41,11 @@ Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop 
   latency-bound (one 150-220 KiB program per SM, no warp specialisation), not bandwidth-bound.
 The memory limit needs FlashMLA's structure: `backend="mosaic"` (_mgpu_decode_kernel below) is a first
 Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two compute warpgroups owning
-256 value columns each). The model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic" (default "triton"); at
-k3-small's 16 heads (16 query rows padded to its 64-row tile, 64-token pages) it matches the reference under the
-interpreter but is untimed on the GPU (benchmarks/mla.py --shape-sweep times it against Triton's tilings).
-It lowers to Mosaic GPU MLIR on CPU and matches the
+256 value columns each). It is the model's GPU kernel (k3jax.mla.MLA_DECODE_KERNEL, default "mosaic"; fp8 pages
+and other sizes stay on Triton). At k3-small's 16 heads (16 query rows padded to its 64-row tile, 64-token pages,
+B64 x 8k; benchmarks/mla.py --shape-sweep on the H200, 2026-11-30, docs/results/mla_small_h200_2026-11-30e.json) it
+takes 0.206 ms per layer with one wave of programs (66 parts; 69 % of copy bandwidth; default_num_parts) against
+0.384 ms for Triton's best tiling (37 %), 1.88x, within 7e-4 of the reference. It lowers to Mosaic GPU MLIR on CPU and matches the
 reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py); on the H200 (2026-11-30,
 benchmarks/mla.py --backends, docs/results/mla_backends_h200_2026-11-30b.json) it compiled, matched the
 reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4, and ran B64 x 32k in 4.25 ms
@@ -239,8 +240,8 @@ def _combine_kernel(
 
 # --------------------------------------------------------------------------------------------------
 # Mosaic GPU kernel (Hopper: TMA page copies, wgmma, a memory warpgroup and two compute warpgroups).
-# Mosaic GPU decode (see the module docstring): H200-checked in benchmarks/mla.py --backends at 96 heads; the model's
-# when k3jax.mla.MLA_DECODE_KERNEL == "mosaic".
+# Mosaic GPU decode (see the module docstring): H200-checked in benchmarks/mla.py at 96 and 16 heads; the model's
+# GPU kernel (k3jax.mla.MLA_DECODE_KERNEL == "mosaic", the default).
 # Program = (64-row block, work item). Warpgroup 2 copies each KV block's pages (TMA, `stages` slots deep);
 # warpgroups 0 and 1 both compute the [64, block_kv] scores and softmax (duplicated: 1.5x the MMA work of
 # one score pass, but no exchange between them) and each accumulates its own 256 of the 512 value columns.
@@ -598,6 +599,21 @@ def default_num_stages(kv_dtype) -> int:
     return 1
 
 
+TRITON_NUM_PARTS = 132  # the Triton kernel's parts: 1-2 programs per H200 SM (16 / 96 heads), as measured since 11-29
+H200_SM_COUNT = 132
+
+
+def default_num_parts(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT) -> int:
+    """Parts of the on-device balanced plan. Triton: TRITON_NUM_PARTS. Mosaic: one wave -- a balanced plan has at most
+    num_parts + batch items and each item runs row_blocks programs, each holding a whole SM (its shared-memory ring), so
+    num_parts = sm_count // row_blocks - batch (at least 1) keeps every program in the first wave. Measured on the H200
+    at k3-small's shape (16 heads, B64 x 8k, benchmarks/mla.py --shape-sweep, 2026-11-30): 66 parts (128 items) 0.206 ms
+    per layer against 0.223 / 0.260 / 0.245 ms at 264 / 132 / 528 parts."""
+    if backend == "mosaic":
+        return max(sm_count // row_blocks - batch, 1)
+    return TRITON_NUM_PARTS
+
+
 def default_block_rows(num_rows: int, cap: int) -> int:
     """Smallest power of two >= 16 holding num_rows = T*H, at most cap."""
     return min(cap, max(16, 1 << (num_rows - 1).bit_length()))
@@ -615,7 +631,7 @@ def mla_decode(
     scale: float,
     kv_scales: jax.Array | None = None,
     layer: int | jax.Array | None = None,
-    num_parts: int = 132,
+    num_parts: int | None = None,
     block_kv: int | None = None,
     block_rows: int | None = None,
     num_warps: int = 8,
@@ -634,7 +650,7 @@ def mla_decode(
       query_positions: [B, T] int32 absolute position of each query; it sees keys at positions <= its own.
       plan: SplitPlan over block_kv-token blocks of attended_lengths(query_positions, max_pages*page_size)
         (mla_plan.plan_balanced / plan_uniform, built on the host); None builds a balanced plan with
-        `num_parts` parts on device from the traced positions.
+        `num_parts` parts on device from the traced positions (None: `default_num_parts`).
       kv_scales: kv_pages.shape[:-1] fp32 per-token dequantisation scales (fp8 caches); None = 1.
       layer: the layer of a stacked pool (int or int32 scalar array).
       block_kv: KV tokens per inner step (power of two, multiple of page_size; None = default_decode_block_kv);
@@ -667,6 +683,8 @@ def mla_decode(
                          f"got {value_groups}")
     if plan is None:
         kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
+        if num_parts is None:
+            num_parts = default_num_parts(backend, b, -(-(t * h) // (MGPU_ROWS if backend == "mosaic" else block_rows)))
         plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=num_parts, xp=jnp)
     if plan.request_num_work.shape != (b,):
         raise ValueError(f"plan is for batch {plan.request_num_work.shape}, queries for {b}")

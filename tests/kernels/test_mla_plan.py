@@ -111,3 +111,15 @@ def test_parts_for_programs_per_sm_and_bad_knobs():
         mla_plan.plan_balanced(lens, block_kv=64, num_parts=4, overhead_blocks=-1)
     with pytest.raises(ValueError, match="min_chunk_blocks"):
         mla_plan.plan_balanced(lens, block_kv=64, num_parts=4, min_chunk_blocks=0)
+
+
+def test_default_parts_keep_the_mosaic_kernel_in_one_wave():
+    """Mosaic: a balanced plan's items (<= parts + batch) x row blocks fit the 132 SMs; Triton keeps its 132 parts."""
+    from pallas_kernels import mla_decode as md
+
+    for batch, row_blocks in ((64, 1), (32, 2), (5, 2), (3, 1)):
+        parts = md.default_num_parts("mosaic", batch, row_blocks)
+        assert (mla_plan.max_work_items(batch, parts)) * row_blocks <= md.H200_SM_COUNT
+        assert (mla_plan.max_work_items(batch, parts + 1)) * row_blocks > md.H200_SM_COUNT  # and no fewer parts
+    assert md.default_num_parts("mosaic", 200, 1) == 1  # more requests than SMs: one item each
+    assert md.default_num_parts("triton", 64, 2) == md.TRITON_NUM_PARTS == 132

@@ -33,8 +33,8 @@ def route(monkeypatch, kernel: str, *, c_dim=512, r_dim=64, page=64, kv_dtype=jn
     return calls[0]["backend"]
 
 
-def test_default_is_triton_and_mosaic_is_selectable(monkeypatch):
-    assert k3_mla.MLA_DECODE_KERNEL == "triton"
+def test_default_is_mosaic_on_gpu_triton_interpreted_and_both_selectable(monkeypatch):
+    assert k3_mla.MLA_DECODE_KERNEL == "mosaic" and k3_mla.MLA_INTERPRET_KERNEL == "triton"
     assert route(monkeypatch, "triton") == "triton"
     assert route(monkeypatch, "mosaic") == "mosaic"  # k3-small: 16 heads, 512 + 64 latent, 64-token pages, bf16
     assert route(monkeypatch, "mosaic", page=16, q_len=4) == "mosaic"
@@ -49,3 +49,23 @@ def test_mosaic_falls_back_to_triton_where_unsupported(monkeypatch):
 def test_unknown_kernel_name_is_rejected(monkeypatch):
     with pytest.raises(ValueError, match="MLA_DECODE_KERNEL"):
         route(monkeypatch, "cuda")
+
+
+def test_interpret_op_follows_its_own_switch(monkeypatch):
+    calls = []
+
+    def recorder(q_latent, q_pe, kv_pages, page_table, query_positions, **kw):
+        calls.append(kw)
+        return jnp.zeros(q_latent.shape, jnp.float32)
+
+    monkeypatch.setattr(md, "mla_decode", recorder)
+    op = backend.get("mla_paged_attention", "interpret")
+    args = (jnp.ones((2, 1, 16, 512), jnp.bfloat16), jnp.ones((2, 1, 16, 64), jnp.bfloat16),
+            jnp.ones((3, 5, 64, 576), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 1), jnp.int32))
+    op(*args, kv_lora_rank=512, scale=0.1, layer=1)
+    monkeypatch.setattr(k3_mla, "MLA_INTERPRET_KERNEL", "mosaic")
+    op(*args, kv_lora_rank=512, scale=0.1, layer=1)
+    assert [(c["backend"], c["interpret"]) for c in calls] == [("triton", True), ("mosaic", True)]
+    monkeypatch.setattr(k3_mla, "MLA_INTERPRET_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="MLA_INTERPRET_KERNEL"):
+        op(*args, kv_lora_rank=512, scale=0.1, layer=1)
