@@ -438,3 +438,25 @@ def test_mid_size_modes_bf16_and_config_errors():
         MoeGemmConfig(block_m=64, tail_block_m=64)
     with pytest.raises(ValueError, match="tail_block_m"):
         MoeGemmConfig(block_m=64, tail_block_m=24)
+
+
+def test_mid_size_modes_lower_to_triton_for_an_h200():
+    """Both kernels of each mid-size mode (the configs tests/gpu/test_moe_gpu.py compiles) lower through Pallas's
+    Triton path for an abstract H200 on this CPU: catches lowering errors of the two-branch kernels (static shapes,
+    dynamic tail start) before device time; Triton's own compile to PTX only happens on a GPU."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    e, k, i, n, top_k = 5, 256, 128, 40, 2
+    spec = jax.ShapeDtypeStruct
+    args = (spec((n, k), jnp.bfloat16), spec((n, top_k), jnp.int32), spec((n, top_k), jnp.float32),
+            {"gate": spec((e, k, i), jnp.bfloat16), "up": spec((e, k, i), jnp.bfloat16),
+             "down": spec((e, i, k), jnp.bfloat16)})
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    wide = moe_gemm.LARGE_GROUP_WIDE_DOWN
+    for config in (MoeGemmConfig(**{**wide.__dict__, "row_layout": "aligned", "tail_block_m": 64}),
+                   MoeGemmConfig(**{**wide.__dict__, "tail_block_m": 64}),
+                   MoeGemmConfig(64, 256, 256, 64, 8, 3, row_layout="aligned")):
+        with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+            lowered = jax.jit(lambda *a, c=config: moe_grouped_mlp(*a, config=c)).trace(*args).lower(
+                lowering_platforms=("cuda",))
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, config  # grouped_glu and grouped_down
