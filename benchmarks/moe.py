@@ -638,7 +638,10 @@ def table(result) -> str:
         if "ms" in r:
             check = "" if "rel_err" not in r else f", rel err {r['rel_err']:.1e}{'' if r['correct'] else ' WRONG'}"
             vs = f", {r['peer_ms_over_this']:.2f}x the peer" if "peer_ms_over_this" in r else ""
-            waste = f", MMA rows / rows {r['mma_rows_over_rows']:.2f}" if "mma_rows_over_rows" in r else ""
+            waste = ""
+            if "mma_rows_over_rows" in r:  # the MMA rate on the rows actually computed, as a share of the peak
+                waste = (f", MMA rows / rows {r['mma_rows_over_rows']:.2f} (computed rows at "
+                         f"{100 * r['of_matmul_peak'] * r['mma_rows_over_rows']:.1f} % of the peak)")
             lines.append(f"{head}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({100 * r['of_matmul_peak']:.1f} % of "
                          f"the matmul peak){vs}{check}{waste}")
         else:
