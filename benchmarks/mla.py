@@ -950,7 +950,7 @@ def print_shape_sweep(res: dict):
 
 # ------------------------------------------------------------------------------------------- plan sweep
 def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict]:
-    """The --plan-sweep grid: today's plan (mla_decode's num_parts, overhead 1, no chunk floor), a balanced plan per
+    """The --plan-sweep grid: the model's plan (mla_decode's default_plan_knobs for --backend, no chunk floor), a balanced plan per
     (--programs-per-sm, --plan-knobs) pair, then uniform splits: --uniform-splits and each balanced setting's
     same-items count ceil(num_parts / batch) (as the mixed section compares). Duplicates (same parts and knobs, or
     same splits) are dropped; names are unique."""
@@ -961,13 +961,15 @@ def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict
         if key in seen:
             return
         seen.add(key)
-        name = f"balanced p{num_parts} o{overhead} c{min_chunk}" + (" (today)" if today else "")
+        name = f"balanced p{num_parts} o{overhead} c{min_chunk}" + (" (model)" if today else "")
         settings.append(dict(name=name, kind="balanced", num_parts=num_parts, overhead_blocks=overhead,
                              min_chunk_blocks=min_chunk, programs_per_sm=pps, today=today,
                              uniform_same_items=max(1, -(-num_parts // batch))))
 
-    balanced(MODEL_PARTS, mla_plan.DEFAULT_OVERHEAD_BLOCKS, mla_plan.DEFAULT_MIN_CHUNK_BLOCKS,
-             MODEL_PARTS * row_blocks / sm_count, today=True)
+    # the model's plan: mla_decode's defaults for this kernel (num_parts=None)
+    model_parts, model_overhead = md.default_plan_knobs(getattr(args, "backend", "triton"), batch, row_blocks, sm_count)
+    balanced(model_parts, model_overhead, mla_plan.DEFAULT_MIN_CHUNK_BLOCKS, model_parts * row_blocks / sm_count,
+             today=True)
     for pps in args.programs_per_sm:
         for overhead, min_chunk in args.plan_knobs:
             balanced(mla_plan.parts_for_programs_per_sm(pps, sm_count, row_blocks), overhead, min_chunk, pps)

@@ -44,7 +44,7 @@ Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two comp
 256 value columns each). It is the model's GPU kernel (k3jax.mla.MLA_DECODE_KERNEL, default "mosaic"; fp8 pages
 and other sizes stay on Triton). At k3-small's 16 heads (16 query rows padded to its 64-row tile, 64-token pages,
 B64 x 8k; benchmarks/mla.py --shape-sweep on the H200, 2026-11-30, docs/results/mla_small_h200_2026-11-30e.json) it
-takes 0.206 ms per layer with one wave of programs (66 parts; 69 % of copy bandwidth; default_num_parts) against
+takes 0.206 ms per layer with one wave of programs (66 parts; 69 % of copy bandwidth; default_plan_knobs) against
 0.384 ms for Triton's best tiling (37 %), 1.88x, within 7e-4 of the reference. It lowers to Mosaic GPU MLIR on CPU and matches the
 reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py); on the H200 (2026-11-30,
 benchmarks/mla.py --backends, docs/results/mla_backends_h200_2026-11-30b.json) it compiled, matched the
@@ -603,15 +603,20 @@ TRITON_NUM_PARTS = 132  # the Triton kernel's parts: 1-2 programs per H200 SM (1
 H200_SM_COUNT = 132
 
 
-def default_num_parts(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT) -> int:
-    """Parts of the on-device balanced plan. Triton: TRITON_NUM_PARTS. Mosaic: one wave -- a balanced plan has at most
-    num_parts + batch items and each item runs row_blocks programs, each holding a whole SM (its shared-memory ring), so
-    num_parts = sm_count // row_blocks - batch (at least 1) keeps every program in the first wave. Measured on the H200
-    at k3-small's shape (16 heads, B64 x 8k, benchmarks/mla.py --shape-sweep, 2026-11-30): 66 parts (128 items) 0.206 ms
-    per layer against 0.223 / 0.260 / 0.245 ms at 264 / 132 / 528 parts."""
-    if backend == "mosaic":
-        return max(sm_count // row_blocks - batch, 1)
-    return TRITON_NUM_PARTS
+def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT) -> tuple[int, int]:
+    """(num_parts, overhead_blocks) of the on-device balanced plan. Triton: TRITON_NUM_PARTS parts, overhead 1 block.
+    Mosaic, whose programs each hold a whole SM (the shared-memory ring), by two H200 measurements (2026-11-30):
+    - one row block per request (<= 64 query rows: k3-small's 16 heads): one wave, num_parts = sm_count - batch, so the
+      plan's <= num_parts + batch items all start at once. 16 heads, B64 x 8k (benchmarks/mla.py --shape-sweep): 66 parts
+      (128 items) 0.206 ms per layer against 0.223 / 0.260 / 0.245 ms at 264 / 132 / 528 parts;
+    - more row blocks (K3's 96 heads: 2): 4 programs per SM with an overhead of 64 blocks per request. 96 heads, 32
+      histories 4k-200k (benchmarks/mla.py --plan-sweep --backend mosaic, first batch): 264 parts / overhead 64 1.54 ms,
+      overhead 1 1.66 ms, 132 parts 1.83 ms, one wave (34 parts) 2.32 ms; the best uniform split 1.98 ms."""
+    if backend != "mosaic":
+        return TRITON_NUM_PARTS, 1
+    if row_blocks == 1:
+        return max(sm_count - batch, 1), 1
+    return max(4 * sm_count // row_blocks, 1), 64
 
 
 def default_block_rows(num_rows: int, cap: int) -> int:
@@ -650,7 +655,7 @@ def mla_decode(
       query_positions: [B, T] int32 absolute position of each query; it sees keys at positions <= its own.
       plan: SplitPlan over block_kv-token blocks of attended_lengths(query_positions, max_pages*page_size)
         (mla_plan.plan_balanced / plan_uniform, built on the host); None builds a balanced plan with
-        `num_parts` parts on device from the traced positions (None: `default_num_parts`).
+        `num_parts` parts on device from the traced positions (None: `default_plan_knobs`).
       kv_scales: kv_pages.shape[:-1] fp32 per-token dequantisation scales (fp8 caches); None = 1.
       layer: the layer of a stacked pool (int or int32 scalar array).
       block_kv: KV tokens per inner step (power of two, multiple of page_size; None = default_decode_block_kv);
@@ -683,9 +688,10 @@ def mla_decode(
                          f"got {value_groups}")
     if plan is None:
         kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
-        if num_parts is None:
-            num_parts = default_num_parts(backend, b, -(-(t * h) // (MGPU_ROWS if backend == "mosaic" else block_rows)))
-        plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=num_parts, xp=jnp)
+        default_parts, overhead = default_plan_knobs(
+            backend, b, -(-(t * h) // (MGPU_ROWS if backend == "mosaic" else block_rows)))
+        plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=default_parts if num_parts is None else num_parts,
+                             overhead_blocks=overhead, xp=jnp)
     if plan.request_num_work.shape != (b,):
         raise ValueError(f"plan is for batch {plan.request_num_work.shape}, queries for {b}")
     kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)

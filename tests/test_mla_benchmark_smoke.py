@@ -119,10 +119,10 @@ def test_plan_sweep_smoke_checks_every_setting_and_aggregates_over_the_same_batc
     sweep = result["plan_sweep"]
     assert json.loads(out.read_text())["plan_sweep"] == json.loads(json.dumps(sweep))
     settings = {s["name"]: s for s in sweep["settings"]}
-    assert list(settings) == ["balanced p132 o1 c1 (today)", "balanced p7 o1 c1", "balanced p7 o0 c4", "uniform 2",
+    assert list(settings) == ["balanced p132 o1 c1 (model)", "balanced p7 o1 c1", "balanced p7 o0 c4", "uniform 2",
                               "uniform 3", "uniform 44"]
     assert sweep["row_blocks_per_item"] == 2 and sweep["sm_count"] == 132 and not result["skipped"]
-    today = settings["balanced p132 o1 c1 (today)"]
+    today = settings["balanced p132 o1 c1 (model)"]
     assert today["today"] and today["uniform_same_items"] == 44 and today["programs_per_sm"] == 2.0
     assert settings["balanced p7 o0 c4"]["uniform_same_items"] == 3
     # every setting checked on the first batch: the kernel sits at ~1e-3 of the fp32 reference (bf16 probabilities

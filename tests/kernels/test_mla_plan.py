@@ -113,13 +113,15 @@ def test_parts_for_programs_per_sm_and_bad_knobs():
         mla_plan.plan_balanced(lens, block_kv=64, num_parts=4, min_chunk_blocks=0)
 
 
-def test_default_parts_keep_the_mosaic_kernel_in_one_wave():
-    """Mosaic: a balanced plan's items (<= parts + batch) x row blocks fit the 132 SMs; Triton keeps its 132 parts."""
+def test_default_plan_knobs():
+    """Mosaic with one row block: a balanced plan's items (<= parts + batch) fit the 132 SMs in one wave, and one more
+    part would not; with more row blocks 4 programs per SM and 64 blocks of overhead; Triton keeps 132 parts."""
     from pallas_kernels import mla_decode as md
 
-    for batch, row_blocks in ((64, 1), (32, 2), (5, 2), (3, 1)):
-        parts = md.default_num_parts("mosaic", batch, row_blocks)
-        assert (mla_plan.max_work_items(batch, parts)) * row_blocks <= md.H200_SM_COUNT
-        assert (mla_plan.max_work_items(batch, parts + 1)) * row_blocks > md.H200_SM_COUNT  # and no fewer parts
-    assert md.default_num_parts("mosaic", 200, 1) == 1  # more requests than SMs: one item each
-    assert md.default_num_parts("triton", 64, 2) == md.TRITON_NUM_PARTS == 132
+    for batch in (64, 5, 3):
+        parts, overhead = md.default_plan_knobs("mosaic", batch, 1)
+        assert overhead == 1 and mla_plan.max_work_items(batch, parts) <= md.H200_SM_COUNT
+        assert mla_plan.max_work_items(batch, parts + 1) > md.H200_SM_COUNT
+    assert md.default_plan_knobs("mosaic", 200, 1) == (1, 1)  # more requests than SMs: one item each
+    assert md.default_plan_knobs("mosaic", 32, 2) == (264, 64)
+    assert md.default_plan_knobs("triton", 64, 2) == (md.TRITON_NUM_PARTS, 1) == (132, 1)
