@@ -154,15 +154,19 @@ def kda_mixer(
       linear: how the block multiplies by the weights on the hidden-state boundary (see `Linear`): called
         once with every projection reading x (q/k/v, f_a, b, and g or g_a) and once with o_proj. Default:
         plain `dense` each; a parallel strategy passes sharded GEMMs (k3jax.parallel.tp_subgroup).
-      slots: [B] int32 distinct pool rows (None: the states are per row, see above). Not with all_states.
-        The fused decode kernel reads and writes the pools at `slots` itself (in place when the caller donates
-        them); every other path gathers the B rows, runs as without slots, and scatters them back.
+      slots: [B] int32 distinct pool rows (None: the states are per row, see above). The fused decode kernel
+        reads the pools at `slots` itself and, in decode, writes them in place (when the caller donates them);
+        with all_states (verify) it only reads them: the per-position states are new [B, T, ...] arrays and the
+        pools are neither written nor copied (not aliased to any output). Every other path gathers the B rows
+        and runs as without slots, then scatters them back (decode) or returns the per-position states (verify).
       fresh: [B] bool / int (None: none) rows that start from the zero conv and recurrent states whatever
         conv_state / rec_state hold for them (a new request in a reused slot). The fused decode kernel takes the
         flag itself (it skips reading those slots, then overwrites them); every other path zeroes the rows it
         gathered (or was given) with a select, so no pool is written to clear a slot.
 
-    Returns: (y [B, T, D], new_conv_state, new_rec_state) -- with `slots`, the pools updated at those rows.
+    Returns: (y [B, T, D], new_conv_state, new_rec_state) -- with `slots`, the pools updated at those rows;
+      with all_states (slots or not), the B rows' states after every position instead (see all_states), and the
+      pools, if given, stay as they were.
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
@@ -171,12 +175,17 @@ def kda_mixer(
     fused_decode = fused and mode == "recurrent"  # the only path that indexes pools and zeroes fresh rows itself
     if fresh is not None and fresh.shape != (b,):
         raise ValueError(f"kda_mixer: fresh must be [B={b}]; got {fresh.shape}")
+    if all_states and mode != "recurrent":
+        raise ValueError(f"kda_mixer: all_states needs mode='recurrent'; got {mode!r}")
     if slots is not None:
-        if all_states:
-            raise ValueError("kda_mixer: slots (pooled states) cannot be combined with all_states")
-        if not fused_decode:
+        if slots.shape != (b,):
+            raise ValueError(f"kda_mixer: slots must be [B={b}]; got {slots.shape}")
+        if not fused_decode:  # gather the rows, run as without slots; decode scatters them back
             y, new_conv, new_rec = kda_mixer(params, x, conv_state[slots], rec_state[slots], cfg, lengths=lengths,
-                                             mode=mode, backend_name=backend_name, linear=linear, fresh=fresh)
+                                             mode=mode, all_states=all_states, backend_name=backend_name,
+                                             linear=linear, fresh=fresh)
+            if all_states:  # per-position states of the B rows; the pools stay as they were
+                return y, new_conv, new_rec
             return (y, conv_state.at[slots].set(new_conv),
                     rec_state.at[slots].set(new_rec))
     if fresh is not None and not fused_decode:  # a select, not a multiply: exact zeros whatever the rows hold

@@ -234,24 +234,24 @@ def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: st
         # a row with nothing cached starts from the zero state, whatever its (reused) slot still holds: kda_mixer
         # zeroes such rows as it reads them (the fused decode kernel masks their loads), never in the pool
         fresh = meta.context_lens == 0
-        if verified is not None:  # the pool keeps the pre-verify state until commit_verified picks a position
-            conv, rec = caches["conv"][j][meta.slots], caches["kda"][j][meta.slots]
+        # The pools go to the mixer whole, as [L_kda * num_slots, ...] (a free reshape; layer j's slot s is row
+        # j * num_slots + s), with the step's rows: the fused decode kernel reads just those rows (decode also
+        # updates them in place; verify writes per-position states to new arrays and leaves the pools unwritten).
+        # Gathering the step's state rows first reads and writes 2 x B x H x V x K x 4 bytes per layer (k3-small,
+        # B 64: 134 MB per KDA layer), and decode's scatter back as much again. Fresh rows are not zeroed in the
+        # pool (a scatter per pool and layer, 0.36 ms of the k3-small step): the kernel reads them as zeros (and
+        # decode overwrites their slots); the gathering paths zero the gathered rows.
+        layers, num_slots = caches["kda"].shape[:2]
+        rows = j * num_slots + meta.slots.astype(jnp.int32)
+        flat = lambda pool: pool.reshape(layers * num_slots, *pool.shape[2:])  # noqa: E731
+        if verified is not None:  # the pools keep the pre-verify states until commit_verified picks a position
             y, new_conv, new_rec = kda.kda_mixer(
-                p, x, conv, rec, cfg, lengths=meta.lengths, mode=kda_mode, all_states=True,
-                backend_name=backend_name, linear=linear.get("kda"), fresh=fresh,
+                p, x, flat(caches["conv"]), flat(caches["kda"]), cfg, lengths=meta.lengths, mode=kda_mode,
+                all_states=True, slots=rows, fresh=fresh, backend_name=backend_name, linear=linear.get("kda"),
             )
             verified[0].append(new_rec)
             verified[1].append(new_conv)
             return y
-        # The pools go to the mixer whole, as [L_kda * num_slots, ...] (a free reshape; layer j's slot s is row
-        # j * num_slots + s), so the fused decode kernel updates its rows in place: gathering the step's rows
-        # before it and scattering them back after would move 4 x B x H x V x K x 4 bytes more per layer
-        # (k3-small, B 64: 268 MB per KDA layer, 4.8 GB per step). Fresh rows are not zeroed in the pool (a
-        # scatter per pool and layer, 0.36 ms of the k3-small step): the kernel reads them as zeros and
-        # overwrites their slots; the gathering paths zero the gathered rows.
-        layers, num_slots = caches["kda"].shape[:2]
-        rows = j * num_slots + meta.slots.astype(jnp.int32)
-        flat = lambda pool: pool.reshape(layers * num_slots, *pool.shape[2:])  # noqa: E731
         y, conv, rec = kda.kda_mixer(p, x, flat(caches["conv"]), flat(caches["kda"]), cfg, lengths=meta.lengths,
                                      mode=kda_mode, slots=rows, fresh=fresh, backend_name=backend_name,
                                      linear=linear.get("kda"))
