@@ -8,14 +8,20 @@ combinations keeps the GPU run short; benchmarks/kda.py checks the variants agai
 The solve="pallas" cases and the per-kernel tests (each Pallas kernel of the chunked prefill alone, at
 D128, against its own reference; added with the one-kernel-per-file split) have not run on a GPU yet
 (added after the 2026-11-30 device runs); nor have the V-blocked decode cases (block_v < 128), nor the decode
-fresh flag (masked-off pool loads: test_decode_fresh_rows_match_reference).
+fresh flag (masked-off pool loads: test_decode_fresh_rows_match_reference), nor the model's verify step reading
+the stacked pools in place (test_verify_step_reads_stacked_pools_in_place).
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import k3jax
+from k3jax import backend
+from k3jax.testing import k3_tiny, shuffled_page_tables, step_meta
 from pallas_kernels.kda_chunk import checkpoint_offsets, chunk_table, kda_chunk, kda_chunk_reference
 from pallas_kernels.kda_chunk_solve import kda_chunk_solve, kda_chunk_solve_reference
 from pallas_kernels.kda_common import CHUNK
@@ -145,3 +151,67 @@ def test_decode_fresh_rows_match_reference(t, all_states, block_v):
         np.testing.assert_array_equal(got[2][untouched], state_pool[untouched])
         np.testing.assert_array_equal(got[1][untouched], conv_pool[untouched])
         assert not got[2][3].any() and not got[1][3].any()
+
+
+# Two KDA layers (a wrong layer offset into the stacked pool shows) and one MLA layer, at D128 heads so the verify
+# kernel runs its default tiling (block_v 64: two V-blocks per head, the norm in the epilogue); fp32.
+VERIFY_CFG = k3_tiny().replace(num_layers=3, mla_layers=(2,), attn_res_block_size=2, kda_num_heads=2,
+                               kda_head_dim=128, name="k3-tiny-kda2-d128")
+KDA_OPS = ("kda_chunked", "kda_chunked_fused", "kda_decode_fused", "kda_recurrent")
+_HLO_ARRAY = re.compile(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w-]+)\(")
+
+
+def state_copies(hlo_text: str, shapes: set[tuple[int, ...]]) -> list[str]:
+    """Instructions of an optimized HLO module (fused computations included) that produce an array of one of
+    `shapes` other than by naming a parameter or reinterpreting one (bitcast): copies, gathers, slices, fusions."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _HLO_ARRAY.search(line)
+        if m and tuple(int(x) for x in m.group(2).split(",") if x) in shapes and \
+                m.group(3) not in ("parameter", "bitcast", "get-tuple-element"):
+            found.append(line.strip()[:160])
+    return found
+
+
+def test_verify_step_reads_stacked_pools_in_place(monkeypatch):
+    """k3jax.verify through the compiled KDA kernel (other ops on the reference): the stacked pools go to the
+    kernel as they are, so the optimized HLO has no instruction that copies, gathers or slices a pool, a layer
+    of one, or the step's rows of one; the returned pools are the given ones; logits and the per-position states
+    (valid positions) match the reference, with a fresh row whose reused slot holds garbage, inf and NaN and a
+    ragged row. Tolerance: fp32 at HIGHEST precision, kernel vs reference summation order ~1e-6 per layer."""
+    registry = {key: fn for key, fn in backend._REGISTRY.items() if key[1] == "reference" or key[0] in KDA_OPS}
+    monkeypatch.setattr(backend, "_REGISTRY", registry)
+    jax.clear_caches()
+    cfg, page = VERIFY_CFG, 4
+    rng = np.random.default_rng(31)
+    batch, num_slots, num_pages, k = 3, 7, 16, 4
+    params = k3jax.init_params(cfg, jax.random.key(8))
+    state = k3jax.init_state(cfg, num_slots, num_pages, page)
+    kda = 0.05 * rng.standard_normal(state.kda.shape)
+    conv = rng.standard_normal(state.conv.shape)
+    kda[1, 4, 0, 70, :3] = [np.nan, np.inf, -np.inf]  # slot 4 is the fresh row's (second KDA layer, V-block 1)
+    conv[0, 4, 2, :3] = [np.inf, np.nan, -1e30]
+    state = state.replace(kda=jnp.asarray(kda, jnp.float32), conv=jnp.asarray(conv, state.conv.dtype),
+                          kv_pages=jnp.asarray(rng.standard_normal(state.kv_pages.shape), state.kv_pages.dtype))
+    lengths = [4, 4, 3]
+    meta = step_meta([2, 4, 6], shuffled_page_tables(rng, batch, 4, num_pages), [5, 0, 8], lengths)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, k)), jnp.int32)
+    h, d, w1, c = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_kernel - 1, cfg.conv_channels
+    layers = cfg.num_kda_layers
+    pool_shapes = {(layers, num_slots, h, d, d), (layers * num_slots, h, d, d), (num_slots, h, d, d),
+                   (batch, h, d, d), (layers, num_slots, w1, c), (layers * num_slots, w1, c), (num_slots, w1, c),
+                   (batch, w1, c)}
+    with jax.default_matmul_precision("highest"):
+        hlo = k3jax.verify.lower(params, cfg, state, tokens, meta, backend_name="pallas").compile().as_text()
+        assert "kda_decode_verify" in hlo or "__gpu$xla.gpu.triton" in hlo  # the kernel is in the step
+        assert state_copies(hlo, pool_shapes) == []
+        got = jax.device_get(k3jax.verify(params, cfg, jax.tree.map(jnp.copy, state), tokens, meta,
+                                          backend_name="pallas"))
+        want = jax.device_get(k3jax.verify(params, cfg, jax.tree.map(jnp.copy, state), tokens, meta))
+    jax.clear_caches()
+    valid = np.arange(k)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(got[0][valid], want[0][valid]) < 1e-4
+    for g, w in ((got[2].kda, want[2].kda), (got[2].conv, want[2].conv)):
+        assert np.isfinite(g[:, valid]).all() and rel(g[:, valid], w[:, valid]) < 1e-4
+    np.testing.assert_array_equal(got[1].kda, np.asarray(state.kda))
+    np.testing.assert_array_equal(got[1].conv, np.asarray(state.conv))
