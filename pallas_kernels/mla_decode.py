@@ -41,8 +41,9 @@ Where the time goes (same shape, 64 rows x 64 keys, 8 warps, 2 stages; the loop 
   latency-bound (one 150-220 KiB program per SM, no warp specialisation), not bandwidth-bound.
 The memory limit needs FlashMLA's structure: `backend="mosaic"` (_mgpu_decode_kernel below) is a first
 Mosaic GPU version of it (TMA page copies by a memory warpgroup, wgmma, two compute warpgroups owning
-256 value columns each). It is the model's GPU kernel (k3jax.mla.MLA_DECODE_KERNEL, default "mosaic"; fp8 pages
-and other sizes stay on Triton). At k3-small's 16 heads (16 query rows padded to its 64-row tile, 64-token pages,
+256 value columns each). The model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic" (default "triton": with it the
+whole k3-small decode step was slower, 16.6 vs 13.4 ms, host-bound around the Mosaic calls; see k3jax/mla.py). At
+k3-small's 16 heads (16 query rows padded to its 64-row tile, 64-token pages,
 B64 x 8k; benchmarks/mla.py --shape-sweep on the H200, 2026-11-30, docs/results/mla_small_h200_2026-11-30e.json) it
 takes 0.206 ms per layer with one wave of programs (66 parts; 69 % of copy bandwidth; default_plan_knobs) against
 0.384 ms for Triton's best tiling (37 %), 1.88x, within 7e-4 of the reference. It lowers to Mosaic GPU MLIR on CPU and matches the
@@ -241,7 +242,7 @@ def _combine_kernel(
 # --------------------------------------------------------------------------------------------------
 # Mosaic GPU kernel (Hopper: TMA page copies, wgmma, a memory warpgroup and two compute warpgroups).
 # Mosaic GPU decode (see the module docstring): H200-checked in benchmarks/mla.py at 96 and 16 heads; the model's
-# GPU kernel (k3jax.mla.MLA_DECODE_KERNEL == "mosaic", the default).
+# when k3jax.mla.MLA_DECODE_KERNEL == "mosaic".
 # Program = (64-row block, work item). Warpgroup 2 copies each KV block's pages (TMA, `stages` slots deep);
 # warpgroups 0 and 1 both compute the [64, block_kv] scores and softmax (duplicated: 1.5x the MMA work of
 # one score pass, but no exchange between them) and each accumulates its own 256 of the 512 value columns.

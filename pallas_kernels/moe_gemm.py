@@ -145,6 +145,11 @@ class MoeGemmConfig:
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
                                       num_stages=3)
+# The large-group default: the wide-down tiling with 64-row MMAs for work items of <= 64 rows (the pieces of tiles
+# that straddle two experts). H200, benchmarks/moe.py --sweep-tokens 16384,65536 (2026-11-30, on-device check 4.4e-3,
+# docs/results/moe_mid_h200_2026-11-30e.json): 294 rows/expert 3.06 vs 3.36 ms (54.8 vs 49.9 % of the jnp.dot peak),
+# 1172 rows/expert 10.16 vs 10.44 ms (65.7 vs 63.9 %); the "aligned" row layout was slower at both sizes.
+LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64)
 
 
 def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
@@ -162,7 +167,7 @@ def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
     if per_expert <= 64:
         return MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64, num_warps=4, num_stages=3)
     if per_expert >= 256:
-        return LARGE_GROUP_WIDE_DOWN
+        return LARGE_GROUP_DEFAULT
     return MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
