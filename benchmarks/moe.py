@@ -3,10 +3,11 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python benchmarks/moe.py --out $OUT/moe.json   # H200
     python benchmarks/moe.py --smoke --out /tmp/moe.json     # CPU: tiny shapes, interpret mode, no timing claims
 
-MXFP4 decode variants (pallas_kernels.moe_gemm.MXFP4_VARIANTS) against bf16 weights at decode sizes, one command,
-~150 s on the H200 (limits ~15 s, then the section stops starting cases after --budget-s, default 110 s):
+MXFP4 decode variants (pallas_kernels.moe_gemm.MXFP4_VARIANTS: "interleave" on the checkpoint layout, "kmajor" on
+the kernel layout the model loads) against bf16 weights at decode sizes, one command, ~60 s on the H200 (limits
+~15 s, then the section stops starting cases after --budget-s, default 110 s):
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe,sweep \
-        --mxfp4-variants interleave,kmajor,swap,swap_wscale,swap_f16,swap_asm --sweep-tokens 16,256,1024 --out $OUT/mxfp4.json
+        --mxfp4-variants interleave,kmajor --sweep-tokens 16,256,1024 --out $OUT/mxfp4.json
   k3-ep16 shard; bf16 and every variant at each tiling of --mxfp4-configs (decode-sized, block_m 16) on identical
   inputs; each checked on the device against the dense einsum over the dequantised-bf16 weights (rel error);
   table column bf16/this = best bf16 ms at that T / this case's ms (> 1: faster than bf16).
@@ -28,7 +29,8 @@ MoE (the whole routed-expert op: sort, gate/up + GLU, down * routing weight, com
            picks 16 of 896 experts uniformly; the shard keeps the picks among its 56 (about T rows, ~T/56
            per expert, natural imbalance) -- what one GPU computes after the dispatch all-to-all.
   k3-small: all 192 experts on one GPU (1024 -> 512 -> 1024), top 8 of 192, 8T rows.
-  impls: pallas (ours, bf16 and MXFP4 weights), ragged_dot_mgpu (shipped Mosaic-GPU grouped GEMM, gate|up
+  impls: pallas (ours, bf16 and MXFP4 weights; MXFP4 in the kernel layout the model loads, `prepare_mxfp4`, or
+  the checkpoint's where a width is not a multiple of 64: row field mxfp4_layout), ragged_dot_mgpu (shipped Mosaic-GPU grouped GEMM, gate|up
   fused into one [E, K, 2I] GEMM, GLU in XLA), xla_ragged_dot (k3jax's reference op; small T only: it is
   the 11 TFLOP/s path), dense_loop (per-expert einsum at equal capacity = the largest group).
   Reported: ms, TFLOP/s (6 M K I useful FLOPs), weight GB/s (bytes of the experts that got rows), the
@@ -298,6 +300,8 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
     e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
     bf16, mx = make_experts(shape, seed=1)
     mx_deq = dequantized(mx)
+    mx_layout = "kn" if k_dim % moe_gemm.PLANE_BLOCK == 0 == i_dim % moe_gemm.PLANE_BLOCK else "hf"
+    mx_model = {n: moe_gemm.prepare_mxfp4(v) for n, v in mx.items()} if mx_layout == "kn" else mx
     gate_up = jnp.concatenate([bf16["gate"], bf16["up"]], axis=-1)
     ours = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, interpret=interpret))
     for t in token_counts:
@@ -313,7 +317,7 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
         dense = jax.jit(functools.partial(dense_loop_moe, num_experts=e, capacity=int(counts.max())))
         cases = [
             ("pallas", "bf16", lambda: ours(x, ids, w, bf16)),
-            ("pallas", "mxfp4", lambda: ours(x, ids, w, mx)),
+            ("pallas", "mxfp4", lambda: ours(x, ids, w, mx_model)),
             ("dense_loop", "bf16", lambda: dense(x, ids, w, bf16)),
         ]
         if not interpret:
@@ -324,7 +328,7 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
             cases.append(("xla_ragged_dot", "bf16", lambda: xr(x, ids, w, bf16)))
         results = {}
         for impl, quant, thunk in cases:
-            row = dict(base, impl=impl, weights=quant)
+            row = dict(base, impl=impl, weights=quant, **({"mxfp4_layout": mx_layout} if quant == "mxfp4" else {}))
             try:
                 out = thunk()
                 results[(impl, quant)] = out
@@ -492,15 +496,13 @@ MXFP4_SMOKE_SHAPE = dict(local=6, total=12, top_k=3, k_dim=128, i_dim=64)  # ker
 def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, configs, budget_s):
     """bf16 vs each MXFP4 decode variant at each tiling, identical inputs per token count, every case checked on
     the device against the dense einsum over the dequantised-bf16 weights. Stops starting cases after budget_s."""
-    import dataclasses
-
     t_start = time.perf_counter()
     e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
     bf16, mx = make_experts(shape, seed=3)
     mx_deq = dequantized(mx)
-    layouts = {moe_gemm.MXFP4_VARIANTS[v][0] for v in variants}
-    by_layout = {"hf": mx, **{lay: {n: moe_gemm.prepare_mxfp4(w, lay) for n, w in mx.items()}
-                              for lay in layouts - {"hf"}}}
+    by_layout = {"hf": mx}
+    if "kn" in {moe_gemm.MXFP4_VARIANTS[v] for v in variants}:
+        by_layout["kn"] = {n: moe_gemm.prepare_mxfp4(w) for n, w in mx.items()}
     cases, skipped, best = [], [], {}
     for t in token_counts:
         ids_np, w_np = routing(shape, t, seed=t + 11)
@@ -523,13 +525,9 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
                     skipped.append(row)
                     continue
                 quant = "bf16" if name == "bf16" else "mxfp4"
-                if name == "bf16":
-                    experts, run_cfg = bf16, cfg
-                else:
-                    layout, overrides = moe_gemm.MXFP4_VARIANTS[name]
-                    experts, run_cfg = by_layout[layout], dataclasses.replace(cfg, **overrides)
+                experts = bf16 if name == "bf16" else by_layout[moe_gemm.MXFP4_VARIANTS[name]]
                 try:
-                    f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, config=run_cfg, interpret=interpret))
+                    f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, config=cfg, interpret=interpret))
                     out = f(x, ids, w, experts)
                     err = rel_err(out, want[quant])
                     sec = timed(f, x, ids, w, experts) if not interpret else float("nan")

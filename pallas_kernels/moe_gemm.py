@@ -26,46 +26,26 @@ benchmarks/moe.py's sweep, `mma_rows`). Untimed on a GPU when written (2026-11-3
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
 one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
-activations stay bf16), in one of three layouts (`mxfp4_layout`):
+activations stay bf16), in one of two layouts (`mxfp4_layout`; gate and up share one):
   "hf"  the checkpoint's ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, k3jax.quant);
         decode "interleave": nibbles interleaved back into input order, E2M1 built in fp32 by bit
         construction with two selects, scales broadcast by reshape, cast to bf16, transposed MMA operand.
-        Measured on the H200 (benchmarks/moe.py) this is ALU-bound: 4x fewer weight bytes than bf16 but 1.6x
-        slower than the bf16 kernel at K3's EP16 decode (0.62 vs 0.39 ms at 16 tokens; 2.2 vs 1.09 ms at 1024).
-        A per-group variant (nibble planes straight to bf16, de-interleaved activations, scale on the fp32
-        partial) was slower still (0.71 ms) and was dropped.
-  "nk" / "kn"  `prepare_mxfp4`'s kernel layouts, made once at load time: per block of 64 inputs, byte j holds
-        input j (low nibble) and input j + 32 (high nibble), so each nibble plane is exactly one scale group and
-        decodes with no shuffle; scales stored [E, in/32, out] (one contiguous row per group). "nk" keeps the
-        weights [E, out, in/2] and makes the decoded plane the MMA's A operand (acc^T = W a^T: at 16-row tiles
-        the weights fill the MMA's M side, which Hopper's wgmma can take from registers, and the tiny activation
-        tile is the shared-memory B operand); "kn" stores [E, in/2, out] and multiplies a @ W (B operand, no
-        transpose).
-Plane decode (`_decode_plane`): f16 bits (m << 9) | sign << 15 = E2M1(m) * 2^-14 (m = 1 is the f16 subnormal
-2^-15, exact through the f16 -> f32/bf16 conversion), then cast to the MMA dtype; the 2^14 folds into the
-group scale. ~5 integer ops + 1-2 conversions per weight against ~15 + a shuffle for "interleave". A bf16
-placement (E2M1 * 2^-126, m = 1 a bf16 subnormal) was rejected: XLA:CPU flushes bf16/f32 subnormals in a
-multiply (checked: code 1 decoded to 0), the GPU's behaviour would need its own check, and folding 2^126
-into the scale overflows fp32 for scales above 2^1. Variants (MXFP4_VARIANTS, selected by the layout plus
-MoeGemmConfig.mxfp4_scale / mxfp4_mma): "interleave" (hf), "kmajor" (kn), "swap" (nk), "swap_wscale" (nk, the
-scale multiplies the decoded bf16 weights, 1 op/weight, instead of each group's fp32 partial product,
-block_m/32 ops/weight, which also splits the MMA chain per group), "swap_f16" (nk, MMA in f16: no f16 -> bf16
-conversion, activations cast to f16 per tile; SiTU bounds h by 100, but gate/up inputs above 65504 would
-overflow), "swap_asm" (nk, each plane decoded by 4 PTX instructions per 2 weights, `_PLANE_ASM`, exact E2M1
-in bf16; interpret mode substitutes the jnp decode). Static cost, from compiling an equivalent hand-written
-Triton kernel with Triton 3.6 for sm_90 on a CPU (SASS instructions in the K loop per weight per thread,
-16-row tiles, block_k 128, 64 / 128-wide output tiles; not the Pallas-lowered kernel, not a timing):
-bf16 weights 1.1 (128-wide), interleave 13.3 / 13.0, kmajor 9.7 / 8.9, swap 8.8 / 8.3, swap_wscale
-8.9 / 8.3, swap_f16 7.9 / 7.1, swap_asm 4.9 / 4.4. Only the "nk" variants get Hopper's wgmma (A operand in
-registers: the decode feeds it with no shared-memory round trip); kmajor, interleave and bf16 use mma.sync
-at 16-row tiles. The jnp decodes spend ~2 shifts, ~1.5 byte permutes and a 1.5-op f16 -> bf16 conversion
-per weight; the PTX shares one multiply between the two shifts and one bf16x2 fma between 2 weights.
-By the brief's budget (~10 ops/weight for 1.5x over bf16) only swap_asm has a clear margin.
-NONE OF THE NEW VARIANTS HAS BEEN COMPILED OR TIMED ON A GPU YET (written 2026-11-30 without
-device time; interpret-mode tests check their numbers): `benchmarks/moe.py --mxfp4-variants` times them and
-tests/gpu/test_moe_gpu.py checks them; a checkpoint loader would call `prepare_mxfp4` on each packed expert
-weight once the winner is known. For large groups, dequantising once to bf16 outside the kernel and running
-the bf16 path is faster than the "interleave" decode.
+  "kn"  the kernel layout, made once at load time by `prepare_mxfp4` (exact re-packing; k3jax.weights
+        load_pretrained(experts="kernel")): {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}; per
+        block of 64 inputs byte j holds input j (low nibble) and input j + 32 (high), so each nibble plane is
+        exactly one scale group: decoded with no shuffle (`_decode_plane`: f16 bits (m << 9) | sign << 15 =
+        E2M1(m) * 2^-14, m = 1 the exact f16 subnormal 2^-15, the 2^14 folded into the scale; a bf16
+        placement would need bf16 subnormals, which XLA:CPU flushes), multiplied a @ W (B operand, no
+        transpose), the group scale applied to the fp32 partial product. Inputs must be multiples of 64.
+Measured on the H200 (benchmarks/moe.py --mxfp4-variants, K3 EP16 shard, 2026-11-30, all variants correct;
+docs/results/moe_mxfp4_h200_2026-11-30e.json), bf16 ms / MXFP4 ms at 16 / 256 / 1024 tokens, best tiling each:
+"kn" (variant "kmajor") 0.81 / 0.84 / 0.59, "hf" ("interleave") 0.59 / 0.55 / 0.37. Tried and removed, all
+slower than "kn" at every size: an "nk" layout (weights [E, out, in/2] as the MMA's A operand, wgmma-eligible)
+0.60 / 0.62 / 0.43; with the scale on the decoded weights 0.44 / 0.53 / 0.39; MMA in f16 0.55 / 0.56 / 0.39; an
+inline-PTX plane decode 0.67 / 0.69 / 0.49 (4.4 SASS instructions per weight against kmajor's 8.9: static
+instruction counts did not predict the timings); earlier, a per-group "interleave" (0.71 ms at 16 tokens). Their
+code is in this file's git history (before the commit that removed them). MXFP4 is still slower than bf16 at
+decode: it buys memory, not speed; for large groups, dequantising to bf16 outside the kernel is faster still.
 
 Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement on
 the H200 (../shared/design/gpu.md): a Pallas-Triton tiled matmul reached 540 TFLOP/s (87% of XLA's
@@ -85,6 +65,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -99,12 +80,6 @@ class MoeGemmConfig:
 
     block_m rows per work item (shared by both kernels: one schedule); glu_block_n output columns of each
     of gate and up; down_block_n output columns of the down GEMM; block_k the contraction step of both.
-    The two mxfp4_* fields only act on weights in a kernel layout (`prepare_mxfp4`; see MXFP4_VARIANTS):
-    mxfp4_scale "partial" multiplies each 32-input group's fp32 partial product by its E8M0 scale, "weight"
-    multiplies the decoded weights before the MMA; mxfp4_mma "act" runs the MMA in the activation dtype,
-    "f16" in float16 (activations cast to f16: they must stay below 65504 in magnitude); mxfp4_decode "asm"
-    decodes each nibble plane with inline PTX (`_decode_plane_asm`; GPU only, interpret mode runs the jnp
-    decode in its place), "jnp" with `_decode_plane`.
     row_layout (mid-size groups, opt-in; see `aligned_schedule`): "packed" cuts the expert-sorted rows into
     global block_m tiles (a tile straddling two experts is two work items, each a full block_m-row MMA);
     "aligned" starts every expert's rows at a multiple of block_m in a padded row buffer, so each work item is
@@ -118,9 +93,6 @@ class MoeGemmConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    mxfp4_scale: str = "partial"
-    mxfp4_mma: str = "act"
-    mxfp4_decode: str = "jnp"
     row_layout: str = "packed"
     tail_block_m: int = 0
 
@@ -129,12 +101,6 @@ class MoeGemmConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoeGemmConfig.{name}={v} must be a power of two >= 16")
-        if self.mxfp4_scale not in ("partial", "weight"):
-            raise ValueError(f"MoeGemmConfig.mxfp4_scale={self.mxfp4_scale!r} must be 'partial' or 'weight'")
-        if self.mxfp4_mma not in ("act", "f16"):
-            raise ValueError(f"MoeGemmConfig.mxfp4_mma={self.mxfp4_mma!r} must be 'act' or 'f16'")
-        if self.mxfp4_decode not in ("jnp", "asm"):
-            raise ValueError(f"MoeGemmConfig.mxfp4_decode={self.mxfp4_decode!r} must be 'jnp' or 'asm'")
         if self.row_layout not in ROW_LAYOUTS:
             raise ValueError(f"MoeGemmConfig.row_layout={self.row_layout!r} must be one of {ROW_LAYOUTS}")
         t = self.tail_block_m
@@ -279,66 +245,69 @@ def _dequant_tile(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (_e2m1_to_f32(codes) * factors).astype(dtype)
 
 
-PLANE_BLOCK = 2 * MXFP4_GROUP  # inputs per byte block of the kernel layouts (one group per nibble plane)
+PLANE_BLOCK = 2 * MXFP4_GROUP  # inputs per byte block of the kernel layout (one group per nibble plane)
 # F16 bit placement decodes E2M1 code m to E2M1(m) * 2^-14 (code 1 = 2^-15 is an f16 subnormal, exact through
 # the hardware f16 -> f32 conversion); the 2^14 is folded into the group scale
 _PLANE_BIAS = 2.0**14
-# name -> (layout, MoeGemmConfig overrides); the layout is prepare_mxfp4's ("hf" = the checkpoint's own)
-MXFP4_VARIANTS = {
-    "interleave": ("hf", {}),
-    "kmajor": ("kn", {}),
-    "swap": ("nk", {}),
-    "swap_wscale": ("nk", {"mxfp4_scale": "weight"}),
-    "swap_f16": ("nk", {"mxfp4_mma": "f16"}),
-    "swap_asm": ("nk", {"mxfp4_decode": "asm"}),
-}
-_LAYOUT_KEYS = {"hf": ("packed", "scale"), "nk": ("planes_nk", "scales_gn"), "kn": ("planes_kn", "scales_gn")}
+# benchmark variant name (benchmarks/moe.py --mxfp4-variants) -> the MXFP4 layout it runs on
+MXFP4_VARIANTS = {"interleave": "hf", "kmajor": "kn"}
+# layout -> its dict keys (packed nibbles, E8M0 scales)
+MXFP4_LAYOUT_KEYS = {"hf": ("packed", "scale"), "kn": ("planes_kn", "scales_gn")}
 
 
 def mxfp4_layout(w) -> str:
-    """"float", "hf" ({"packed", "scale"}, HF orientation), "nk" or "kn" (`prepare_mxfp4` kernel layouts)."""
+    """"float" (an array), "hf" ({"packed", "scale"}: the checkpoint's) or "kn" ({"planes_kn", "scales_gn"}:
+    `prepare_mxfp4`'s kernel layout); ValueError for a dict of other keys."""
     if not isinstance(w, dict):
         return "float"
-    for layout, keys in _LAYOUT_KEYS.items():
+    for layout, keys in MXFP4_LAYOUT_KEYS.items():
         if set(w) == set(keys):
             return layout
-    raise ValueError(f"MXFP4 weight keys {sorted(w)} match no layout of {_LAYOUT_KEYS}")
+    raise ValueError(f"MXFP4 weight keys {sorted(w)} match no layout of {MXFP4_LAYOUT_KEYS}")
 
 
-def _plane_codes(codes: jax.Array) -> jax.Array:
-    """E2M1 codes [..., in] (uint8, input order) -> bytes [..., in/2] of the kernel layouts: in each block of
-    PLANE_BLOCK inputs, byte j holds input j in its low nibble and input j + PLANE_BLOCK/2 in its high one."""
-    *lead, n_in = codes.shape
-    blocks = codes.reshape(*lead, n_in // PLANE_BLOCK, 2, PLANE_BLOCK // 2)
-    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(*lead, n_in // 2)
+def _xp(a):
+    """numpy for numpy arrays (host-side repacking at load time), jax.numpy otherwise (also under jit)."""
+    return np if isinstance(a, np.ndarray) else jnp
 
 
-def prepare_mxfp4(w: dict, layout: str = "nk") -> dict:
-    """MXFP4 weight in the checkpoint's layout -> a kernel layout, once at load time (exact: a re-packing).
+def prepare_mxfp4(w: dict) -> dict:
+    """MXFP4 weight in the checkpoint's layout -> the kernel layout, once at load time (exact: a re-packing).
 
     w: {"packed": [E, out, in/2] uint8 (input 2j in the low nibble of byte j), "scale": [E, out, in/32] uint8}
-    (k3jax.quant, HF orientation); in must be a multiple of PLANE_BLOCK (64). Returns
-      layout "nk": {"planes_nk": [E, out, in/2], "scales_gn": [E, in/32, out]}  (weights as the MMA's A operand)
-      layout "kn": {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}  (weights as the B operand)
-    with the nibbles de-interleaved per block of 64 inputs (`_plane_codes`): the low nibbles of a block are
-    its first 32 inputs = one scale group, the high nibbles the next 32 = the next group, so each nibble plane
-    decodes straight into an MMA operand with a single scale per output column (no interleave, no broadcast
-    of scales along the contraction).
+    (k3jax.quant, HF orientation), numpy (result numpy) or jax arrays; in must be a multiple of PLANE_BLOCK (64).
+    Returns {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]} with the nibbles de-interleaved per
+    block of 64 inputs: the low nibbles of a block are its first 32 inputs = one scale group, the high nibbles
+    the next 32 = the next group, so each nibble plane decodes straight into an MMA operand with a single
+    scale per output column. `mxfp4_checkpoint_layout` is the inverse.
     """
     if mxfp4_layout(w) != "hf":
         raise ValueError(f"prepare_mxfp4 takes the checkpoint layout {{'packed', 'scale'}}, got {sorted(w)}")
-    if layout not in ("nk", "kn"):
-        raise ValueError(f"layout must be 'nk' or 'kn', got {layout!r}")
     e, n_in, n_out = _weight_dims(w)
     if n_in % PLANE_BLOCK:
-        raise ValueError(f"input dim {n_in} must be a multiple of {PLANE_BLOCK} for the kernel layouts")
-    packed = jnp.asarray(w["packed"])
-    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n_out, n_in)
-    planes = _plane_codes(codes)  # [E, out, in/2]
-    scales = jnp.swapaxes(jnp.asarray(w["scale"]), -1, -2)  # [E, in/32, out]
-    if layout == "kn":
-        return {"planes_kn": jnp.swapaxes(planes, -1, -2), "scales_gn": scales}
-    return {"planes_nk": planes, "scales_gn": scales}
+        raise ValueError(f"input dim {n_in} must be a multiple of {PLANE_BLOCK} for the kernel layout")
+    packed, scale = w["packed"], w["scale"]
+    xp = _xp(packed)
+    codes = xp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n_out, n_in)  # input order
+    blocks = codes.reshape(e, n_out, n_in // PLANE_BLOCK, 2, PLANE_BLOCK // 2)
+    planes = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(e, n_out, n_in // 2)
+    return {"planes_kn": planes.swapaxes(-1, -2), "scales_gn": scale.swapaxes(-1, -2)}
+
+
+def mxfp4_checkpoint_layout(w: dict) -> dict:
+    """The inverse of `prepare_mxfp4` (exact): {"planes_kn", "scales_gn"} -> {"packed": [E, out, in/2],
+    "scale": [E, out, in/32]}, numpy or jax arrays; a checkpoint-layout dict is returned as it is."""
+    layout = mxfp4_layout(w)
+    if layout == "hf":
+        return w
+    if layout != "kn":
+        raise ValueError("mxfp4_checkpoint_layout takes an MXFP4 dict")
+    e, n_in, n_out = _weight_dims(w)
+    planes = w["planes_kn"].swapaxes(-1, -2).reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
+    xp = _xp(planes)
+    codes = xp.concatenate([planes & 0x0F, planes >> 4], axis=-1).reshape(e, n_out, n_in)  # input order
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return {"packed": packed, "scale": w["scales_gn"].swapaxes(-1, -2)}
 
 
 def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
@@ -355,56 +324,15 @@ def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float16)
 
 
-# Inline PTX for one nibble plane, two bytes at a time (pack=2: $1 holds 2 uint8 elements, $0 gets 2 bf16):
-# prmt spreads the bytes into 16-bit lanes; the nibble (x = lane & 0xF, or & 0xF0 for the high plane) times
-# 0x1040 (0x104) puts the magnitude on bits 6..9 and a copy on 12..15 with no carry between them, the mask
-# 0x81C0 keeps magnitude bits 6..8 and the sign on bit 15: bf16 bits of E2M1 * 2^-126 (code 1 = the subnormal
-# 0.5 * 2^-126), and fma.rn.bf16x2 by 2^126 (bf16 arithmetic has no flush-to-zero on the GPU) makes it exact
-# E2M1. 4 instructions per 2 weights (+ Triton's packing); compiled with Triton 3.6 for sm_90 in an equivalent
-# Triton kernel: 4.4-4.9 SASS instructions per weight in the K loop against 8.3-8.8 for the jnp decode and
-# 13 for "interleave" (static counts, not timings).
-_PLANE_ASM = {
-    False: """{
-.reg .b32 t, m, c, z;
-mov.b32 c, 0x7E807E80; mov.b32 z, 0x80008000;
-prmt.b32 t, $1, 0, 0x4140;
-and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, c, z;
-}""",
-    True: """{
-.reg .b32 t, m, c, z;
-mov.b32 c, 0x7E807E80; mov.b32 z, 0x80008000;
-prmt.b32 t, $1, 0, 0x4140;
-and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, c, z;
-}""",
-}
-
-
-def _decode_plane_asm(packed: jax.Array, high: bool, interpret: bool) -> jax.Array:
-    """One nibble plane of a uint8 tile -> exact E2M1 values in bf16 (inline PTX on the GPU; in interpret mode
-    the same values from `_decode_plane`, so the interpret tests check the kernel around it, not the PTX)."""
-    if interpret:
-        return (_decode_plane(packed, high).astype(jnp.float32) * _PLANE_BIAS).astype(jnp.bfloat16)
-    [out] = plgpu.elementwise_inline_asm(_PLANE_ASM[high], args=[packed], constraints="=r,r", pack=2,
-                                         result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
-    return out
-
-
 class _WeightRefs:
     """One expert weight operand: float [E, K, N] refs, MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs
-    (checkpoint layout), or a `prepare_mxfp4` layout (planes + scales [E, K/32, N])."""
+    (checkpoint layout "hf"), or the kernel layout "kn" (planes [E, K/2, N] + scales [E, K/32, N])."""
 
-    def __init__(self, refs, layout: str, config: MoeGemmConfig, interpret: bool):
-        self.refs, self.layout, self.config, self.interpret = refs, layout, config, interpret
-
-    @property
-    def transposed(self) -> bool:
-        """The "nk" layout accumulates the transposed product acc^T [block_n, block_m] (weights are the MMA's
-        A operand, decoded in registers; the activations the B operand)."""
-        return self.layout == "nk"
+    def __init__(self, refs, layout: str):
+        self.refs, self.layout = refs, layout
 
     def accumulate(self, acc, a_ref, row0, expert, k0, n0, block_m: int, block_k: int, block_n: int):
-        """acc [block_m, block_n] fp32 (transposed: [block_n, block_m])
-        + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n]."""
+        """acc [block_m, block_n] fp32 + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n]."""
         rows = pl.ds(row0, block_m)
         if self.layout == "float":
             (w_ref,) = self.refs
@@ -420,36 +348,19 @@ class _WeightRefs:
             scale = scale_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // MXFP4_GROUP, block_k // MXFP4_GROUP)]
             w = _dequant_tile(packed, scale, a.dtype)  # [block_n, block_k]
             return acc + jnp.dot(a, w.T, preferred_element_type=jnp.float32)
-        # kernel layouts: per 64-input block one byte tile, two nibble planes = two scale groups
+        # kernel layout: per 64-input block one byte tile, two nibble planes = two scale groups
         planes_ref, scales_ref = self.refs
         half = PLANE_BLOCK // 2
-        on_weights = self.config.mxfp4_scale == "weight"
-        asm = self.config.mxfp4_decode == "asm"
         for c in range(block_k // PLANE_BLOCK):
             kc = k0 + c * PLANE_BLOCK
-            if self.transposed:
-                packed = planes_ref[expert, pl.ds(n0, block_n), pl.ds(kc // 2, half)]  # [block_n, 32]
-            else:
-                packed = planes_ref[expert, pl.ds(kc // 2, half), pl.ds(n0, block_n)]  # [32, block_n]
+            packed = planes_ref[expert, pl.ds(kc // 2, half), pl.ds(n0, block_n)]  # [32, block_n]
             for plane in (0, 1):
                 a = a_ref[rows, pl.ds(kc + plane * half, half)]  # [block_m, 32]
-                mma_dtype = jnp.float16 if self.config.mxfp4_mma == "f16" else a.dtype
-                a = a.astype(mma_dtype)
                 s = scales_ref[expert, kc // MXFP4_GROUP + plane, pl.ds(n0, block_n)]  # [block_n]
-                factor = _e8m0_to_f32(s.astype(jnp.int32))  # 2^(s-127), [block_n]
-                if asm:  # exact E2M1 values in bf16
-                    w = _decode_plane_asm(packed, plane == 1, self.interpret).astype(mma_dtype)
-                else:  # E2M1 * 2^-14, exact in f16, bf16, f32
-                    w = _decode_plane(packed, plane == 1).astype(mma_dtype)
-                    factor = factor * _PLANE_BIAS
-                factor = factor[:, None] if self.transposed else factor[None, :]
-                if on_weights:
-                    w = w * factor.astype(mma_dtype)  # exact (a power of two) unless it leaves the range
-                if self.transposed:
-                    part = jnp.dot(w, a.T, preferred_element_type=jnp.float32)  # [block_n, block_m]
-                else:
-                    part = jnp.dot(a, w, preferred_element_type=jnp.float32)  # [block_m, block_n]
-                acc = acc + (part if on_weights else part * factor)
+                factor = _e8m0_to_f32(s.astype(jnp.int32)) * _PLANE_BIAS  # 2^(s-127) * 2^14, [block_n]
+                w = _decode_plane(packed, plane == 1).astype(a.dtype)  # E2M1 * 2^-14, exact in f16, bf16, f32
+                part = jnp.dot(a, w, preferred_element_type=jnp.float32)  # [block_m, block_n]
+                acc = acc + part * factor[None, :]
         return acc
 
 
@@ -468,17 +379,17 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 
 
 def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout: str, config: MoeGemmConfig,
-                        interpret: bool, block_m: int, block_n: int, block_k: int, activation: str, beta: float,
+                        block_m: int, block_n: int, block_k: int, activation: str, beta: float,
                         linear_beta: float | None):
     # schedule_ref [4, W] int32 (tile row start, expert, first row, end row)
     # x_ref        [M_pad, K_pad] expert-sorted rows
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
-    #       planes [E, I_pad, K_pad/2] or [E, K_pad/2, I_pad] u8 + scales [E, K_pad/32, I_pad] u8),
+    #       planes [E, K_pad/2, I_pad] u8 + scales [E, K_pad/32, I_pad] u8),
     #       up refs (same layout), h_ref [M_pad, I_pad] output
     n_gate = 1 if gate_layout == "float" else 2
     n_up = 1 if up_layout == "float" else 2
-    gate = _WeightRefs(rest[:n_gate], gate_layout, config, interpret)
-    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, config, interpret)
+    gate = _WeightRefs(rest[:n_gate], gate_layout)
+    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout)
     h_ref = rest[n_gate + n_up]
     item, col = pl.program_id(0), pl.program_id(1)
 
@@ -493,12 +404,9 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout:
             acc_up = up.accumulate(acc_up, x_ref, row_start, expert, k0, n0, rows, block_k, block_n)
             return acc_gate, acc_up
 
-        zeros = jnp.zeros((block_n, rows) if gate.transposed else (rows, block_n), jnp.float32)
+        zeros = jnp.zeros((rows, block_n), jnp.float32)
         acc_gate, acc_up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
-        h = _glu(acc_gate, acc_up, activation, beta, linear_beta)
-        if gate.transposed:  # gate and up share the layout
-            h = h.T  # [rows, block_n]
-        h = h.astype(h_ref.dtype)
+        h = _glu(acc_gate, acc_up, activation, beta, linear_beta).astype(h_ref.dtype)
         row_ids = row_start + jnp.arange(rows)
         keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
         plgpu.store(h_ref.at[pl.ds(row_start, rows), pl.ds(n0, block_n)], h, mask=keep)
@@ -507,14 +415,14 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout:
 
 
 def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, layout: str, config: MoeGemmConfig,
-                         interpret: bool, block_m: int, block_n: int, block_k: int):
+                         block_m: int, block_n: int, block_k: int):
     # schedule_ref  [4, W] int32
     # h_ref         [M_pad, I_pad] GLU output rows
     # row_scale_ref [M_pad] fp32 routing weight of each row
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
-    #       planes [E, D_pad, I_pad/2] or [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8),
+    #       planes [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8),
     #       y_ref [M_pad, D_pad] fp32 output
-    down = _WeightRefs(rest[:-1], layout, config, interpret)
+    down = _WeightRefs(rest[:-1], layout)
     y_ref = rest[-1]
     item, col = pl.program_id(0), pl.program_id(1)
 
@@ -525,10 +433,7 @@ def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, layout: str,
         def step(kb, acc):
             return down.accumulate(acc, h_ref, row_start, expert, kb * block_k, n0, rows, block_k, block_n)
 
-        zeros = jnp.zeros((block_n, rows) if down.transposed else (rows, block_n), jnp.float32)
-        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, zeros)
-        if down.transposed:
-            acc = acc.T  # [rows, block_n]
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((rows, block_n), jnp.float32))
         scale = row_scale_ref[pl.ds(row_start, rows)]  # [rows]
         row_ids = row_start + jnp.arange(rows)
         keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
@@ -560,13 +465,13 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _weight_dims(w) -> tuple[int, int, int]:
-    """(experts, in, out) of a float [E, in, out] weight or an MXFP4 one in any layout (`mxfp4_layout`)."""
+    """(experts, in, out) of a float [E, in, out] weight or an MXFP4 one in either layout (`mxfp4_layout`)."""
     layout = mxfp4_layout(w)
     if layout == "float":
         if w.ndim != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
             raise ValueError(f"expert weight must be float [E, in, out], got {w.dtype}{list(w.shape)}")
         return w.shape
-    packed, scale = (w[k] for k in _LAYOUT_KEYS[layout])
+    packed, scale = (w[k] for k in MXFP4_LAYOUT_KEYS[layout])
     if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
         raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
     if packed.ndim != 3 or scale.ndim != 3:
@@ -574,14 +479,11 @@ def _weight_dims(w) -> tuple[int, int, int]:
     if layout == "hf":
         e, n_out, half = packed.shape
         want, block = (e, n_out, half * 2 // MXFP4_GROUP), MXFP4_GROUP
-    elif layout == "nk":
-        e, n_out, half = packed.shape
-        want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
     else:
         e, half, n_out = packed.shape
         want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
     if scale.shape != want or (2 * half) % block:
-        raise ValueError(f"MXFP4 {layout} shapes {sorted(w)} = {packed.shape} / {scale.shape} do not match "
+        raise ValueError(f"MXFP4 {layout} shapes {sorted(w)} = {list(packed.shape)} / {list(scale.shape)} do not match "
                          f"(inputs must be a multiple of {block}; see prepare_mxfp4)")
     return e, 2 * half, n_out
 
@@ -589,7 +491,7 @@ def _weight_dims(w) -> tuple[int, int, int]:
 def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
     """Zero-pads a weight to (n_in, n_out) -- a no-op (no copy) when the dims are already tile multiples,
     as all of K3's are. Padded MXFP4 entries are code 0 (= 0.0) with scale 127 (= 1); padding whole 64-input
-    blocks keeps the kernel layouts' plane structure."""
+    blocks keeps the kernel layout's plane structure."""
     layout = mxfp4_layout(w)
     if layout == "float":
         e, i, o = w.shape
@@ -597,7 +499,7 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
             w = jnp.pad(w, ((0, 0), (0, n_in - i), (0, n_out - o)))
         return (w,)
     _, i, o = _weight_dims(w)
-    packed, scale = (w[k] for k in _LAYOUT_KEYS[layout])
+    packed, scale = (w[k] for k in MXFP4_LAYOUT_KEYS[layout])
     if (i, o) == (n_in, n_out):
         return packed, scale
     d_half, d_group, d_out = (n_in - i) // 2, (n_in - i) // MXFP4_GROUP, n_out - o
@@ -605,8 +507,7 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
         packed = jnp.pad(packed, ((0, 0), (0, d_out), (0, d_half)))
         scale = jnp.pad(scale, ((0, 0), (0, d_out), (0, d_group)), constant_values=127)
     else:
-        pad_planes = ((0, 0), (0, d_out), (0, d_half)) if layout == "nk" else ((0, 0), (0, d_half), (0, d_out))
-        packed = jnp.pad(packed, pad_planes)
+        packed = jnp.pad(packed, ((0, 0), (0, d_half), (0, d_out)))
         scale = jnp.pad(scale, ((0, 0), (0, d_group), (0, d_out)), constant_values=127)
     return packed, scale
 
@@ -640,7 +541,7 @@ def grouped_glu(xs: jax.Array, schedule: jax.Array, gate, up, *, config: MoeGemm
     i_pad = out_dim
     kernel = functools.partial(
         _grouped_glu_kernel, gate_layout=mxfp4_layout(gate), up_layout=mxfp4_layout(up), config=config,
-        interpret=interpret, block_m=config.block_m,
+        block_m=config.block_m,
         block_n=config.glu_block_n, block_k=config.block_k, activation=activation, beta=situ_beta,
         linear_beta=situ_linear_beta,
     )
@@ -660,8 +561,7 @@ def grouped_down(h: jax.Array, schedule: jax.Array, row_scale: jax.Array, down, 
     """row_scale * (h @ down_e) per expert-sorted row: h [M_pad, I_pad] -> y [M_pad, out_dim] float32."""
     m_pad, i_pad = h.shape
     kernel = functools.partial(
-        _grouped_down_kernel, layout=mxfp4_layout(down), config=config, interpret=interpret,
-        block_m=config.block_m,
+        _grouped_down_kernel, layout=mxfp4_layout(down), config=config, block_m=config.block_m,
         block_n=config.down_block_n, block_k=config.block_k,
     )
     return pl.pallas_call(
@@ -717,10 +617,8 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     packed = layouts != {"float"}
     if packed and config.block_k < MXFP4_GROUP:
         raise ValueError(f"MXFP4 weights need block_k >= {MXFP4_GROUP}, got {config.block_k}")
-    if config.mxfp4_scale == "weight" and config.mxfp4_mma == "f16":
-        raise ValueError("mxfp4_scale='weight' with mxfp4_mma='f16' would leave f16's range (scales 2^-14..2^15 only)")
-    # the kernel layouts are cut in 64-input blocks: their contraction step is a multiple of 64
-    min_block_k = PLANE_BLOCK if layouts & {"nk", "kn"} else MXFP4_GROUP if packed else 16
+    # the kernel layout is cut in 64-input blocks: its contraction step is a multiple of 64
+    min_block_k = PLANE_BLOCK if "kn" in layouts else MXFP4_GROUP if packed else 16
     block_k = _block(max(config.block_k, min_block_k), max(k_dim, i_dim), min_block_k)
     config = dataclasses.replace(
         config, block_k=block_k,
@@ -768,14 +666,15 @@ def mxfp4_dequantize_reference(packed: jax.Array, scale: jax.Array, dtype=jnp.fl
 
 
 def mxfp4_weight_reference(w: dict, dtype=jnp.float32) -> jax.Array:
-    """Any MXFP4 layout (`mxfp4_layout`: checkpoint or `prepare_mxfp4`'s) -> [E, in, out] weight, plain jnp."""
+    """Either MXFP4 layout (`mxfp4_layout`: checkpoint or `prepare_mxfp4`'s) -> [E, in, out] weight, plain jnp
+    (the kernel layout decoded from its own planes, not through `mxfp4_checkpoint_layout`)."""
     layout = mxfp4_layout(w)
     if layout == "hf":
         return mxfp4_dequantize_reference(w["packed"], w["scale"], dtype)
     if layout == "float":
         raise ValueError("mxfp4_weight_reference takes an MXFP4 dict")
     e, n_in, n_out = _weight_dims(w)
-    planes = w["planes_nk"] if layout == "nk" else jnp.swapaxes(w["planes_kn"], -1, -2)  # [E, out, in/2]
+    planes = jnp.swapaxes(w["planes_kn"], -1, -2)  # [E, out, in/2]
     blocks = planes.reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
     codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-2).reshape(e, n_out, n_in).astype(jnp.int32)
     factors = jnp.repeat(_e8m0_to_f32(jnp.swapaxes(w["scales_gn"], -1, -2).astype(jnp.int32)), MXFP4_GROUP, axis=-1)
@@ -815,6 +714,6 @@ __all__ = [
     "MoeGemmConfig", "default_config", "tile_schedule", "aligned_schedule", "ROW_LAYOUTS", "num_work_items",
     "grouped_glu", "grouped_down",
     "moe_grouped_mlp", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
-    "expert_weight_bytes", "prepare_mxfp4", "mxfp4_layout", "mxfp4_weight_reference", "MXFP4_VARIANTS",
-    "PLANE_BLOCK",
+    "expert_weight_bytes", "prepare_mxfp4", "mxfp4_checkpoint_layout", "mxfp4_layout", "mxfp4_weight_reference",
+    "MXFP4_VARIANTS", "MXFP4_LAYOUT_KEYS", "PLANE_BLOCK",
 ]

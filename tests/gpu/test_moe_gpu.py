@@ -111,13 +111,11 @@ def test_mid_size_modes_match_reference(mode):
 @pytest.mark.parametrize("variant", list(moe_gemm.MXFP4_VARIANTS))
 @pytest.mark.parametrize("tokens,top_k", [(7, 4), (600, 2)])
 def test_mxfp4_variants_match_dequantised_reference(variant, tokens, top_k):
-    """Every MXFP4 decode variant, compiled, at K3 widths (3584 -> 3072) and the decode tiling (block_m 16) for
-    7 tokens / the 64-row tiling for 600: random bytes cover all 16 codes (incl. the f16-subnormal +-0.5 of the
-    plane decode) and scales span 2^-10..2^10 around a 2^-9 base. Against the model's ragged_dot reference on
-    the same weights dequantised (exact in bf16): 1e-2 as above (bf16 activations; swap_f16 runs the MMA in f16, which holds
-    these bf16 activations exactly)."""
-    import dataclasses
-
+    """Both MXFP4 layouts ("interleave" on the checkpoint's, "kmajor" on the kernel's), compiled, at K3 widths
+    (3584 -> 3072) and the decode tiling (block_m 16) for 7 tokens / the 64-row tiling for 600: random bytes
+    cover all 16 codes (incl. the f16-subnormal +-0.5 of the plane decode) and scales span 2^-10..2^10 around a
+    2^-9 base. Against the model's ragged_dot reference on the same weights dequantised (exact in bf16): 1e-2
+    as above (bf16 activations)."""
     e, k, i = 6, 3584, 3072
     rng = np.random.default_rng(tokens + 1)
     ids = np.stack([rng.choice(e - 1, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)  # 5 empty
@@ -132,10 +130,9 @@ def test_mxfp4_variants_match_dequantised_reference(variant, tokens, top_k):
                 "scale": jnp.asarray(scale.astype(np.uint8))}
 
     checkpoint = {"gate": hf(i, k, 118), "up": hf(i, k, 118), "down": hf(k, i, 118)}
-    layout, overrides = moe_gemm.MXFP4_VARIANTS[variant]
-    experts = checkpoint if layout == "hf" else {n: moe_gemm.prepare_mxfp4(v, layout) for n, v in checkpoint.items()}
-    config = dataclasses.replace(moe_gemm.default_config(ids.size, e), **overrides)
-    got = moe_gemm.moe_grouped_mlp(x, ids, w, experts, config=config)
+    layout = moe_gemm.MXFP4_VARIANTS[variant]
+    experts = checkpoint if layout == "hf" else {n: moe_gemm.prepare_mxfp4(v) for n, v in checkpoint.items()}
+    got = moe_gemm.moe_grouped_mlp(x, ids, w, experts)
     cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=top_k)
     want = grouped_experts_reference(x, ids, w, checkpoint, cfg)  # ragged_dot over the dequantised weights
     assert np.isfinite(np.asarray(got, np.float32)).all()

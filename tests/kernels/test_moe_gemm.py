@@ -247,35 +247,42 @@ def test_plane_decode_is_exact_for_every_byte():
         assert (np.signbit(got) == (codes >= 8)).all()
 
 
-@pytest.mark.parametrize("layout", ["nk", "kn"])
-def test_prepare_mxfp4_is_an_exact_repacking(layout):
+def test_prepare_mxfp4_is_an_exact_repacking():
+    """The kernel layout holds the checkpoint's bytes re-packed: it decodes to the same weights, byte 5 of block 1
+    is where the layout says, the inverse gives the checkpoint's bytes back, and numpy in (the loader's path)
+    gives the same bytes as jax in."""
     rng = np.random.default_rng(10)
     w = random_mxfp4(rng, 3, 40, 192)
-    prepared = moe_gemm.prepare_mxfp4(w, layout)
-    assert moe_gemm.mxfp4_layout(prepared) == layout
+    prepared = moe_gemm.prepare_mxfp4(w)
+    assert moe_gemm.mxfp4_layout(prepared) == "kn"
+    assert prepared["planes_kn"].shape == (3, 96, 40) and prepared["scales_gn"].shape == (3, 6, 40)
     want = numpy_dequantize(w["packed"], w["scale"])  # [E, in, out]
     np.testing.assert_array_equal(np.asarray(moe_gemm.mxfp4_weight_reference(prepared), np.float64), want)
     # block 1's byte 5 holds input 64 + 5 (low nibble) and input 64 + 32 + 5 (high nibble)
-    planes = np.asarray(prepared["planes_nk"] if layout == "nk" else np.swapaxes(prepared["planes_kn"], -1, -2))
+    planes = np.swapaxes(np.asarray(prepared["planes_kn"]), -1, -2)
     codes = np.asarray(w["packed"])
     lo, hi = (codes[0, 7, 69 // 2] >> (4 * (69 % 2))) & 15, (codes[0, 7, 101 // 2] >> (4 * (101 % 2))) & 15
     assert planes[0, 7, 32 + 5] == lo | (hi << 4)
+    back = moe_gemm.mxfp4_checkpoint_layout(prepared)
+    for k in ("packed", "scale"):
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(w[k]))
+    on_host = moe_gemm.prepare_mxfp4({k: np.asarray(v) for k, v in w.items()})
+    assert all(isinstance(v, np.ndarray) for v in on_host.values())
+    for k in ("planes_kn", "scales_gn"):
+        np.testing.assert_array_equal(on_host[k], np.asarray(prepared[k]))
     with pytest.raises(ValueError, match="multiple of 64"):
-        moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 96), layout)
+        moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 96))
 
 
 @pytest.mark.parametrize("config,variants", [
     (MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=128, block_k=128), tuple(moe_gemm.MXFP4_VARIANTS)),
-    (MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64), ("kmajor", "swap_wscale")),
+    (MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64), ("kmajor",)),
 ], ids=["bk128", "bk64"])
 def test_mxfp4_variants_match_float64(config, variants):
-    """Every variant of MXFP4_VARIANTS on ragged groups with an empty and a hot expert, scales 2^-10..2^10,
-    dims that need padding (K 192 -> 256 with 128-wide tiles); a second tiling (one 64-input block per step,
-    32-row tiles, 32/64-wide columns) for both kernel layouts and both scale placements. fp32 activations: the decoded
-    weights are exact, so the variants differ from the float64 oracle by fp32 rounding only (2e-6, as above);
-    "swap_f16" rounds the activations to f16 (2^-11 relative) before the MMA, so 2e-3."""
-    import dataclasses
-
+    """Both layouts (MXFP4_VARIANTS) on ragged groups with an empty and a hot expert, scales 2^-10..2^10, dims
+    that need padding (K 192 -> 256 with 128-wide tiles); a second tiling (one 64-input block per step, 32-row
+    tiles, 32/64-wide columns) for the kernel layout. fp32 activations: the decoded weights are exact, so both
+    differ from the float64 oracle by fp32 rounding only (2e-6, as above)."""
     rng = np.random.default_rng(11)
     e, k_dim, i_dim = 5, 192, 128
     x, ids, w, _ = make_case(rng, 21, 2, e, k_dim, i_dim, jnp.float32, empty=(3,), hot=1)
@@ -284,12 +291,12 @@ def test_mxfp4_variants_match_float64(config, variants):
     dequant = {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}
     x = x * 2.0**-8  # scales up to 2^10 times E2M1 6: keep SiTU out of its saturated range
     want = numpy_moe(x, ids, w, dequant, "situ")
-    assert rel(moe_grouped_mlp_reference(x, ids, w, {k: moe_gemm.prepare_mxfp4(v) for k, v in hf.items()}), want) < 2e-6
+    kernel = {k: moe_gemm.prepare_mxfp4(v) for k, v in hf.items()}
+    assert rel(moe_grouped_mlp_reference(x, ids, w, kernel), want) < 2e-6
     for name in variants:
-        layout, overrides = moe_gemm.MXFP4_VARIANTS[name]
-        experts = hf if layout == "hf" else {k: moe_gemm.prepare_mxfp4(v, layout) for k, v in hf.items()}
-        got = moe_grouped_mlp(x, ids, w, experts, config=dataclasses.replace(config, **overrides), interpret=True)
-        assert rel(got, want) < (2e-3 if name == "swap_f16" else 2e-6), name
+        experts = hf if moe_gemm.MXFP4_VARIANTS[name] == "hf" else kernel
+        got = moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True)
+        assert rel(got, want) < 2e-6, name
 
 
 def test_mxfp4_layout_errors():
@@ -299,70 +306,11 @@ def test_mxfp4_layout_errors():
     with pytest.raises(ValueError, match="both be MXFP4"):
         moe_grouped_mlp(x, ids, w, {**experts, "gate": moe_gemm.prepare_mxfp4(hf), "up": hf}, interpret=True)
     with pytest.raises(ValueError, match="match no layout"):
-        moe_gemm.mxfp4_layout({"planes": hf["packed"]})
-    with pytest.raises(ValueError, match="f16"):
-        prepared = {k: moe_gemm.prepare_mxfp4(random_mxfp4(rng, 3, 64, 64)) for k in ("gate", "up", "down")}
-        moe_grouped_mlp(x, ids, w, prepared, config=MoeGemmConfig(mxfp4_scale="weight", mxfp4_mma="f16"), interpret=True)
-    with pytest.raises(ValueError, match="mxfp4_scale"):
-        MoeGemmConfig(mxfp4_scale="input")
-
-
-def _run_plane_ptx(asm: str, reg_in: int) -> int:
-    """A tiny emulator of the PTX subset in moe_gemm._PLANE_ASM (mov, prmt, and, mul.lo.u32, fma.rn.bf16x2) on
-    32-bit registers; bf16x2 lanes are multiplied in float64 and must be exact in bf16 (they are: powers of two)."""
-    import re
-
-    def bf16_value(bits):
-        return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
-
-    def bf16_bits(value):
-        f = np.array([value], np.float32).view(np.uint32)[0]
-        assert f & 0xFFFF == 0, value  # exact in bf16
-        return int(f >> 16)
-
-    regs = {"$1": reg_in}
-    val = lambda tok: regs[tok] if tok in regs else int(tok, 0)
-    for ins in filter(None, (i.strip() for i in asm.replace("{", "").replace("}", "").split(";"))):
-        if ins.startswith(".reg"):
-            continue
-        op, args = ins.split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
-        if op == "mov.b32":
-            regs[d] = val(src[0])
-        elif op == "prmt.b32":
-            pool = val(src[0]) | (val(src[1]) << 32)
-            sel = val(src[2])
-            regs[d] = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-        elif op == "and.b32":
-            regs[d] = val(src[0]) & val(src[1])
-        elif op == "mul.lo.u32":
-            regs[d] = (val(src[0]) * val(src[1])) & 0xFFFFFFFF
-        elif op == "fma.rn.bf16x2":
-            a, b, c = (val(x) for x in src)
-            lanes = [bf16_value((a >> s) & 0xFFFF) * bf16_value((b >> s) & 0xFFFF) + bf16_value((c >> s) & 0xFFFF)
-                     for s in (0, 16)]
-            regs[d] = bf16_bits(lanes[0]) | (bf16_bits(lanes[1]) << 16)
-        else:
-            raise AssertionError(f"unexpected instruction {ins!r}")
-        assert re.fullmatch(r"\$0|[a-z]\w*", d), d
-    return regs["$0"]
-
-
-def test_plane_ptx_decodes_every_byte_pair():
-    """The swap_asm variant's inline PTX, emulated (its GPU form is only checked by tests/gpu/test_moe_gpu.py):
-    every byte in either lane of a register, garbage in the two unused bytes, both planes, exact E2M1 results
-    (the bf16 subnormal 0.5 * 2^-126 of code 1 is exact in the emulator's float64 and in the GPU's bf16 fma)."""
-    rng = np.random.default_rng(13)
-    first = np.arange(256)
-    second = rng.permutation(256)
-    for high in (False, True):
-        asm = moe_gemm._PLANE_ASM[high]
-        for b0, b1 in zip(first, second):
-            reg = int(b0) | (int(b1) << 8) | (int(rng.integers(0, 1 << 16)) << 16)
-            out = np.array([_run_plane_ptx(asm, reg)], np.uint32).view(np.uint16)  # lane 0 = element 0
-            got = (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-            codes = np.array([b0, b1]) >> 4 if high else np.array([b0, b1]) & 15
-            np.testing.assert_array_equal(got, E2M1_TABLE[codes])
+        moe_gemm.mxfp4_layout({"planes_nk": hf["packed"], "scales_gn": hf["scale"]})  # the removed "nk" layout
+    with pytest.raises(ValueError, match="do not match"):
+        moe_gemm.mxfp4_checkpoint_layout({"planes_kn": hf["packed"], "scales_gn": hf["scale"]})
+    with pytest.raises(ValueError, match="MXFP4 dict"):
+        moe_gemm.mxfp4_checkpoint_layout(experts["gate"])
 
 
 @pytest.mark.parametrize("num_rows,block_m", [(1, 16), (37, 16), (300, 64)])
