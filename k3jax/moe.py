@@ -51,8 +51,8 @@ def grouped_experts_reference(
 ) -> jax.Array:
     """sum_i w_i E_i(x) for tokens x [N, Dx] routed to ids/weights [N, k]; result in x's dtype.
 
-    experts: {"gate", "up": [E, Dx, I], "down": [E, I, Dx]} in any float dtype, or MXFP4-packed (see
-    k3jax.quant), dequantised here.
+    experts: {"gate", "up": [E, Dx, I], "down": [E, I, Dx]} in any float dtype, or MXFP4-packed in the
+    checkpoint's or the kernel's layout (see k3jax.quant), dequantised here (bit-identically for both).
     """
     n, k = ids.shape
     experts = dequantize_experts(experts, x.dtype)
@@ -72,7 +72,8 @@ def grouped_experts_reference(
 
 def _grouped_experts_pallas(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig,
                             *, interpret: bool) -> jax.Array:
-    """`grouped_experts_reference` on the Pallas grouped GEMM (MXFP4 entries stay packed)."""
+    """`grouped_experts_reference` on the Pallas grouped GEMM (MXFP4 entries stay packed and are decoded in
+    the kernel: fastest in the kernel layout, load_pretrained(experts="kernel"))."""
     return moe_gemm.moe_grouped_mlp(
         x, ids, weights, experts, activation="silu" if cfg.hidden_act == "silu" else "situ",
         situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, interpret=interpret,

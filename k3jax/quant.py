@@ -5,6 +5,11 @@ A weight [out, in] is stored as
   scale  [out, in/32] uint8: one E8M0 exponent per 32 consecutive inputs,
 and w[o, i] = e2m1(code[o, i]) * 2^(scale[o, i // 32] - 127).
 E2M1 codes: bit 3 is the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+
+Stacked expert weights come in two layouts (pallas_kernels.moe_gemm.mxfp4_layout), both exact re-packings of
+the same bytes: the checkpoint's {"packed": [E, out, in/2], "scale": [E, out, in/32]} and the MoE kernel's
+{"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]} (`moe_gemm.prepare_mxfp4`, made at load time by
+`k3jax.weights.load_pretrained(experts="kernel")`: the layout the "pallas" MoE op decodes fastest).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.moe_gemm import MXFP4_LAYOUT_KEYS, mxfp4_checkpoint_layout
 
 GROUP_SIZE = 32
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
@@ -21,7 +28,8 @@ E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.nan).astype(np.f
 
 
 def is_packed(w) -> bool:
-    return isinstance(w, dict) and "packed" in w
+    """Whether w is an MXFP4 expert weight (a dict in either layout) rather than an array or another subtree."""
+    return isinstance(w, dict) and any(set(w) == set(keys) for keys in MXFP4_LAYOUT_KEYS.values())
 
 
 def mxfp4_dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -60,12 +68,14 @@ def mxfp4_quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_experts(experts: dict, dtype) -> dict:
     """Expert weights as {"gate", "up": [E, in, out], "down": [E, in, out]}, dequantising MXFP4 entries.
 
-    Packed entries are in HF orientation ([E, out, in/2]) and are transposed here.
+    Packed entries in either layout; the kernel layout is first re-packed into the checkpoint's (exact), so
+    both give bit-identical weights.
     """
     out = {}
     for name, w in experts.items():
         if is_packed(w):
-            out[name] = jnp.swapaxes(mxfp4_dequantize(w["packed"], w["scale"], dtype), -1, -2)
+            hf = mxfp4_checkpoint_layout(w)
+            out[name] = jnp.swapaxes(mxfp4_dequantize(hf["packed"], hf["scale"], dtype), -1, -2)
         else:
             out[name] = w
     return out

@@ -26,6 +26,7 @@ for Kimi-Linear):
         latent_{down,norm,up}, shared_experts.{gate,up,down}_proj -> shared.{gate,up,down},
         experts.{e}.{w1,w3,w2}.weight -> experts.{gate,up,down}[e] (stacked [E, in, out]), or MXFP4
         (compressed-tensors) experts.{e}.{w1,w3,w2}.weight_packed [out, in/2] + .weight_scale [out, in/32]
+        (dequantised, or kept packed in the checkpoint's or the MoE kernel's layout: `load_pretrained` experts=)
 
 Torch Linear weights are [out, in] and are transposed to our [in, out]. transformers >= 5 (read from
 5.24.0 `conversion_mapping.py`, `mapping["kimi_linear"]`) normally saves the names above (it reverts its
@@ -56,13 +57,15 @@ from k3jax.config import ModelConfig
 from k3jax.hf_config import model_config_to_hf
 from k3jax.params import param_shapes
 from k3jax.quant import GROUP_SIZE, is_packed, mxfp4_dequantize, mxfp4_quantize
+from pallas_kernels.moe_gemm import PLANE_BLOCK, mxfp4_checkpoint_layout, mxfp4_layout, prepare_mxfp4
 
 SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 K3_A_LOG_PAD = 128  # K3 stores A_log as [128], zero past the real heads
 _EXPERT_HF = {"gate": "w1", "up": "w3", "down": "w2"}
-_DEQUANT_CHUNK = 1 << 24  # elements dequantised per call (bounds the float32 temporaries)
+_DEQUANT_CHUNK = 1 << 24  # elements dequantised / re-packed per call (bounds the temporaries)
+EXPERT_MODES = ("dequantize", "packed", "kernel")
 _dequantize = jax.jit(mxfp4_dequantize, static_argnums=2)
 
 
@@ -346,7 +349,7 @@ class _Assembler:
     def __init__(self, cfg: ModelConfig, shapes: dict[tuple, jax.ShapeDtypeStruct], experts: str):
         self.cfg, self.shapes, self.experts = cfg, shapes, experts
         self.leaves: dict[tuple, Any] = {}
-        self.stash: dict[tuple, dict[str, np.ndarray]] = {}  # packed experts awaiting dequantisation
+        self.stash: dict[tuple, dict[str, np.ndarray]] = {}  # packed experts awaiting dequantisation / re-packing
         self.filled: dict[tuple, int] = defaultdict(int)
 
     def _dtype(self, path) -> np.dtype:
@@ -376,7 +379,10 @@ class _Assembler:
                 stash[which][entry.expert] = w
                 self.filled[path] += 1
                 if self.filled[path] == 2 * e:
-                    self._dequantize_stack(path)
+                    if self.experts == "kernel":
+                        self._repack_stack(path)
+                    else:
+                        self._dequantize_stack(path)
             return
         if k == "expert":
             stack = self._stack(path, self.shapes[path].shape, self._dtype(path))
@@ -423,6 +429,20 @@ class _Assembler:
             out[s:s + step] = np.swapaxes(np.asarray(w), 1, 2)
         self.leaves[path] = out
 
+    def _repack_stack(self, path) -> None:
+        """The complete checkpoint-layout stack -> the MoE kernel's layout (`prepare_mxfp4`, exact), in numpy,
+        a chunk of experts at a time."""
+        stash = self.stash.pop(path)
+        packed, scale = stash["packed"], stash["scale"]
+        e, n_out, half = packed.shape
+        planes = np.empty((e, half, n_out), np.uint8)
+        scales = np.empty((e, scale.shape[2], n_out), np.uint8)
+        step = max(1, _DEQUANT_CHUNK // (n_out * half * 2))
+        for s in range(0, e, step):
+            chunk = prepare_mxfp4({"packed": packed[s:s + step], "scale": scale[s:s + step]})
+            planes[s:s + step], scales[s:s + step] = chunk["planes_kn"], chunk["scales_gn"]
+        self.leaves[path] = {"planes_kn": planes, "scales_gn": scales}
+
     def finish(self) -> dict:
         if self.stash:  # cannot happen after the missing-name check; kept as a guard
             raise ValueError(f"incomplete MXFP4 experts at {sorted(self.stash)}")
@@ -447,14 +467,18 @@ def load_pretrained(
     dtype: dtype of every tensor but A_log / dt_bias / convs / router_bias (float32); default cfg.dtype. The
         returned cfg carries it (cfg.dtype is also the activation dtype).
     experts: "dequantize" -> MXFP4 routed experts become dtype arrays [E, in, out]; "packed" -> they stay
-        {"packed": uint8 [E, out, in/2], "scale": uint8 [E, out, in/32]} (HF orientation, consumed by
-        k3jax.quant.dequantize_experts). Unquantised checkpoints give dense experts either way.
+        {"packed": uint8 [E, out, in/2], "scale": uint8 [E, out, in/32]} (the checkpoint's bytes, HF
+        orientation); "kernel" -> they stay packed in the MoE kernel's layout {"planes_kn": [E, in/2, out],
+        "scales_gn": [E, in/32, out]} (pallas_kernels.moe_gemm.prepare_mxfp4, an exact re-packing: the
+        "pallas" MoE op's fast decode; expert input widths must be multiples of 64). Every consumer (the MoE
+        ops, save_pretrained, orbax) takes either packed layout. Unquantised checkpoints give dense experts
+        whatever the mode.
     Raises ValueError naming the tensor on a missing, unexpected or mis-shaped tensor.
     """
     from safetensors import safe_open
 
-    if experts not in ("dequantize", "packed"):
-        raise ValueError(f"experts must be 'dequantize' or 'packed', got {experts!r}")
+    if experts not in EXPERT_MODES:
+        raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf(model_dir)
     if dtype is not None:
@@ -474,6 +498,12 @@ def load_pretrained(
         raise ValueError(f"missing tensor {missing[0]!r} in {model_dir} ({len(missing)} missing in all; "
                          f"first ones: {missing[:5]})")
 
+    if experts == "kernel":
+        for entry in entries.values():
+            n_in = shapes[entry.path].shape[1] if entry.kind == "packed" else 0
+            if n_in % PLANE_BLOCK:
+                raise ValueError(f"experts='kernel' needs expert input widths that are multiples of {PLANE_BLOCK} "
+                                 f"(the kernel layout's 64-input blocks); {entry.path} has {n_in}: use 'packed'")
     asm = _Assembler(cfg, shapes, experts)
     by_shard: dict[str, list[str]] = defaultdict(list)
     for name in sorted(entries):
@@ -524,10 +554,17 @@ def _to_hf(entry: _Entry, leaf, layout: str) -> Iterator[np.ndarray]:
         raise AssertionError(k)
 
 
+def _hf_packed(leaf, experts: slice = slice(None)) -> dict[str, np.ndarray]:
+    """The checkpoint-layout numpy bytes {"packed", "scale"} of a packed leaf in either layout (experts sliced)."""
+    sliced = {k: np.asarray(v[experts]) for k, v in leaf.items()}
+    return mxfp4_checkpoint_layout(sliced)
+
+
 def _expert_hf(leaf, e: int, quantize: bool) -> tuple[np.ndarray, ...]:
     """HF tensors of expert e ([out, in], or (packed, scale)) from a dense [E, in, out] or packed leaf."""
     if is_packed(leaf):
-        packed, scale = np.asarray(leaf["packed"][e]), np.asarray(leaf["scale"][e])
+        hf = _hf_packed(leaf, slice(e, e + 1))
+        packed, scale = np.ascontiguousarray(hf["packed"][0]), np.ascontiguousarray(hf["scale"][0])
         if quantize:
             return packed, scale
         w = _dequantize(jnp.asarray(packed), jnp.asarray(scale), jnp.dtype(jnp.float32))
@@ -570,7 +607,8 @@ def _dense_dtype(leaf, cfg: ModelConfig) -> np.dtype:
 
 def _dense_experts(leaf, cfg: ModelConfig) -> np.ndarray:
     if is_packed(leaf):
-        w = _dequantize(jnp.asarray(leaf["packed"]), jnp.asarray(leaf["scale"]), jnp.dtype(cfg.dtype))
+        hf = _hf_packed(leaf)
+        w = _dequantize(jnp.asarray(hf["packed"]), jnp.asarray(hf["scale"]), jnp.dtype(cfg.dtype))
         return np.swapaxes(np.asarray(w), 1, 2)
     return np.asarray(leaf)
 
@@ -599,7 +637,11 @@ def _check_params(cfg: ModelConfig, params: dict) -> None:
         shape = want[path].shape
         if is_packed(leaf):
             e, n_in, n_out = shape
-            if tuple(leaf["packed"].shape) != (e, n_out, n_in // 2) or tuple(leaf["scale"].shape) != (e, n_out, n_in // GROUP_SIZE):
+            if mxfp4_layout(leaf) == "hf":
+                want_shapes = {"packed": (e, n_out, n_in // 2), "scale": (e, n_out, n_in // GROUP_SIZE)}
+            else:
+                want_shapes = {"planes_kn": (e, n_in // 2, n_out), "scales_gn": (e, n_in // GROUP_SIZE, n_out)}
+            if any(tuple(leaf[k].shape) != v for k, v in want_shapes.items()):
                 raise ValueError(f"params leaf {path}: packed experts do not match expert shape {shape}")
         elif tuple(leaf.shape) != tuple(shape):
             raise ValueError(f"params leaf {path} has shape {tuple(leaf.shape)}, expected {tuple(shape)}")
@@ -624,7 +666,8 @@ def save_pretrained(
         "transformers" (transformers-5.x kimi_linear config and runtime names; Kimi-Linear features only).
     experts: "bf16" -> routed experts unquantised (w1/w3/w2.weight in the params' dtype, like every other
         tensor); "mxfp4" -> compressed-tensors MXFP4 (weight_packed + weight_scale), as K3 ships them.
-        Packed params are written as they are with "mxfp4" and dequantised with "bf16".
+        Packed params (either layout) are written as the checkpoint's bytes with "mxfp4" and dequantised
+        with "bf16".
     Tensors keep their leaf dtypes (A_log / dt_bias / convs / router_bias float32 by construction).
     """
     from safetensors.numpy import save_file

@@ -139,6 +139,32 @@ def test_mxfp4_variants_match_dequantised_reference(variant, tokens, top_k):
     assert rel(got, want) < 1e-2, variant
 
 
+def test_model_moe_op_on_kernel_layout_experts():
+    """The model's registered "pallas" moe_experts op (what k3jax.moe.moe calls) on quantised experts in the kernel
+    layout, as load_pretrained(experts="kernel") holds them, at K3 widths and 7 decode tokens: equal (1e-2, the
+    bf16 band above) to the reference op on the same experts (which re-packs them to the checkpoint's layout and
+    dequantises) and to the reference op on the checkpoint layout."""
+    from k3jax import backend
+
+    e, k, i, tokens, top_k = 6, 3584, 3072, 7, 4
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32))
+    w = jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
+    x = jax.random.normal(jax.random.key(3), (tokens, k)).astype(jnp.bfloat16)
+    checkpoint = {}
+    for name, v in _experts(e, k, i, 4).items():
+        p, s = moe_gemm_quantize(v)
+        checkpoint[name] = {"packed": p, "scale": s}
+    kernel = {n: moe_gemm.prepare_mxfp4(v) for n, v in checkpoint.items()}
+    cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=top_k)
+    got = backend.get("moe_experts", "pallas")(x, ids, w, kernel, cfg)
+    want = grouped_experts_reference(x, ids, w, checkpoint, cfg)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel(got, want) < 1e-2
+    np.testing.assert_array_equal(np.asarray(grouped_experts_reference(x, ids, w, kernel, cfg), np.float32),
+                                  np.asarray(want, np.float32))
+
+
 def moe_gemm_quantize(w):
     from k3jax.quant import mxfp4_quantize
 

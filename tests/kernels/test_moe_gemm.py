@@ -226,6 +226,49 @@ def test_model_forward_interpret_equals_reference(monkeypatch):
     assert rel(got, want) < 1e-5
 
 
+def test_model_with_kernel_layout_experts_equals_checkpoint_layout(monkeypatch):
+    """k3-tiny (2 layers: dense, then MLA + MoE; expert widths 64 for the kernel layout) with its routed experts
+    MXFP4-quantised, held in the checkpoint's layout and in the kernel's (`prepare_mxfp4`, what
+    load_pretrained(experts="kernel") gives). Reference backend: the kernel layout is re-packed back to the
+    same bytes before dequantising, so the logits are bit-identical. Interpret backend (only moe_experts
+    interpreted, as above): the two in-kernel decodes give the same exact weights and differ only in fp32
+    summation order (32-input partial products vs block_k-wide dots): each is ~3e-7 from a float64 oracle at
+    the op, so the fp32 kernel band 2e-6 (measured 3.7e-7 on the logits); and the 1e-5 reference band of
+    tests/model."""
+    import k3jax
+    import k3jax.params
+
+    for op, name in list(backend._REGISTRY):
+        if name == "interpret" and op != "moe_experts":
+            monkeypatch.delitem(backend._REGISTRY, (op, name))
+    cfg = k3_tiny().replace(num_layers=2, mla_layers=(1,), moe_latent_size=64, moe_intermediate_size=64)
+    rng = np.random.default_rng(7)
+
+    def leaf(path, s):  # numpy draws: init_params' first call costs ~10 s of compiles on a CI core
+        name = jax.tree_util.keystr(path[-1:])
+        x = rng.standard_normal(s.shape)
+        x = 1 + 0.1 * x if "norm" in name else x if ("A_log" in name or "bias" in name) else 0.05 * x
+        return jnp.asarray(x.astype(np.float32).astype(s.dtype))
+
+    params = jax.tree_util.tree_map_with_path(leaf, k3jax.params.param_shapes(cfg))
+    layer = params["layers"][1]["mlp"]
+    checkpoint = {}
+    for name, v in layer["experts"].items():
+        p, s = mxfp4_quantize(np.swapaxes(np.asarray(v, np.float32), -1, -2))  # HF orientation [E, out, in]
+        checkpoint[name] = {"packed": jnp.asarray(p), "scale": jnp.asarray(s)}
+    with_experts = lambda experts: {**params, "layers": [params["layers"][0],
+                                                         {**params["layers"][1], "mlp": {**layer, "experts": experts}}]}
+    hf_params = with_experts(checkpoint)
+    kn_params = with_experts({k: moe_gemm.prepare_mxfp4(v) for k, v in checkpoint.items()})
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 7)))
+    ref_hf = k3jax.forward(hf_params, cfg, tokens)
+    np.testing.assert_array_equal(np.asarray(k3jax.forward(kn_params, cfg, tokens)), np.asarray(ref_hf))
+    got_hf = k3jax.forward(hf_params, cfg, tokens, backend_name="interpret")
+    got_kn = k3jax.forward(kn_params, cfg, tokens, backend_name="interpret")
+    assert rel(got_kn, got_hf) < 2e-6
+    assert rel(got_kn, ref_hf) < 1e-5
+
+
 # ----------------------------------------------------------------------------------------------------
 # MXFP4 kernel layouts (prepare_mxfp4) and decode variants
 

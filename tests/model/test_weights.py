@@ -240,6 +240,66 @@ def test_k3_mxfp4_packed_matches_dequantized(k3_mxfp4, tmp_path):
         assert again[name][1].tobytes() == arr.tobytes(), name
 
 
+def numpy_kernel_layout_decode(planes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Independent reading of the MoE kernel's MXFP4 layout: planes [E, in/2, out], scales [E, in/32, out] ->
+    float32 [E, in, out]. Row 32b + j of the planes holds input 64b + j (low nibble) and 64b + 32 + j (high)."""
+    e, half, n_out = planes.shape
+    codes = np.empty((e, 2 * half, n_out), np.uint8)
+    for b in range(half // 32):
+        rows = np.asarray(planes[:, 32 * b:32 * b + 32], np.uint8)
+        codes[:, 64 * b:64 * b + 32] = rows & 0x0F
+        codes[:, 64 * b + 32:64 * b + 64] = rows >> 4
+    magnitude = np.asarray(E2M1, np.float32)[codes & 0x7]
+    value = np.where(codes & 0x8, -magnitude, magnitude)
+    exponent = np.repeat(np.asarray(scales, np.int32) - 127, 32, axis=1)
+    return (value * np.exp2(exponent.astype(np.float64))).astype(np.float32)
+
+
+def test_k3_mxfp4_kernel_layout_load(k3_mxfp4, tmp_path):
+    """experts="kernel": every MoE layer's experts in the MoE kernel's layout, read independently, equal the
+    dequantised load bit for bit and prepare_mxfp4 of the packed load byte for byte; writing kernel-layout params
+    gives the checkpoint's bytes back (mxfp4) or the dequantised experts (bf16); orbax keeps them bit-exact;
+    expert widths that are not multiples of 64 (k3_mxfp4's intermediate 32) are refused."""
+    from pallas_kernels.moe_gemm import prepare_mxfp4
+
+    cfg = k3_mxfp4_cfg().replace(moe_intermediate_size=64)  # latent 64, intermediate 64: kernel-layout widths
+    save_pretrained(tmp_path / "hf", cfg, random_params(cfg, 9), layout="k3", experts="mxfp4")
+    _, deq = load_pretrained(tmp_path / "hf")
+    _, packed = load_pretrained(tmp_path / "hf", experts="packed")
+    cfg_k, kernel = load_pretrained(tmp_path / "hf", experts="kernel")
+    moe_layers = [l for l in range(cfg.num_layers) if cfg.is_moe(l)]
+    assert moe_layers
+    for l in moe_layers:
+        for name in ("gate", "up", "down"):
+            kn = kernel["layers"][l]["mlp"]["experts"][name]
+            want = np.asarray(deq["layers"][l]["mlp"]["experts"][name])  # [E, in, out]
+            e, n_in, n_out = want.shape
+            assert set(kn) == {"planes_kn", "scales_gn"} and kn["planes_kn"].dtype == kn["scales_gn"].dtype == jnp.uint8
+            assert kn["planes_kn"].shape == (e, n_in // 2, n_out) and kn["scales_gn"].shape == (e, n_in // 32, n_out)
+            np.testing.assert_array_equal(numpy_kernel_layout_decode(kn["planes_kn"], kn["scales_gn"]), want)
+            repacked = prepare_mxfp4(packed["layers"][l]["mlp"]["experts"][name])
+            for k in ("planes_kn", "scales_gn"):
+                assert np.asarray(kn[k]).tobytes() == np.asarray(repacked[k]).tobytes(), (l, name, k)
+    assert_trees_bitexact(jax.tree.map(np.asarray, kernel["layers"][0]), jax.tree.map(np.asarray, deq["layers"][0]))
+
+    save_pretrained(tmp_path / "again", cfg_k, kernel, layout="k3", experts="mxfp4")
+    tensors, again = all_tensors(tmp_path / "hf"), all_tensors(tmp_path / "again")
+    assert set(again) == set(tensors)
+    for name, (_, arr) in tensors.items():
+        assert again[name][1].tobytes() == arr.tobytes(), name
+    save_pretrained(tmp_path / "dense", cfg_k, kernel, layout="k3", experts="bf16")
+    w1 = all_tensors(tmp_path / "dense")["language_model.model.layers.1.block_sparse_moe.experts.4.w1.weight"][1]
+    np.testing.assert_array_equal(w1, np.asarray(deq["layers"][1]["mlp"]["experts"]["gate"][4]).T)
+
+    save_checkpoint(tmp_path / "ckpt", cfg_k, kernel)
+    assert_trees_bitexact(kernel, load_checkpoint(tmp_path / "ckpt")[1])
+
+    with pytest.raises(ValueError, match="multiples of 64"):
+        load_pretrained(k3_mxfp4[2], experts="kernel")
+    with pytest.raises(ValueError, match="experts must be one of"):
+        load_pretrained(tmp_path / "hf", experts="planes")
+
+
 def test_numpy_decoder_bit_level():
     # hand-made bytes: low nibble is element 2j, high nibble element 2j+1; sign bit 3; scale 2^(s-127)
     packed = np.zeros((1, 16), np.uint8)
