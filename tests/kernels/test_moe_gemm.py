@@ -356,6 +356,29 @@ def test_mxfp4_layout_errors():
         moe_gemm.mxfp4_checkpoint_layout(experts["gate"])
 
 
+def test_mxfp4_layouts_lower_to_triton_for_an_h200():
+    """Both kernels lower through Pallas's Triton path for an abstract H200 on this CPU with MXFP4 experts in either
+    layout at the decode tiling (uint8 refs, the f16 bit-placement decode, the per-group scale): catches lowering
+    errors before device time (Triton's own compile to PTX only happens on a GPU)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    e, k, i, n, top_k = 5, 256, 128, 7, 4
+    spec, u8 = jax.ShapeDtypeStruct, jnp.uint8
+    layouts = {  # [E, in, out] weight -> its MXFP4 dict of abstract uint8 arrays
+        "kn": lambda n_in, n_out: {"planes_kn": spec((e, n_in // 2, n_out), u8),
+                                   "scales_gn": spec((e, n_in // 32, n_out), u8)},
+        "hf": lambda n_in, n_out: {"packed": spec((e, n_out, n_in // 2), u8),
+                                   "scale": spec((e, n_out, n_in // 32), u8)},
+    }
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    for name, weight in layouts.items():
+        args = (spec((n, k), jnp.bfloat16), spec((n, top_k), jnp.int32), spec((n, top_k), jnp.float32),
+                {"gate": weight(k, i), "up": weight(k, i), "down": weight(i, k)})
+        with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+            lowered = jax.jit(moe_grouped_mlp).trace(*args).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, name  # grouped_glu and grouped_down
+
+
 @pytest.mark.parametrize("num_rows,block_m", [(1, 16), (37, 16), (300, 64)])
 def test_aligned_schedule_gives_each_expert_whole_tiles(num_rows, block_m):
     """Group-aligned layout: every real row appears once, at its expert's aligned offset (sorted row + shift), in a
