@@ -32,7 +32,8 @@ MoE (the whole routed-expert op: sort, gate/up + GLU, down * routing weight, com
   impls: pallas (ours, bf16 and MXFP4 weights; MXFP4 in the kernel layout the model loads, `prepare_mxfp4`, or
   the checkpoint's where a width is not a multiple of 64: row field mxfp4_layout), ragged_dot_mgpu (shipped
   Mosaic-GPU grouped GEMM, gate|up fused into one [E, K, 2I] GEMM, GLU in XLA), xla_ragged_dot (k3jax's
-  reference op; small T only: it is the 11 TFLOP/s path), dense_loop (per-expert einsum at equal capacity = the largest group).
+  reference op; small T only: it is the 11 TFLOP/s path), dense_loop (per-expert einsum at equal capacity = the
+  largest group).
   Reported: ms, TFLOP/s (6 M K I useful FLOPs), weight GB/s (bytes of the experts that got rows), the
   floor max(FLOPs / peak, weight bytes / copy bandwidth) and ours / peer speedups.
 Fused norms at 8192 tokens: AttnRes mix (5 and 9 sources) + RMSNorm at 7168 vs the unfused XLA code, and
