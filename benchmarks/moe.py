@@ -307,7 +307,7 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
     ours = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, interpret=interpret))
     for t in token_counts:
         ids_np, w_np = routing(shape, t, seed=t)
-        m, top_k = ids_np.size, ids_np.shape[1]
+        m = ids_np.size
         n = ids_np.shape[0]
         counts = np.bincount(ids_np.reshape(-1), minlength=e)
         touched = int((counts > 0).sum())

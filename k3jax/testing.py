@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,3 +50,12 @@ def shuffled_page_tables(rng: np.random.Generator, batch: int, max_pages: int, n
 def step_meta(slots, page_table, context_lens, lengths) -> StepMeta:
     as_i32 = lambda x: jnp.asarray(np.asarray(x), jnp.int32)
     return StepMeta(as_i32(slots), as_i32(page_table), as_i32(context_lens), as_i32(lengths))
+
+
+def load_benchmark_script(name: str):
+    """benchmarks/<name>.py imported as a module (the benchmarks are scripts, not a package), for their smoke tests."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,23 +4,18 @@ end and their JSON is sane; model_forward compares the Pallas kernels (interpret
 Run: python -m pytest -q tests/test_benchmark_smoke.py
 """
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 import k3jax
+from k3jax.testing import load_benchmark_script
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "model_forward.py"
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("model_forward", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("model_forward")
 
 
 # k3-tiny is fp32: the Pallas kernels (interpret mode) and the reference differ by summation order only (measured
@@ -144,9 +139,7 @@ def test_model_forward_backend_options():
 def test_engine_benchmark_smoke(tmp_path, capsys):
     """benchmarks/engine.py end to end on k3-tiny: every batch size is measured at one token per row per
     step, the host-only fraction is a fraction, the JSON matches what was returned."""
-    spec = importlib.util.spec_from_file_location("engine_bench", BENCH.parent / "engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark_script("engine")
     out = tmp_path / "engine.json"
     result = module.main(["--model", "k3-tiny", "--batches", "3,1", "--prefix", "40", "--suffix", "5",
                           "--page-size", "8", "--steps", "2", "--spec-deadline-s", "0", "--out", str(out)])

@@ -5,13 +5,12 @@ wrong one the fastest (best), and stops starting cases (batches) once its time b
 Run: python -m pytest -q tests/test_mla_benchmark_smoke.py
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "mla.py"
+from k3jax.testing import load_benchmark_script
+
 # 16 heads as on k3-small; 3 ragged histories up to 333 tokens (not a multiple of the 16-token page: the last
 # page of a row is partly masked); one extra grid tiling (32-key blocks, a different plan) besides the baseline. No
 # Mosaic GPU cases: under its interpreter the model's 135-item plan takes ~17 s a call (its 16-head kernel is checked in
@@ -22,10 +21,7 @@ SMOKE_ARGS = ["--shape-sweep", "--smoke", "--ragged", "--heads", "16", "--batch"
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("mla_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("mla")
 
 
 def test_shape_sweep_smoke_checks_every_case_and_never_picks_a_wrong_tiling(tmp_path, capsys, monkeypatch):

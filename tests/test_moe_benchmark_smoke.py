@@ -5,22 +5,18 @@ dequantised weights, a wrong variant is flagged and never reported as the best, 
 Run: python -m pytest -q tests/test_moe_benchmark_smoke.py
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "moe.py"
+from k3jax.testing import load_benchmark_script
+
 SMOKE_ARGS = ["--smoke", "--skip", "norms,moe,sweep", "--mxfp4-variants", "interleave,kmajor",
               "--sweep-tokens", "5", "--mxfp4-configs", "16/64/64/128/4/4"]
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("moe_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("moe")
 
 
 def test_mxfp4_variant_section_checks_every_case(tmp_path, capsys, monkeypatch):
