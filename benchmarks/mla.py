@@ -837,7 +837,7 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
                 k3_mla.MLA_DECODE_KERNEL = before
 
         mosaic_default = dict(base_cfg, backend="mosaic", block_rows=md.MGPU_ROWS, num_warps=0,
-                              block_kv=max(md.MGPU_DEFAULT_BLOCK_KV, a.page_size), num_stages=md.MGPU_DEFAULT_STAGES)
+                              block_kv=md.default_mgpu_block_kv(a.page_size), num_stages=md.MGPU_DEFAULT_STAGES)
         sweep.run("model call, MLA_DECODE_KERNEL='mosaic' (registry, plan built in the jit)", "model call",
                   model_call_mosaic, mosaic_default)
     for block_kv, stages in a.mosaic:
@@ -1011,7 +1011,7 @@ def run_plan_sweep(bench: Bench, pool: Pool, copy_gbps: float) -> dict:
     lo, hi = a.mixed_range
     tiling = model_tiling(heads, PAGE)
     if a.backend == "mosaic":  # the Mosaic GPU kernel at its defaults (64-row wgmma tiles, 64-key blocks, 2-slot ring)
-        tiling = dict(block_rows=md.MGPU_ROWS, block_kv=max(md.MGPU_DEFAULT_BLOCK_KV, PAGE), num_warps=0,
+        tiling = dict(block_rows=md.MGPU_ROWS, block_kv=md.default_mgpu_block_kv(PAGE), num_warps=0,
                       num_stages=md.MGPU_DEFAULT_STAGES, value_groups=1, num_parts=MODEL_PARTS, backend="mosaic")
     row_blocks = -(-heads // tiling["block_rows"])  # q_len 1: one row per head
     device_sms = getattr(jax.devices()[0], "core_count", None)

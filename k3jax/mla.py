@@ -155,7 +155,7 @@ def _kernel_paged_attention(interpret: bool):
         page_size = kv_pages.shape[-2]
         mosaic = kernel == "mosaic" and mla_decode.mgpu_supported(
             kv_lora_rank, q_pe.shape[-1], page_size, kv_pages.dtype,
-            max(mla_decode.MGPU_DEFAULT_BLOCK_KV, page_size))
+            mla_decode.default_mgpu_block_kv(page_size))
         return mla_decode.mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank=kv_lora_rank,
                                      scale=scale, layer=layer, backend="mosaic" if mosaic else "triton",
                                      interpret=interpret)

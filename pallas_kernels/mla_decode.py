@@ -254,6 +254,11 @@ MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value colum
 # The H200-checked setting (benchmarks/mla.py --backends, 2026-11-30): 64-key blocks, a 2-slot TMA ring (~216 KiB)
 MGPU_DEFAULT_BLOCK_KV = 64
 MGPU_DEFAULT_STAGES = 2
+
+
+def default_mgpu_block_kv(page_size: int) -> int:
+    """The Mosaic kernel's KV block when none is given: MGPU_DEFAULT_BLOCK_KV, or one page if pages are larger."""
+    return max(MGPU_DEFAULT_BLOCK_KV, page_size)
 MGPU_SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 _MGPU_INTERPRET_KW = {}
 
@@ -665,7 +670,7 @@ def mla_decode(
       value_groups: programs sharing one (row block, work item), each accumulating C / value_groups of the output
         columns (scores recomputed by each: a smaller accumulator for more score FLOPs; measured slower).
       backend: "triton" (default) or "mosaic" (the Mosaic GPU kernel: bf16 pages, C = 512, any T*H <= 64 per row
-        block (padded to 64 rows); block_kv (a multiple of 64, default MGPU_DEFAULT_BLOCK_KV) and num_stages
+        block (padded to 64 rows); block_kv (a multiple of 64, default default_mgpu_block_kv) and num_stages
         (default MGPU_DEFAULT_STAGES) as its KV block and TMA ring depth, within mgpu_smem_bytes <= 226 KiB; the
         model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic").
       interpret: run the Pallas interpreter (CPU).
@@ -676,7 +681,7 @@ def mla_decode(
     b, t, h, c_dim = q_latent.shape
     block_rows = default_block_rows(t * h, 64) if block_rows is None else block_rows
     if backend == "mosaic":
-        block_kv = max(MGPU_DEFAULT_BLOCK_KV, page_size) if block_kv is None else block_kv
+        block_kv = default_mgpu_block_kv(page_size) if block_kv is None else block_kv
         num_stages = MGPU_DEFAULT_STAGES if num_stages is None else num_stages
     block_kv = default_decode_block_kv(page_size, block_rows) if block_kv is None else block_kv
     num_stages = default_num_stages(kv_pages.dtype) if num_stages is None else num_stages

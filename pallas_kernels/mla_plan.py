@@ -22,8 +22,9 @@ latency better); on equal-length controls 0.998x and 0.937x (2026-11-30, 1 stage
 Knobs (explicit parameters of plan_balanced; benchmarks/mla.py --plan-sweep times a grid of them):
   num_parts        payloads the batch is cut into. The kernel runs row_blocks programs per work item (a request's
                    query rows in row blocks), so parts are better counted in programs per SM:
-                   parts_for_programs_per_sm(programs_per_sm, sm_count, row_blocks). Today's setting is a fixed
-                   132 parts (mla_decode's num_parts): 1 program per SM at 16 heads, 2 at K3's 96 (2 row blocks).
+                   parts_for_programs_per_sm(programs_per_sm, sm_count, row_blocks). mla_decode's defaults
+                   (`default_plan_knobs`): the Triton kernel 132 parts (1 program per SM at 16 heads, 2 at K3's 96);
+                   the Mosaic kernel one wave at one row block, else 4 programs per SM with overhead 64.
   overhead_blocks  FlashMLA's fixed per-request cost, in KV blocks, added to the total before it is cut (more
                    overhead -> larger chunks -> fewer splits of short requests). Today's: 1.
   min_chunk_blocks the smallest chunk a split produces (a floor on the payload): a split costs a partial write and
