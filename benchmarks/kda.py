@@ -275,6 +275,10 @@ def prefill_stages(row, b, t, args, x, ours, save):
         except Exception as e:  # noqa: BLE001 -- a proxy only: keep the timings
             row["stage1_hlo_error"] = repr(e)[:500]
         save()
+    if "profile" in args.prefill_parts:  # where stage 1's time goes: device time per kernel, per variant
+        for variant in args.stage1:
+            row[f"stage_intra_{variant}_profile"] = profile_stage(lambda: intra(stage1=variant))
+            save()
     if "solve_pallas" in args.prefill_parts:
         try:
             row["stage_intra_solve_pallas_ms"] = 1e3 * time_jax(lambda: intra(solve="pallas"), args.trials)
@@ -287,6 +291,21 @@ def prefill_stages(row, b, t, args, x, ours, save):
         row[f"stage_state_{name}_ms"] = time_state(name, None, 4, staged, x["s0"], total, b, args)
         save()
     return staged
+
+
+def profile_stage(fn, calls: int = 3) -> dict:
+    """Device time per kernel of `fn` (warm) over `calls` calls traced by jax.profiler, per call (the breakdown of
+    benchmarks/model_forward.py --profile; its top 80 kernels)."""
+    import tempfile
+
+    from k3jax.testing import load_benchmark_script
+
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+        return load_benchmark_script("model_forward").profile_kernel_times(trace_dir, calls)
 
 
 def stage1_call(variant, tok_start, length, x, a, bias, solve="xla", interpret=False):
@@ -592,7 +611,8 @@ def main(argv=None):
     p.add_argument("--prefill-parts", type=lambda v: {x for x in v.split(",") if x},
                    default={"stages", "split", "solve_pallas", "ckpt", "sweep"},
                    help="what a prefill case times beside ours (default state pass, stage-1 variants) and fla: "
-                        "stages (first case: stage 1 per variant, its HLO proxy, the state passes), split, "
+                        "stages (first case: stage 1 per variant, its HLO proxy, the state passes), profile (first case, "
+                        "with stages: stage 1's device time per kernel, per variant), split, "
                         "solve_pallas, ckpt (first case), sweep (first case; needs stages)")
     p.add_argument("--stage1-hlo-only", action="store_true",
                    help="only the stage-1 HLO traffic proxy of every --stage1 variant at every --prefill shape, "

@@ -66,6 +66,7 @@ import numpy as np
 
 import k3jax
 from k3jax import StepMeta, backend
+from k3jax import mla as k3_mla
 
 PHASES = ("decode", "prefill")
 # Cross-backend pass bars (relative L2 error) for bf16 models, per phase. Each kernel matches its reference within
@@ -141,6 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "twin needs its own copy of the whole stacked pool, and at 64 rows of k3-small the shadowed "
                         "step asked the H200 for 57 GiB")
     p.add_argument("--shadow-context", type=int, default=2048, help="history per decode row of --shadow-check")
+    p.add_argument("--mla-kernel", choices=("triton", "mosaic"), default=k3_mla.MLA_DECODE_KERNEL,
+                   help="the MLA decode kernel of the pallas backend (k3jax.mla.MLA_DECODE_KERNEL; default "
+                        f"{k3_mla.MLA_DECODE_KERNEL})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every phase)")
     args = p.parse_args(argv)
@@ -570,6 +574,7 @@ def bench_decode(params, cfg, args, backend_name: str, budget: Budget) -> tuple[
     metas = [StepMeta(slots, page_table, jnp.full((b,), ctx + i, jnp.int32), ones) for i in range(total_steps)]
     box = {"state": state}
     outputs = {}
+    host_s: list[float] = []
     del state
 
     def run(i):
@@ -577,8 +582,10 @@ def bench_decode(params, cfg, args, backend_name: str, budget: Budget) -> tuple[
             if i == 0:  # shapes only: the dispatch fallback may retrace with these
                 outputs["trace_args"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                                      (params, box["state"], step_tokens[0], metas[0]))
+            t = time.perf_counter()
             logits, box["state"] = k3jax.decode(params, cfg, box["state"], step_tokens[i], metas[i],
                                                 backend_name=backend_name)
+            host_s.append(time.perf_counter() - t)  # until the call returns: tracing/lookup + enqueueing kernels
             _sync(logits)
         if i == 0:
             outputs["record"] = rec
@@ -586,6 +593,7 @@ def bench_decode(params, cfg, args, backend_name: str, budget: Budget) -> tuple[
         outputs["last_logits"], outputs["last_step"] = logits, i
 
     loop = _timed_loop(run, args.warmup, args.steps, budget)
+    host_timed = host_s[len(host_s) - len(loop["times"]):] if loop["times"] else []
     profile = None
     if args.profile and not loop["cut_by_budget"]:
         import tempfile
@@ -605,6 +613,9 @@ def bench_decode(params, cfg, args, backend_name: str, budget: Budget) -> tuple[
               "median_ms_per_step": ms, "mean_ms_per_step": statistics.mean(times) * 1e3,
               "tokens_per_s": b / (ms / 1e3), "timed_steps": len(times), "cut_by_budget": loop["cut_by_budget"],
               "all_ms": [x * 1e3 for x in times],
+              # host time until each timed step's call returned (async dispatch): close to the step's time means
+              # the host, not the GPU, sets the pace
+              "host_dispatch_median_ms": _median_ms(host_timed) if host_timed else None,
               "logits_finite": bool(jnp.isfinite(outputs["first_logits"]).all() & jnp.isfinite(outputs["last_logits"]).all())}
     if profile is not None:
         result["profile"] = profile
@@ -942,6 +953,7 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     args = parse_args(argv)
     budget = Budget(args.budget_s, started)
+    k3_mla.MLA_DECODE_KERNEL = args.mla_kernel
     out = Path(args.out) if args.out else None
     device = jax.devices()[0]
     cfg = k3jax.load_config(args.model)
