@@ -120,12 +120,14 @@ def to_torch(x):
     return torch.from_dlpack(x)
 
 
-def copy_bandwidth(results, trials):
+def copy_bandwidth(results, trials, use_torch=True):
     n = 1 << 28  # 1 GiB of fp32
     x = jnp.ones((n,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0)
     results["copy_xla_TBps"] = 2 * 4 * n / time_jax(lambda: f(x), trials) / 1e12
     del x
+    if not use_torch:  # --no-fla: no torch in the process (its bundled CUPTI took jax.profiler's device trace away)
+        return
     try:
         import torch
 
@@ -638,7 +640,7 @@ def main(argv=None):
             print(f"fla unavailable: {e!r}", file=sys.stderr)
     results = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
                    jax=jax.__version__, argv=sys.argv[1:], rows=[])
-    copy_bandwidth(results, args.trials)
+    copy_bandwidth(results, args.trials, use_torch=not args.no_fla)
     copy_tbps = results.get("copy_torch_TBps", results["copy_xla_TBps"])
     prefill, decode = _shapes(args.prefill), _shapes(args.decode)
     groups = dict(prefill1=[("prefill", s, True) for s in prefill[:1]],

@@ -530,12 +530,19 @@ def profile_kernel_times(trace_dir: str, steps: int) -> dict:
     pids = device_pids or set(names)
     total_us: Counter = Counter()
     count: Counter = Counter()
+    host_us: Counter = Counter()
+    host_count: Counter = Counter()
     intervals = []
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e and not e["name"].startswith("$"):  # $: Python frames
+        if e.get("ph") != "X" or "dur" not in e or e["name"].startswith("$"):  # $: Python frames
+            continue
+        if e.get("pid") in pids:
             total_us[e["name"]] += float(e["dur"])
             count[e["name"]] += 1
             intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+        elif device_pids:  # the host's side of a device trace: XLA's thunks, CUDA API calls (launches, syncs, allocs)
+            host_us[e["name"]] += float(e["dur"])
+            host_count[e["name"]] += 1
     gaps = idle_gaps(intervals)
     by_group: Counter = Counter()
     for name, us in total_us.items():
@@ -554,6 +561,10 @@ def profile_kernel_times(trace_dir: str, steps: int) -> dict:
         "by_group_ms_per_step": {g: per_step(us) for g, us in by_group.most_common()},
         "by_kernel": [{"name": n, "ms_per_step": per_step(us), "calls_per_step": count[n] / steps,
                        "group": kernel_group(n)} for n, us in total_us.most_common(80)],
+        # host events by name (nested events each count their own duration): where the host's time goes while it
+        # enqueues the step -- e.g. cuLaunchKernel* per kernel, or a stream synchronize / allocation inside a step
+        "host_by_name": [{"name": n[:160], "ms_per_step": per_step(us), "calls_per_step": host_count[n] / steps}
+                         for n, us in host_us.most_common(60)],
     }
 
 
