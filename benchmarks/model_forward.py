@@ -145,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mla-kernel", choices=("triton", "mosaic"), default=k3_mla.MLA_DECODE_KERNEL,
                    help="the MLA decode kernel of the pallas backend (k3jax.mla.MLA_DECODE_KERNEL; default "
                         f"{k3_mla.MLA_DECODE_KERNEL})")
+    p.add_argument("--dump-hlo", default=None,
+                   help="write the decode step's compiled (optimised) HLO text here, after its timed steps (compiles "
+                        "the step once more)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every phase)")
     args = p.parse_args(argv)
@@ -616,8 +619,12 @@ def bench_decode(params, cfg, args, backend_name: str, budget: Budget) -> tuple[
                     run(i)
             profile = profile_kernel_times(trace_dir, args.profile_steps)
     box.clear()
-    dispatch = traced_dispatch(k3jax.decode, cfg, outputs.pop("trace_args"), backend_name,
-                               outputs.pop("record"))
+    trace_args = outputs.pop("trace_args")
+    if args.dump_hlo:  # the compiled step as XLA optimised it for this device (what each fusion in the profile is)
+        p, s_, t_, m_ = trace_args
+        text = k3jax.decode.lower(p, cfg, s_, t_, m_, backend_name=backend_name).compile().as_text()
+        Path(args.dump_hlo).write_text(text)
+    dispatch = traced_dispatch(k3jax.decode, cfg, trace_args, backend_name, outputs.pop("record"))
     times = loop["times"]
     ms = _median_ms(times)
     result = {"batch": b, "context": ctx, "history_build_s": build_s, "first_call_s": loop["first_call_s"],
