@@ -33,6 +33,10 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    On the H200 (2026-11-30, benchmarks/kda.py --stage1 default,v2) 6.66 ms against 7.72 ms for the first
    stage at B1 T32768 H32, output within 1.1e-4 of it: the model passes stage1="v2" (k3jax.kda.KDA_STAGE1);
    this function's default stays the first stage, the one the GPU tests and the earlier figures cover.
+   Opt-in `stage1="pallas"` (`kda_intra.py`, same outputs): the whole stage as ONE Pallas kernel per chunk
+   and head, reading the packed inputs through the chunk table (no gathered copies), L / Aqk as 8 full-tile
+   [64, K] x [K, 64] dots, the inverse as the 64x64 nilpotent doubling product at tf32x3, W / U as 2 dots;
+   bounded gate only (an unbounded gate takes "v2"). Interpret-tested; not yet timed on the GPU.
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
    multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of
@@ -80,6 +84,7 @@ from pallas_kernels.kda_common import CHUNK, NSUB, SUB, bdot
 from pallas_kernels.kda_common import HIGHEST as _HI
 from pallas_kernels.kda_common import MAX_DIAG_EXPONENT as _MAX_DIAG_EXPONENT
 from pallas_kernels.kda_common import identity as _identity
+from pallas_kernels.kda_intra import kda_intra
 from pallas_kernels.kda_state_pass import kda_state_pass
 from pallas_kernels.kda_state_pass_split import kda_state_pass_split
 
@@ -370,11 +375,11 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
 
 @functools.partial(jax.jit, static_argnames=(
     "gate", "lower_bound", "beta_sigmoid", "qk_l2norm", "scale", "checkpoint_page_size", "interpret",
-    "block_v", "num_warps", "state_pass", "solve", "stage1"))
+    "block_v", "num_warps", "state_pass", "solve", "stage1", "stage1_num_warps", "stage1_inverse"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
               seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4,
-              state_pass="fused", solve="xla", stage1="default"):
+              state_pass="fused", solve="xla", stage1="default", stage1_num_warps=4, stage1_inverse="tf32x3"):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -400,7 +405,11 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         (head, chunk) (`kda_chunk_solve`; bounded gate only, else XLA). Same math and operand precisions;
         not yet timed on the GPU.
       stage1: "default" (`_intra_stage`) or "v2" (`_intra_stage_v2`: the same stage with fewer and smaller
-        intermediates, 1.16x faster on the H200 and the model's choice; XLA L / Aqk only, so solve must be "xla").
+        intermediates, 1.16x faster on the H200 and the model's choice; XLA L / Aqk only, so solve must be "xla")
+        or "pallas" (`kda_intra`: the whole stage as one Pallas kernel per chunk and head, reading the packed
+        inputs; bounded gate only: an unbounded one takes "v2"; solve must be "xla"; not yet timed on the GPU).
+      stage1_num_warps, stage1_inverse: stage1="pallas"'s Triton warps and its inverse's dot precision
+        ("tf32x3" or "ieee"; see `kda_intra`).
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
@@ -411,10 +420,10 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         raise ValueError(f"state_pass must be 'fused' or 'split'; got {state_pass!r}")
     if solve not in ("xla", "pallas"):
         raise ValueError(f"solve must be 'xla' or 'pallas'; got {solve!r}")
-    if stage1 not in ("default", "v2"):
-        raise ValueError(f"stage1 must be 'default' or 'v2'; got {stage1!r}")
-    if stage1 == "v2" and solve != "xla":
-        raise ValueError(f"stage1='v2' computes L / Aqk itself: solve must be 'xla'; got {solve!r}")
+    if stage1 not in ("default", "v2", "pallas"):
+        raise ValueError(f"stage1 must be 'default', 'v2' or 'pallas'; got {stage1!r}")
+    if stage1 != "default" and solve != "xla":
+        raise ValueError(f"stage1={stage1!r} computes L / Aqk itself: solve must be 'xla'; got {solve!r}")
     t, h, dk = q.shape
     n = cu_seqlens.shape[0] - 1
     cu, start, a, b = _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, start_positions)
@@ -427,7 +436,12 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     scale = dk**-0.5 if scale is None else scale
     stage_kw = dict(gate=gate, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
                     scale=scale, bounded=bounded, stored=stored)
-    if stage1 == "v2":
+    if stage1 == "pallas" and bounded:
+        w, u, qg, kg, aqk, gc = kda_intra(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
+                                          lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+                                          scale=scale, stored=stored, num_warps=stage1_num_warps,
+                                          inverse_precision=stage1_inverse, interpret=interpret)
+    elif stage1 in ("v2", "pallas"):  # "pallas" with an unbounded gate: the XLA stage (see kda_intra)
         w, u, qg, kg, aqk, gc = _intra_stage_v2(tok_start, length, q, k, v, g, beta, a, b, **stage_kw)
     else:
         w, u, qg, kg, aqk, gc = _intra_stage(tok_start, length, q, k, v, g, beta, a, b, solve=solve,

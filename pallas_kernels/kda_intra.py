@@ -1,0 +1,266 @@
+"""KDA chunked prefill, stage 1 as ONE Pallas kernel (`kda_chunk(..., stage1="pallas")`): everything the
+state pass needs from one chunk of one head, read straight from the packed inputs.
+
+Per head and chunk of C = 64 tokens (k3-model.md §3.1; the math of `kda_chunk._intra_stage_v2`, whose six
+outputs and layouts this kernel reproduces so the state passes consume them unchanged):
+
+    g = gate(z) (K3 lower-bound or softplus form)   beta = sigmoid(b)   q, k L2-normalised, q scaled
+    G = cumsum(g) in the chunk      L[i,j] = beta_i sum_d k_i e^(G_i - G_j) k_j  (j < i)
+    A = (I + L)^-1   W = A diag(beta) (e^G K)   U = A diag(beta) V   Aqk[i,j] = sum_d q_i e^(G_i - G_j) k_j (j <= i)
+    outputs: W, U, e^G Q, e^(G_C - G) K, Aqk (stored dtype), e^(G_C) (fp32)
+
+Layout: grid = chunks x heads; each program loads its chunk's rows of the packed q, k, v, z [T, H, D] and
+b [T, H] through the chunk table (masked past the chunk's length: no gathered chunk-layout copy), and writes
+its [C, D] / [C, C] / [D] blocks of the chunk-layout outputs. Per program (K = V = D):
+- gate, beta, norms, scale and the cumsum (Triton associative scan, fp32 adds) on [C, K] tiles;
+- L and Aqk as 8 full-size dots [C, K] x [K, C] (stored dtype, fp32 accumulation): for each 16-row block b
+  with decay reference P_b (G at the block's previous row; 0 for b = 0), rows of block b scaled by
+  e^(G_r - P_b) (<= 1; other rows zero) against the columns up to block b's end scaled by e^(P_b - G_s)
+  (<= 1 before the block, <= e^(16 |lb|) <= e^80 inside it; later columns zero, their exponent masked to 0
+  BEFORE the exp). 4x the minimal FLOPs, but whole tiles: no 16x16 pieces, no layout shuffles;
+- the inverse by the exact nilpotent product (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^32) (L^64 = 0):
+  5 squarings + 5 products, 64x64 fp32 dots at tf32x3 (~fp32 accuracy on the tensor cores; IEEE with fp32
+  inputs, and in interpret mode);
+- W, U as 2 dots [C, C] x [C, D].
+Totals per program: 20 dots (8 [64,128]x[128,64], 10 [64,64]x[64,64], 2 [64,64]x[64,128]) and 7 [C, K] exps
+(one row factor e^(G - P_row), 4 column factors, e^G, e^(G_C - G)) plus the gate's (sigmoid: 1; softplus:
+exp + log1p).
+
+Exponent safety: bounded gate only (lower-bound form with 16 |lb| <= 80, as `kda_chunk`'s `bounded`); an
+unbounded gate (softplus, or a precomputed g) needs the pairwise diagonal blocks, which as [16, 16, K]
+tensors do not fit this kernel's whole-tile design: `kda_chunk` routes those to the XLA stage
+(`_intra_stage_v2`) and this function raises.
+
+Measured: interpret-tested only (CPU); not yet timed on the H200 (the XLA `_intra_stage_v2` it replaces:
+5.09 ms at B1 T32768 H32 D128 bf16, docs/results/kda_stage1_h200_2026-11-30f.json).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.kda_common import CHUNK, HIGHEST, MAX_DIAG_EXPONENT, NSUB, SUB, dot, full_block, identity
+from pallas_kernels.kda_common import is_pow2_at_least_16
+
+GATES = ("lower_bound",)  # bounded gates only; see the module docstring
+INVERSE_PRECISIONS = ("tf32x3", "ieee")
+_L2_EPS = 1e-6  # as kda_chunk (the L2 norm's epsilon)
+_DOUBLINGS = 5  # (I + L)^-1 = (I - L) prod_{m=1..5} (I + L^(2^m)) for strictly lower-triangular 64x64 L
+
+
+def _gate_lower_bound(z, a_log, dt_bias, lower_bound):
+    """K3's bounded log decay lb * sigmoid(e^a_log (z + dt_bias)) in (lb, 0) (kda_chunk._gate's form)."""
+    return lower_bound * jax.nn.sigmoid(jnp.exp(a_log) * (z + dt_bias))
+
+
+def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_ref, bias_ref,
+                  w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref, *, lower_bound, beta_sigmoid, qk_l2norm, scale,
+                  inverse_precision):
+    # start_ref, len_ref: [NC] int32 chunk table (first packed token, token count; 0 = unused chunk)
+    # q_ref, k_ref, z_ref: [T(+C), H, K] packed (any float dtype); v_ref: [T(+C), H, V]; b_ref: [T(+C), H] logits
+    # alog_ref: [H] fp32; bias_ref: [H, K] fp32
+    # w_ref, qg_ref, kg_ref: [C, K] and u_ref: [C, V] (stored dtype), blocks of [H, NC, C, D]
+    # aqk_ref: [C, C] (stored dtype), block of [H, NC, C, C]; gc_ref: [K] fp32, block of [H, NC, K]
+    f32 = jnp.float32
+    stored = w_ref.dtype
+    prec = HIGHEST if stored == f32 else None  # bf16: tensor cores, fp32 accumulation
+    c, h = pl.program_id(0), pl.program_id(1)
+    start, count = start_ref[c], len_ref[c]
+    rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    valid = rows < count  # [C]
+
+    def load(ref):  # [C, D] rows of head h, zeros past the chunk's length
+        d = ref.shape[-1]
+        return plt.load(ref.at[pl.ds(start, CHUNK), h, :], mask=jnp.broadcast_to(valid[:, None], (CHUNK, d)),
+                        other=0)
+
+    q, k, z = load(q_ref).astype(f32), load(k_ref).astype(f32), load(z_ref).astype(f32)  # [C, K]
+    v = load(v_ref).astype(stored)  # [C, V]
+    beta = plt.load(b_ref.at[pl.ds(start, CHUNK), h], mask=valid, other=0).astype(f32)  # [C]
+    beta = jnp.where(valid, jax.nn.sigmoid(beta) if beta_sigmoid else beta, 0.0)
+    g = _gate_lower_bound(z, alog_ref[h], bias_ref[h, :][None, :], lower_bound)
+    g = jnp.where(valid[:, None], g, 0.0)  # [C, K] in (lb, 0]; 0 on padding rows
+    if qk_l2norm:
+        q = q * (lax.rsqrt(jnp.sum(q * q, axis=1) + _L2_EPS) * scale)[:, None]
+        k = k * lax.rsqrt(jnp.sum(k * k, axis=1) + _L2_EPS)[:, None]
+    cum = jnp.cumsum(g, axis=0)  # G [C, K], non-increasing along C
+
+    block = rows // SUB  # [C] 16-row block of each row
+    # P_b = G at row 16 b - 1 (0 for b = 0), read from G itself (a sum of one non-zero term: exact), so that
+    # e^(G_r - P_b) <= 1 holds exactly for the rows of block b.
+    refs = [jnp.zeros((cum.shape[1],), f32)] + [
+        jnp.sum(jnp.where((rows == SUB * b - 1)[:, None], cum, 0.0), axis=0) for b in range(1, NSUB)]  # [K] each
+    ref_row = refs[0][None, :]
+    for b in range(1, NSUB):
+        ref_row = jnp.where((block == b)[:, None], refs[b][None, :], ref_row)  # [C, K]: P of each row's block
+    row_f = jnp.exp(cum - ref_row)  # [C, K], <= 1
+    qr, kr = q * row_f, k * row_f
+    lkk = jnp.zeros((CHUNK, CHUNK), f32)
+    aqk = jnp.zeros((CHUNK, CHUNK), f32)
+    for b in range(NSUB):
+        in_b = (block == b)[:, None]
+        upto_b = (rows < SUB * (b + 1))[:, None]  # columns that row block b's lower triangle reaches
+        # e^(P_b - G_s): <= 1 before block b, <= e^80 inside it (bounded gate); later columns masked before the exp
+        col = jnp.where(upto_b, k * jnp.exp(jnp.where(upto_b, refs[b][None, :] - cum, 0.0)), 0.0).astype(stored)
+        lkk = lkk + dot(jnp.where(in_b, kr, 0.0).astype(stored), col, tb=True, precision=prec)
+        aqk = aqk + dot(jnp.where(in_b, qr, 0.0).astype(stored), col, tb=True, precision=prec)
+    r2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    c2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    lkk = jnp.where(r2 > c2, beta[:, None] * lkk, 0.0)  # strictly lower L (beta applied)
+    aqk_ref[...] = jnp.where(r2 >= c2, aqk, 0.0).astype(aqk_ref.dtype)
+
+    inv_prec = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "ieee": HIGHEST}[inverse_precision]
+    mm = lambda a, b_: dot(a, b_, precision=inv_prec)
+    power = lkk
+    inv = identity(CHUNK) - lkk
+    for _ in range(_DOUBLINGS):  # inv = (I - L)(I + L^2)...(I + L^(2^m)) = sum_{n < 2^(m+1)} (-L)^n
+        power = mm(power, power)
+        inv = inv + mm(inv, power)
+    a_beta = (inv * beta[None, :]).astype(stored)  # A diag(beta)
+    e_cum = jnp.exp(cum)
+    w_ref[...] = dot(a_beta, (k * e_cum).astype(stored), precision=prec).astype(stored)
+    u_ref[...] = dot(a_beta, v, precision=prec).astype(stored)
+    qg_ref[...] = (q * e_cum).astype(stored)
+    g_last = jnp.sum(jnp.where((rows == CHUNK - 1)[:, None], cum, 0.0), axis=0)  # G_C [K] (exact: one term)
+    kg_ref[...] = (k * jnp.exp(g_last[None, :] - cum)).astype(stored)
+    gc_ref[...] = jnp.exp(g_last)
+
+
+def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bound, beta_sigmoid, qk_l2norm,
+                scale, stored, num_warps, num_stages, inverse_precision, interpret):
+    """pallas_call wrapper: grid = chunks x heads, whole-array blocks for the packed inputs (the kernel loads
+    its chunk's rows at the table's dynamic offset), one chunk-layout block per output."""
+    t, h, dk = q.shape
+    dv = v.shape[2]
+    num_chunks = tok_start.shape[0]
+    if interpret:  # interpret mode clamps an out-of-range dynamic slice instead of masking it: pad one chunk
+        pad = lambda x: jnp.pad(x, ((0, CHUNK),) + ((0, 0),) * (x.ndim - 1))
+        q, k, v, z, beta = map(pad, (q, k, v, z, beta))
+        inverse_precision = "ieee"  # the CPU has no tf32x3 algorithm; IEEE fp32 is its exact counterpart
+    tile = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda cc, hh: (hh, cc, 0, 0))
+    out = lambda d: jax.ShapeDtypeStruct((h, num_chunks, CHUNK, d), stored)
+    params = {} if interpret else dict(
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+                          scale=scale, inverse_precision=inverse_precision),
+        grid=(num_chunks, h),
+        in_specs=[full_block((num_chunks,)), full_block((num_chunks,)), full_block(q.shape), full_block(k.shape),
+                  full_block(v.shape), full_block(z.shape), full_block(beta.shape), full_block((h,)),
+                  full_block((h, dk))],
+        out_specs=[tile(dk), tile(dv), tile(dk), tile(dk), tile(CHUNK),
+                   pl.BlockSpec((None, None, dk), lambda cc, hh: (hh, cc, 0))],
+        out_shape=[out(dk), out(dv), out(dk), out(dk), out(CHUNK),
+                   jax.ShapeDtypeStruct((h, num_chunks, dk), jnp.float32)],
+        interpret=interpret, name="kda_intra", **params,
+    )(tok_start, length, q, k, v, z, beta, a_log, dt_bias)
+
+
+def _check(tok_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_bound, stored, inverse_precision):
+    if q.ndim != 3 or k.shape != q.shape or z.shape != q.shape:
+        raise ValueError(f"q, k, z must be packed [T, H, K] alike; got {q.shape}, {k.shape}, {z.shape}")
+    t, h, dk = q.shape
+    if v.ndim != 3 or v.shape[:2] != (t, h):
+        raise ValueError(f"v must be [T, H, V] with T, H = {(t, h)}; got {v.shape}")
+    if beta.shape != (t, h):
+        raise ValueError(f"beta must be [T, H] = {(t, h)}; got {beta.shape}")
+    for name, d in (("K", dk), ("V", v.shape[2])):
+        if not is_pow2_at_least_16(d):
+            raise ValueError(f"head dim {name}={d} must be a power of two >= 16 (Triton block shapes)")
+    if a_log.shape != (h,) or dt_bias.shape != (h, dk):
+        raise ValueError(f"a_log must be [H] = [{h}] and dt_bias [H, K] = {(h, dk)}; got {a_log.shape}, "
+                         f"{dt_bias.shape}")
+    for name, x in (("token_start", tok_start), ("length", length)):
+        if x.ndim != 1 or x.shape != tok_start.shape or x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32 [NC] like token_start; got {x.dtype}{x.shape}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES} (unbounded gates need the XLA stage); got {gate!r}")
+    if not (lower_bound < 0 and -SUB * lower_bound <= MAX_DIAG_EXPONENT):
+        raise ValueError(f"lower_bound must be in [-{MAX_DIAG_EXPONENT / SUB}, 0) (e^(16 |lb|) must stay finite); "
+                         f"got {lower_bound}")
+    if jnp.dtype(stored) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"stored must be float32 or bfloat16; got {stored}")
+    if inverse_precision not in INVERSE_PRECISIONS:
+        raise ValueError(f"inverse_precision must be one of {INVERSE_PRECISIONS}; got {inverse_precision!r}")
+
+
+def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lower_bound", lower_bound=-5.0,
+              beta_sigmoid=True, qk_l2norm=True, scale=None, stored=None, num_warps=4, num_stages=1,
+              inverse_precision="tf32x3", interpret=False):
+    """KDA prefill stage 1 for every chunk and head (one Pallas kernel, grid = chunks x heads).
+
+    Args:
+      token_start, length: [NC] int32 chunk table (`kda_chunk.chunk_table`): each chunk's first packed token
+        and its token count (0 = unused chunk: its outputs are zeros and e^(G_C) = 1).
+      q, k: [T, H, K] packed raw q, k (normalised here if qk_l2norm, else already normalised, q scaled);
+      v: [T, H, V]; z: [T, H, K] the gate's raw input; beta: [T, H] logits (beta_sigmoid) or beta itself.
+      a_log: [H] fp32 and dt_bias: [H, K] fp32, the gate's parameters.
+      gate: "lower_bound" only, with -5 <= lower_bound < 0 (bounded: see the module docstring).
+      scale: q's scale after the L2 norm (default K^-1/2); stored: the outputs' dtype (default v's if bf16,
+        else fp32); bf16 also makes the L / Aqk / W / U dot operands bf16 (fp32 accumulation), fp32 makes every
+        dot IEEE fp32.
+      num_warps, num_stages: Triton launch settings; inverse_precision: "tf32x3" (the 64x64 inverse's dots
+        on the tensor cores, ~fp32 accuracy) or "ieee" (fp32 FMAs); interpret: Pallas interpret mode (CPU
+        tests; always IEEE there).
+
+    Returns (exactly `kda_chunk._intra_stage_v2`'s outputs): w, qg, kg [H, NC, C, K], u [H, NC, C, V],
+    aqk [H, NC, C, C] in the stored dtype, and e^(G_C) [H, NC, K] fp32.
+    """
+    stored = (jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32) if stored is None else stored
+    _check(token_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_bound, stored, inverse_precision)
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    return tuple(_intra_call(token_start, length, q, k, v, z, beta, a_log.astype(jnp.float32),
+                             dt_bias.astype(jnp.float32), lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
+                             qk_l2norm=qk_l2norm, scale=scale, stored=stored, num_warps=num_warps,
+                             num_stages=num_stages, inverse_precision=inverse_precision, interpret=interpret))
+
+
+def kda_intra_reference(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lower_bound",
+                        lower_bound=-5.0, beta_sigmoid=True, qk_l2norm=True, scale=None, stored=None):
+    """Plain-jnp twin of `kda_intra` (same arguments and outputs, computed in fp32 at HIGHEST precision and
+    rounded to the stored dtype once at the end): gather to chunks, the gate, pairwise decays
+    e^(G_i - G_j) of masked (non-positive) differences and a triangular solve instead of the inverse."""
+    stored = (jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32) if stored is None else stored
+    _check(token_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_bound, stored, "ieee")
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    f32 = jnp.float32
+    rows = jnp.arange(CHUNK, dtype=jnp.int32)
+    valid = rows[None, :] < length[:, None]  # [NC, C]
+    idx = jnp.where(valid, token_start[:, None] + rows[None, :], 0)
+
+    def chunks(x):  # packed [T, H, ...] -> [H, NC, C, ...] fp32, zeros past each chunk's length
+        y = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[idx].astype(f32), 0.0)
+        return jnp.moveaxis(y, 2, 0)
+
+    qc, kc, vc, zc, bc = map(chunks, (q, k, v, z, beta))
+    gl = _gate_lower_bound(zc, a_log.astype(f32)[:, None, None, None], dt_bias.astype(f32)[:, None, None, :],
+                           lower_bound)
+    gl = jnp.where(valid[None, :, :, None], gl, 0.0)
+    bc = jnp.where(valid[None], jax.nn.sigmoid(bc) if beta_sigmoid else bc, 0.0)
+    if qk_l2norm:
+        qc = qc * lax.rsqrt(jnp.sum(qc * qc, -1, keepdims=True) + _L2_EPS) * scale
+        kc = kc * lax.rsqrt(jnp.sum(kc * kc, -1, keepdims=True) + _L2_EPS)
+    cum = jnp.cumsum(gl, axis=2)  # [H, NC, C, K]
+    strict = rows[:, None] > rows[None, :]
+    incl = rows[:, None] >= rows[None, :]
+    diff = cum[..., :, None, :] - cum[..., None, :, :]  # [H, NC, C, C, K] G_i - G_j
+    decay = lambda mask: jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
+    ein = functools.partial(jnp.einsum, precision=HIGHEST)
+    lower = bc[..., :, None] * ein("hnik,hnjk,hnijk->hnij", kc, kc, decay(strict))
+    aqk = ein("hnik,hnjk,hnijk->hnij", qc, kc, decay(incl))
+    eye = jnp.eye(CHUNK, dtype=f32)
+    a = lax.linalg.triangular_solve(eye + lower, jnp.broadcast_to(eye, lower.shape), left_side=True, lower=True,
+                                    unit_diagonal=True)
+    a_beta = a * bc[..., None, :]
+    e_cum = jnp.exp(cum)
+    g_last = cum[:, :, -1, :]
+    w = ein("hnij,hnjk->hnik", a_beta, kc * e_cum)
+    u = ein("hnij,hnjv->hniv", a_beta, vc)
+    kg = kc * jnp.exp(g_last[:, :, None, :] - cum)
+    return tuple(x.astype(stored) for x in (w, u, qc * e_cum, kg, aqk)) + (jnp.exp(g_last),)
