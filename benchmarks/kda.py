@@ -476,8 +476,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     state_bytes = b * h * D * D * 4
     ours_bytes = state_bytes * (1 + t) if verify else state_bytes * 2  # verify writes every position's state
 
-    def time_ours(block_v, num_warps):
-        tiling = dict(block_v=block_v, num_warps=num_warps)
+    def time_ours(block_v, num_warps, loop_v=False):
+        tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v)
         if verify:
             f = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, all_states=True,
                                                   **kw, **tiling))
@@ -494,27 +494,30 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
 
     # warps outer: the first listed warp count covers every V-block before the next one starts, so a sweep
     # cut by the case limit loses the least likely tilings (put them last on the command line)
-    combos = [(bv, nw) for nw in args.decode_warps for bv in args.decode_block_v if bv <= D]
-    for i, (bv, nw) in enumerate(combos):
+    combos = [(bv, nw, loop) for nw in args.decode_warps
+              for bv, loop in [(v, False) for v in args.decode_block_v] + [(v, True) for v in args.decode_loop_v]
+              if bv <= D]
+    for i, (bv, nw, loop) in enumerate(combos):
         if i and time.monotonic() > deadline - 5:
             row["sweep_cut"] = True
             break
-        key = f"ours_bv{bv}_w{nw}"
+        key = f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}"
         try:
-            row[key + "_ms"], step = time_ours(bv, nw)
+            row[key + "_ms"], step = time_ours(bv, nw, loop)
         except CaseTimeout:
             raise
         except Exception as e:  # noqa: BLE001 -- an unsupported tiling: keep the others
             row[key + "_error"] = repr(e)[:300]
             step = None
-        if step is not None and bv < D and "hlo_pool_copies" not in row and not args.interpret:
+        if step is not None and bv < D and not loop and "hlo_pool_copies" not in row and not args.interpret:
             try:  # blocked decode scatters the q|k conv state into the donated pool: it must stay in place
                 row["hlo_pool_copies"] = count_pool_copies(step, conv, state)
             except CaseTimeout:
                 raise
             except Exception as e:  # noqa: BLE001
                 row["hlo_pool_copies_error"] = repr(e)[:300]
-        timed = {k[len("ours_"):-3]: v for k, v in row.items() if k.startswith("ours_bv") and k.endswith("_ms")}
+        timed = {k[len("ours_"):-3]: v for k, v in row.items()
+                 if (k.startswith("ours_bv") or k.startswith("ours_loop")) and k.endswith("_ms")}
         if timed:
             row["ours_best"] = min(timed, key=timed.get)
             row["ours_ms"] = timed[row["ours_best"]]
@@ -613,6 +616,9 @@ def main(argv=None):
     p.add_argument("--decode-block-v", type=ints, default=[32, 128],
                    help="kda_decode V-blocks to time (128 = the whole-state kernel); the best is ours_ms")
     p.add_argument("--decode-warps", type=ints, default=[4, 8], help="kda_decode warps, crossed with --decode-block-v")
+    p.add_argument("--decode-loop-v", type=ints, default=[],
+                   help="kda_decode loop_v=True (one program per head walking V-blocks of this size; ours_loop{V}_w{W}),"
+                        " crossed with --decode-warps after the --decode-block-v tilings")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],

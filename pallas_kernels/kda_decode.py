@@ -165,6 +165,75 @@ def _decode_kernel(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z
         store_conv(write_kept)
 
 
+def _looped_kernel(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref,
+                   onw_ref, state_ref, y_ref, conv_out_ref, state_out_ref,
+                   *, num_tokens, gate, lower_bound, eps, all_states, act_dtype, block_v):
+    # Refs as in _decode_kernel (no q|k side output). This program: sequence b, head h, ALL its state rows, walked
+    # in V-blocks of block_v rows one after another (registers hold one [block_v, K] block at a time), so q and k are
+    # computed once per head, the conv state is written in place by its only reader, and the gated RMSNorm (which
+    # needs all of V) is fused: the blocks' o are kept ([T, V] in all) and normed at the end.
+    h, b = pl.program_id(0), pl.program_id(1)
+    f32 = jnp.float32
+    slot, length = slots_ref[b], lens_ref[b]
+    from_pool = fresh_ref[b] == 0  # a fresh row's loads are masked off: zeros, and its slot is not read
+    num_heads = alog_ref.shape[0]
+    dk, dv = dtb_ref.shape[1], onw_ref.shape[0]
+    width = convw_ref.shape[0]
+    nvb = dv // block_v
+    # segments: this head's q, k channels, then its v channels block by block
+    segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk)] + [
+        pl.ds((2 * num_heads + h) * dk + j * block_v, block_v) for j in range(nvb)]
+    window = [[_pool_load(conv_ref.at[slot, jnp.int32(r), sg], from_pool).astype(act_dtype) for r in range(width - 1)]
+              for sg in segs]
+    kept = [list(w) for w in window]
+    acts = [[None] * len(segs) for _ in range(num_tokens)]
+    for t in range(num_tokens):  # the short conv of every channel, position by position
+        valid = t < length
+        for i, sg in enumerate(segs):
+            x_t = x_ref[b, t, sg]
+            acc = convw_ref[width - 1, sg].astype(f32) * x_t.astype(f32)
+            for r in range(width - 1):
+                acc = acc + convw_ref[r, sg].astype(f32) * window[i][r].astype(f32)
+            acts[t][i] = jax.nn.silu(acc).astype(act_dtype).astype(f32)
+            window[i] = window[i][1:] + [x_t.astype(act_dtype)]
+            kept[i] = [jnp.where(valid, new, old) for new, old in zip(window[i], kept[i])]
+            if all_states:
+                for r in range(width - 1):
+                    conv_out_ref[b, t, r, sg] = window[i][r].astype(conv_out_ref.dtype)
+    if not all_states:  # in place: this program is the only reader of these channels, and it has read them
+        for i, sg in enumerate(segs):
+            for r in range(width - 1):
+                conv_out_ref[slot, r, sg] = kept[i][r].astype(conv_out_ref.dtype)
+    alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
+    qs, ks, gs, betas = [], [], [], []
+    for t in range(num_tokens):
+        valid = t < length
+        q, k = acts[t][0], acts[t][1]
+        qs.append(q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk**-0.5)
+        ks.append(k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS))
+        gs.append(jnp.exp(jnp.where(valid, _gate(z_ref[b, t, h, :].astype(f32), alog, dtb, gate, lower_bound), 0.0)))
+        betas.append(jnp.where(valid, jax.nn.sigmoid(b_ref[b, t, h].astype(f32)), 0.0))
+    outs = [[None] * nvb for _ in range(num_tokens)]  # o per position and V-block, rounded as the reference rounds it
+    for j in range(nvb):
+        rows = pl.ds(j * block_v, block_v)
+        s = _pool_load(state_ref.at[slot, h, rows, :], from_pool).astype(f32)  # [block_v, K]
+        for t in range(num_tokens):
+            s = s * gs[t][None, :]
+            err = acts[t][2 + j] - jnp.sum(s * ks[t][None, :], axis=1)  # [block_v]
+            s = s + (betas[t] * err)[:, None] * ks[t][None, :]
+            outs[t][j] = jnp.sum(s * qs[t][None, :], axis=1).astype(act_dtype).astype(f32)
+            if all_states:
+                state_out_ref[b, t, h, rows, :] = s
+        if not all_states:
+            state_out_ref[slot, h, rows, :] = s
+    for t in range(num_tokens):  # gated RMSNorm over all V: mean square from the blocks, then each block
+        inv_rms = lax.rsqrt(sum(jnp.sum(o * o) for o in outs[t]) / dv + eps)
+        for j in range(nvb):
+            rows = pl.ds(j * block_v, block_v)
+            y = outs[t][j] * inv_rms * onw_ref[rows].astype(f32) * jax.nn.sigmoid(og_ref[b, t, h, rows].astype(f32))
+            y_ref[b, t, h, rows] = y.astype(y_ref.dtype)
+
+
 def _pool_load(ref, from_pool):
     """ref's block, or zeros (of its dtype) without reading memory when `from_pool` (a scalar bool) is false."""
     return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype))
@@ -217,10 +286,10 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
-                                             "num_warps"))
+                                             "num_warps", "loop_v"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
-               interpret=False, block_v=None, num_warps=None):
+               interpret=False, block_v=None, num_warps=None, loop_v=False):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -238,6 +307,9 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         one-program-per-head kernel with the gated RMSNorm fused; smaller blocks write the rounded o and
         finish the norm (which needs all V) in a jnp epilogue over [B, T, H, V] -- the same numbers.
       num_warps: Triton warps per program. None: 8 when block_v == V (the whole-state kernel's value), else 4.
+      loop_v: one program per (sequence, head) that walks its state in V-blocks of block_v rows one after another
+        (grid H x B): q / k computed once per head, the conv state written in place and the gated RMSNorm fused
+        -- one launch per layer instead of the blocked kernel's three (kernel, q|k conv scatter, norm epilogue).
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -267,6 +339,18 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         if block_v < dv:
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+    if loop_v:
+        y, conv_out, state_out = pl.pallas_call(
+            functools.partial(_looped_kernel, num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps,
+                              all_states=all_states, act_dtype=act, block_v=block_v),
+            grid=(h, bsz),
+            in_specs=[full(x) for x in ins],
+            out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape[:3]],
+            out_shape=out_shape[:3],
+            input_output_aliases=aliases,
+            interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
+        )(*ins)
+        return y, conv_out, state_out
     # Grid (V-blocks, H, B): program_id(0) varies fastest (CUDA x), so neighbouring programs stream
     # neighbouring rows of one (slot, head) state -- fla's order (V-block fastest, then head, then sequence).
     y, conv_out, state_out, *qk_conv = pl.pallas_call(

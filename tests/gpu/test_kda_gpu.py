@@ -103,10 +103,12 @@ def test_state_passes_match_reference(split, dtype, tol):
     assert rel(o, ro) < tol and rel(final, rfinal) < tol and rel(ckpt[:off], rckpt[:off]) < tol
 
 
-@pytest.mark.parametrize("t,all_states,block_v,num_warps", [
-    (1, False, None, None), (4, True, None, None), (4, False, 16, 2), (1, False, 128, None), (4, True, 128, None)])
-def test_decode_matches_reference(t, all_states, block_v, num_warps):
-    """Default V-blocks (32, 4 warps), a small block (16) and the whole-state kernel (128 = V), D128."""
+@pytest.mark.parametrize("t,all_states,block_v,num_warps,loop_v", [
+    (1, False, None, None, False), (4, True, None, None, False), (4, False, 16, 2, False), (1, False, 128, None, False),
+    (4, True, 128, None, False), (1, False, 32, 4, True), (4, True, 32, 4, True), (4, False, 64, 4, True)])
+def test_decode_matches_reference(t, all_states, block_v, num_warps, loop_v):
+    """Default V-blocks (32, 4 warps), a small block (16), the whole-state kernel (128 = V) and the looped kernel
+    (loop_v: one program per head walking V-blocks), D128."""
     rng = np.random.default_rng(1)
     b, h, d, pool = 5, 4, 128, 9
     arr = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
@@ -114,14 +116,16 @@ def test_decode_matches_reference(t, all_states, block_v, num_warps):
             arr(b, t, h, d), arr(pool, h, d, d), jnp.asarray([7, 0, 3, 8, 1], jnp.int32),
             jnp.asarray([t, t, 0, 1, t], jnp.int32))
     kw = dict(a_log=arr(h) * 0.5, dt_bias=arr(h * d), o_norm_weight=1 + 0.1 * arr(d), all_states=all_states)
-    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, num_warps=num_warps))
+    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, num_warps=num_warps, loop_v=loop_v))
     want = jax.device_get(kda_decode_reference(*args, **kw))
     for g, w in zip(got, want):
         assert rel(g, w) < 1e-5
 
 
-@pytest.mark.parametrize("t,all_states,block_v", [(1, False, None), (4, False, 16), (4, True, None), (1, False, 128)])
-def test_decode_fresh_rows_match_reference(t, all_states, block_v):
+@pytest.mark.parametrize("t,all_states,block_v,loop_v", [(1, False, None, False), (4, False, 16, False),
+                                                          (4, True, None, False), (1, False, 128, False),
+                                                          (1, False, 32, True), (4, True, 32, True)])
+def test_decode_fresh_rows_match_reference(t, all_states, block_v, loop_v):
     """The per-row fresh flag compiled for the GPU (masked-off Triton loads of the pool rows): fresh rows whose
     slots hold garbage, inf and NaN give the reference's outputs and states (finite), and rows outside the batch
     stay untouched; the fresh idle row (length 0) leaves zeros in its slot. D128, default and small V-blocks and
@@ -139,7 +143,7 @@ def test_decode_fresh_rows_match_reference(t, all_states, block_v):
             jnp.asarray(state_pool), jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32))
     kw = dict(a_log=jnp.asarray(arr(h) * 0.5), dt_bias=jnp.asarray(arr(h * d)),
               o_norm_weight=jnp.asarray(1 + 0.1 * arr(d)), all_states=all_states, fresh=fresh)
-    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v))
+    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, loop_v=loop_v))
     want = jax.device_get(kda_decode_reference(*args, **kw))
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel(got[0][valid], want[0][valid]) < 1e-5

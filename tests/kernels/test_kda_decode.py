@@ -80,22 +80,24 @@ def test_verify_states_equal_sequential_decode(block_v):
             assert rel(states[r, i], state1[slot]) < 1e-5, (r, i)
 
 
-BLOCKED_CASES = [  # (block_v, T, verify, gate): every block_v x T x gate, plus multi-token in-place decode
-    (bv, t, t > 1, gate) for bv in (16, 32, 64) for t in (1, 4) for gate in ("lower_bound", "softplus")
-] + [(bv, 4, False, "lower_bound") for bv in (16, 32, 64)]
+BLOCKED_CASES = [  # (block_v, T, verify, gate, loop_v): every block_v x T x gate, plus multi-token in-place decode
+    (bv, t, t > 1, gate, False) for bv in (16, 32, 64) for t in (1, 4) for gate in ("lower_bound", "softplus")
+] + [(bv, 4, False, "lower_bound", False) for bv in (16, 32, 64)] + [  # the looped kernel: V-blocks in one program
+    (16, 1, False, "lower_bound", True), (32, 4, True, "softplus", True), (16, 4, False, "lower_bound", True)]
 
 
-@pytest.mark.parametrize("block_v,t,verify,gate", BLOCKED_CASES)
-def test_v_blocked_matches_reference(block_v, t, verify, gate):
-    """V-blocked programs (V = K = 64: 4, 2 or 1 blocks per head), 3 heads, shuffled slots into a pool of 9,
-    non-zero initial states, ragged lengths with an idle row and T-padding: y at the valid positions and both
-    pools / per-position states match the reference; in decode, rows outside the batch and the idle row's
-    slot are bit-identical to before (the q|k conv scatter and the in-place v rows touch nothing else)."""
+@pytest.mark.parametrize("block_v,t,verify,gate,loop_v", BLOCKED_CASES)
+def test_v_blocked_matches_reference(block_v, t, verify, gate, loop_v):
+    """V-blocked programs (V = K = 64: 4, 2 or 1 blocks per head; or, loop_v, one program per head walking its
+    blocks), 3 heads, shuffled slots into a pool of 9, non-zero initial states, ragged lengths with an idle row and
+    T-padding: y at the valid positions and both pools / per-position states match the reference; in decode, rows
+    outside the batch and the idle row's slot are bit-identical to before (the q|k conv scatter and the in-place v
+    rows touch nothing else)."""
     step, pools, params = decode_inputs(10 + block_v + t, bsz=4, t=t, h=3, dk=64, pool=9)
     slots = [6, 2, 8, 0]
     lengths = [1, 0, 1, 1] if t == 1 else [4, 0, 2, 3]
     got = call(kda_decode, step, pools, params, slots, lengths, gate=gate, all_states=verify, interpret=True,
-               block_v=block_v)
+               block_v=block_v, loop_v=loop_v)
     want = call(kda_decode_reference, step, pools, params, slots, lengths, gate=gate, all_states=verify)
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel(np.asarray(got[0])[valid], np.asarray(want[0])[valid]) < 1e-5
@@ -107,19 +109,20 @@ def test_v_blocked_matches_reference(block_v, t, verify, gate):
         assert rel(got[1][6], pools["conv_state"][6]) > 1e-3  # the live rows' conv states did move
 
 
-FRESH_CASES = [(16, 1, False), (32, 1, False), (16, 3, False), (16, 3, True)]  # (block_v, T, verify); V = 32
+FRESH_CASES = [(16, 1, False, False), (32, 1, False, False), (16, 3, False, False), (16, 3, True, False),
+               (16, 1, False, True), (16, 3, True, True)]  # (block_v, T, verify, loop_v); V = 32
 
 
-@pytest.mark.parametrize("block_v,t,verify", FRESH_CASES)
-def test_fresh_rows_ignore_their_slots(block_v, t, verify):
+@pytest.mark.parametrize("block_v,t,verify,loop_v", FRESH_CASES)
+def test_fresh_rows_ignore_their_slots(block_v, t, verify, loop_v):
     """Rows flagged fresh start from zero conv and recurrent states whatever their (reused) slots hold: random
     garbage in one, inf / NaN in another (masked-off loads, not a multiply by zero). Against the same call on a
     pool whose fresh slots are zeroed (flags all 0), y and the pools / per-position states agree to 1e-6 (the same
     arithmetic on the same zeros: in interpret mode XLA on the CPU still lands 1 ulp apart in a few elements
     when only the flag data differ), and both match the reference given the flag. Non-fresh rows read their
     slots as usual; slots outside the batch stay untouched. A fresh idle row (length 0) leaves zeros in its slot,
-    as zeroing it in the pool before the kernel did. Blocked (16 < V) and whole-state (32) kernels, multi-token
-    in-place decode (T 3) and verify."""
+    as zeroing it in the pool before the kernel did. Blocked (16 < V), looped (16, loop_v) and whole-state (32)
+    kernels, multi-token in-place decode (T 3) and verify."""
     step, pools, params = decode_inputs(20 + block_v + t, bsz=4, t=t, h=2, dk=32, pool=7)
     slots, lengths, fresh = [5, 2, 0, 6], [t, t, 0, max(t - 1, 1)], [1, 0, 1, 1]
     fresh_slots = np.array([5, 0, 6])
@@ -129,7 +132,7 @@ def test_fresh_rows_ignore_their_slots(block_v, t, verify):
     dirty = dict(conv_state=jnp.asarray(conv), state=jnp.asarray(state))
     conv[fresh_slots], state[fresh_slots] = 0, 0
     zeroed = dict(conv_state=jnp.asarray(conv), state=jnp.asarray(state))
-    kw = dict(all_states=verify, interpret=True, block_v=block_v)
+    kw = dict(all_states=verify, interpret=True, block_v=block_v, loop_v=loop_v)
     got = call(kda_decode, step, dirty, params, slots, lengths, fresh=jnp.asarray(fresh, jnp.int32), **kw)
     # all-zero flags, not None: the same compiled program (a constant flag would let XLA fuse differently)
     from_zeros = call(kda_decode, step, zeroed, params, slots, lengths, fresh=jnp.zeros((4,), jnp.int32), **kw)
