@@ -145,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mla-kernel", choices=("triton", "mosaic"), default=k3_mla.MLA_DECODE_KERNEL,
                    help="the MLA decode kernel of the pallas backend (k3jax.mla.MLA_DECODE_KERNEL; default "
                         f"{k3_mla.MLA_DECODE_KERNEL})")
+    p.add_argument("--kda-loop-v", type=int, choices=(0, 1), default=None,
+                   help="pallas_kernels.kda_decode.DEFAULT_LOOP_V for this run (1: one program per head walking its "
+                        "V-blocks; default: the module's)")
     p.add_argument("--dump-hlo", default=None,
                    help="write the decode step's compiled (optimised) HLO text here, after its timed steps (compiles "
                         "the step once more)")
@@ -972,6 +975,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     budget = Budget(args.budget_s, started)
     k3_mla.MLA_DECODE_KERNEL = args.mla_kernel
+    if args.kda_loop_v is not None:
+        from pallas_kernels import kda_decode
+
+        kda_decode.DEFAULT_LOOP_V = bool(args.kda_loop_v)
     out = Path(args.out) if args.out else None
     device = jax.devices()[0]
     cfg = k3jax.load_config(args.model)

@@ -64,6 +64,9 @@ GATES = ("lower_bound", "softplus")
 DEFAULT_BLOCK_V = 32
 DEFAULT_VERIFY_BLOCK_V = 64
 DEFAULT_BLOCKED_WARPS = 4
+# loop_v=None's choice (read at trace time): the V-blocked grid (False) or one program per head walking its V-blocks
+# (True; one launch per layer instead of three). Opt-in until measured in the model on the H200.
+DEFAULT_LOOP_V = False
 _L2_EPS = 1e-6
 
 
@@ -289,7 +292,7 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
                                              "num_warps", "loop_v"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
-               interpret=False, block_v=None, num_warps=None, loop_v=False):
+               interpret=False, block_v=None, num_warps=None, loop_v=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -310,6 +313,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
       loop_v: one program per (sequence, head) that walks its state in V-blocks of block_v rows one after another
         (grid H x B): q / k computed once per head, the conv state written in place and the gated RMSNorm fused
         -- one launch per layer instead of the blocked kernel's three (kernel, q|k conv scatter, norm epilogue).
+        None: DEFAULT_LOOP_V.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -322,6 +326,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     p, h, dv, dk = state.shape
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
     block_v, num_warps = _tiling(block_v, num_warps, dv, all_states)
+    loop_v = DEFAULT_LOOP_V if loop_v is None else loop_v
     w1 = conv_state.shape[1]
     act = qkv.dtype
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
