@@ -35,7 +35,7 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    this function's default stays the first stage, the one the GPU tests and the earlier figures cover.
    Opt-in `stage1="pallas"` (`kda_intra.py`, same outputs): the whole stage as ONE Pallas kernel per chunk
    and head, reading the packed inputs through the chunk table (no gathered copies), L / Aqk as 8 full-tile
-   [64, K] x [K, 64] dots, the inverse as the 64x64 nilpotent doubling product at tf32x3, W / U as 2 dots;
+   [64, K] x [K, 64] dots, the inverse by masked 16x16 blocks and halves in 64x64 dots at tf32x3, W / U as 2 dots;
    bounded gate only (an unbounded gate takes "v2"). Interpret-tested; not yet timed on the GPU.
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
