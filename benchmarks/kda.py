@@ -312,8 +312,9 @@ def profile_stage(fn, calls: int = 3) -> dict:
 
 def stage1_call(variant, tok_start, length, x, a, bias, solve="xla", interpret=False):
     """Stage 1 (`kda_chunk._intra_stage`, the opt-in `_intra_stage_v2`, or the one-kernel `kda_intra` as
-    "pallas", "pallas_w<warps>" or "pallas_w<warps>_ieee": its Triton warps and inverse precision; only
-    plain "pallas" is also a kda_chunk stage1 value, the others time the stage alone) as kda_chunk calls it."""
+    "pallas", "pallas_w<warps>" or "pallas_w<warps>_<ieee, tf32 or tf32x3>": its warps and inverse precision;
+    only plain "pallas" is also a kda_chunk stage1 value, the others time the stage alone) as kda_chunk calls
+    it."""
     kw = dict(gate="lower_bound", lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True,
               stored=jnp.bfloat16)
     args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a, bias)
@@ -322,7 +323,7 @@ def stage1_call(variant, tok_start, length, x, a, bias, solve="xla", interpret=F
     if variant.startswith("pallas"):
         knobs = variant.split("_")[1:]
         warps = int(knobs[0][1:]) if knobs and knobs[0].startswith("w") else 4
-        inverse = "ieee" if "ieee" in knobs else "tf32x3"
+        inverse = next((x for x in knobs if x in ("ieee", "tf32", "tf32x3")), "tf32x3")
         del kw["bounded"]
         return kc.kda_intra(*args, **kw, num_warps=warps, inverse_precision=inverse, interpret=interpret)
     if variant != "default":

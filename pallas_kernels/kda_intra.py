@@ -4,7 +4,7 @@ state pass needs from one chunk of one head, read straight from the packed input
 Per head and chunk of C = 64 tokens (k3-model.md §3.1; the math of `kda_chunk._intra_stage_v2`, whose six
 outputs and layouts this kernel reproduces so the state passes consume them unchanged):
 
-    g = gate(z) (K3 lower-bound or softplus form)   beta = sigmoid(b)   q, k L2-normalised, q scaled
+    g = lb sigmoid(e^a_log (z + dt_bias)) (K3's bounded gate)   beta = sigmoid(b)   q, k L2-normalised, q scaled
     G = cumsum(g) in the chunk      L[i,j] = beta_i sum_d k_i e^(G_i - G_j) k_j  (j < i)
     A = (I + L)^-1   W = A diag(beta) (e^G K)   U = A diag(beta) V   Aqk[i,j] = sum_d q_i e^(G_i - G_j) k_j (j <= i)
     outputs: W, U, e^G Q, e^(G_C - G) K, Aqk (stored dtype), e^(G_C) (fp32)
@@ -27,9 +27,13 @@ its [C, D] / [C, C] / [D] blocks of the chunk-layout outputs. Per program (K = V
   gave relative errors of ~1e2 in IEEE fp32 (numpy study, and tests/kernels/test_kda_intra.py's weak-decay
   case) against ~3e-6 for this form, tf32x3 emulated or IEEE;
 - W, U as 2 dots [C, C] x [C, D].
-Totals per program: 20 dots (8 [64,128]x[128,64], 10 [64,64]x[64,64], 2 [64,64]x[64,128]) and 7 [C, K] exps
-(one row factor e^(G - P_row), 4 column factors, e^G, e^(G_C - G)) plus the gate's (sigmoid: 1; softplus:
-exp + log1p).
+Totals per program: 20 dots (8 [64,128]x[128,64] in the stored dtype, 10 [64,64]x[64,64] fp32 at tf32x3,
+2 [64,64]x[64,128] in the stored dtype) and 8 [C, K] exps (the gate's sigmoid, one row factor
+e^(G - P_row), 4 column factors, e^G, e^(G_C - G)); the inverse's tf32x3 is ~60% of the tensor work
+(three passes), hence the opt-in one-pass "tf32" (bf16 outputs). Elementwise outputs are stored early and
+v loaded late to bound the live [C, K] tiles (register pressure: try num_warps 4 and 8).
+Traffic at B1 T32768 H32 D128 bf16: reads q, k, v, z (1 GB), writes W, U, e^G Q, e^(G_C - G) K, Aqk
+(1.3 GB): ~0.6 ms at the H200's copy bandwidth.
 
 Exponent safety: bounded gate only (lower-bound form with 16 |lb| <= 80, as `kda_chunk`'s `bounded`); an
 unbounded gate (softplus, or a precomputed g) needs the pairwise diagonal blocks, which as [16, 16, K]
@@ -54,7 +58,7 @@ from pallas_kernels.kda_common import CHUNK, HIGHEST, MAX_DIAG_EXPONENT, NSUB, S
 from pallas_kernels.kda_common import is_pow2_at_least_16
 
 GATES = ("lower_bound",)  # bounded gates only; see the module docstring
-INVERSE_PRECISIONS = ("tf32x3", "ieee")
+INVERSE_PRECISIONS = ("tf32x3", "ieee", "tf32")
 _L2_EPS = 1e-6  # as kda_chunk (the L2 norm's epsilon)
 _DOUBLINGS = 3  # (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) for D strictly lower inside 16x16 blocks
 
@@ -86,7 +90,6 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
                         other=0)
 
     q, k, z = load(q_ref).astype(f32), load(k_ref).astype(f32), load(z_ref).astype(f32)  # [C, K]
-    v = load(v_ref).astype(stored)  # [C, V]
     beta = plt.load(b_ref.at[pl.ds(start, CHUNK), h], mask=valid, other=0).astype(f32)  # [C]
     beta = jnp.where(valid, jax.nn.sigmoid(beta) if beta_sigmoid else beta, 0.0)
     g = _gate_lower_bound(z, alog_ref[h], bias_ref[h, :][None, :], lower_bound)
@@ -95,6 +98,14 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
         q = q * (lax.rsqrt(jnp.sum(q * q, axis=1) + _L2_EPS) * scale)[:, None]
         k = k * lax.rsqrt(jnp.sum(k * k, axis=1) + _L2_EPS)[:, None]
     cum = jnp.cumsum(g, axis=0)  # G [C, K], non-increasing along C
+    # Order for register pressure (whole [C, K] fp32 tiles are 64 registers a thread at 4 warps): the
+    # elementwise outputs are stored first, q dies into its factored bf16 copy, v is loaded only for U.
+    e_cum = jnp.exp(cum)
+    qg_ref[...] = (q * e_cum).astype(stored)
+    kw = (k * e_cum).astype(stored)  # e^G K, W's right operand
+    g_last = jnp.sum(jnp.where((rows == CHUNK - 1)[:, None], cum, 0.0), axis=0)  # G_C [K] (exact: one term)
+    kg_ref[...] = (k * jnp.exp(g_last[None, :] - cum)).astype(stored)
+    gc_ref[...] = jnp.exp(g_last)
 
     block = rows // SUB  # [C] 16-row block of each row
     # P_b = G at row 16 b - 1 (0 for b = 0), read from G itself (a sum of one non-zero term: exact), so that
@@ -105,7 +116,7 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     for b in range(1, NSUB):
         ref_row = jnp.where((block == b)[:, None], refs[b][None, :], ref_row)  # [C, K]: P of each row's block
     row_f = jnp.exp(cum - ref_row)  # [C, K], <= 1
-    qr, kr = q * row_f, k * row_f
+    qr, kr = (q * row_f).astype(stored), (k * row_f).astype(stored)  # masking after the rounding is exact
     lkk = jnp.zeros((CHUNK, CHUNK), f32)
     aqk = jnp.zeros((CHUNK, CHUNK), f32)
     for b in range(NSUB):
@@ -113,14 +124,15 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
         upto_b = (rows < SUB * (b + 1))[:, None]  # columns that row block b's lower triangle reaches
         # e^(P_b - G_s): <= 1 before block b, <= e^80 inside it (bounded gate); later columns masked before the exp
         col = jnp.where(upto_b, k * jnp.exp(jnp.where(upto_b, refs[b][None, :] - cum, 0.0)), 0.0).astype(stored)
-        lkk = lkk + dot(jnp.where(in_b, kr, 0.0).astype(stored), col, tb=True, precision=prec)
-        aqk = aqk + dot(jnp.where(in_b, qr, 0.0).astype(stored), col, tb=True, precision=prec)
+        lkk = lkk + dot(jnp.where(in_b, kr, 0), col, tb=True, precision=prec)
+        aqk = aqk + dot(jnp.where(in_b, qr, 0), col, tb=True, precision=prec)
     r2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     c2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     lkk = jnp.where(r2 > c2, beta[:, None] * lkk, 0.0)  # strictly lower L (beta applied)
     aqk_ref[...] = jnp.where(r2 >= c2, aqk, 0.0).astype(aqk_ref.dtype)
 
-    inv_prec = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "ieee": HIGHEST}[inverse_precision]
+    inv_prec = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "ieee": HIGHEST,
+                "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}[inverse_precision]
     mm = lambda a, b_: dot(a, b_, precision=inv_prec)
     same16 = r2 // SUB == c2 // SUB
     same32 = r2 // (2 * SUB) == c2 // (2 * SUB)
@@ -135,13 +147,9 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     inv = inv - mm(inv, mm(jnp.where(same32 & ~same16, lkk, 0.0), inv))  # 16x16 pairs -> 32x32 diagonal blocks
     inv = inv - mm(inv, mm(jnp.where(same32, 0.0, lkk), inv))  # lower-left 32x32 quadrant -> the 64x64 inverse
     a_beta = (inv * beta[None, :]).astype(stored)  # A diag(beta)
-    e_cum = jnp.exp(cum)
-    w_ref[...] = dot(a_beta, (k * e_cum).astype(stored), precision=prec).astype(stored)
+    w_ref[...] = dot(a_beta, kw, precision=prec).astype(stored)
+    v = load(v_ref).astype(stored)  # [C, V]
     u_ref[...] = dot(a_beta, v, precision=prec).astype(stored)
-    qg_ref[...] = (q * e_cum).astype(stored)
-    g_last = jnp.sum(jnp.where((rows == CHUNK - 1)[:, None], cum, 0.0), axis=0)  # G_C [K] (exact: one term)
-    kg_ref[...] = (k * jnp.exp(g_last[None, :] - cum)).astype(stored)
-    gc_ref[...] = jnp.exp(g_last)
 
 
 def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bound, beta_sigmoid, qk_l2norm,
@@ -218,8 +226,10 @@ def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lo
         else fp32); bf16 also makes the L / Aqk / W / U dot operands bf16 (fp32 accumulation), fp32 makes every
         dot IEEE fp32.
       num_warps, num_stages: Triton launch settings; inverse_precision: "tf32x3" (the 64x64 inverse's dots
-        on the tensor cores, ~fp32 accuracy) or "ieee" (fp32 FMAs); interpret: Pallas interpret mode (CPU
-        tests; always IEEE there).
+        on the tensor cores, ~fp32 accuracy), "ieee" (fp32 FMAs) or "tf32" (one tensor-core pass, 2^-11
+        relative operand rounding: a third of tf32x3's tensor work, for bf16 outputs only; untested for
+        accuracy on the CPU, see tests/gpu/test_kda_gpu.py); interpret: Pallas interpret mode (CPU tests;
+        always IEEE there).
 
     Returns (exactly `kda_chunk._intra_stage_v2`'s outputs): w, qg, kg [H, NC, C, K], u [H, NC, C, V],
     aqk [H, NC, C, C] in the stored dtype, and e^(G_C) [H, NC, K] fp32.

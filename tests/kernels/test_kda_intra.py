@@ -122,7 +122,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="lower_bound must be"):
         kda_intra(*args, lower_bound=-6.0, interpret=True)
     with pytest.raises(ValueError, match="inverse_precision"):
-        kda_intra(*args, inverse_precision="tf32", interpret=True)
+        kda_intra(*args, inverse_precision="bf16", interpret=True)
     with pytest.raises(ValueError, match="dt_bias"):
         kda_intra(*args[:-1], dt_bias.reshape(-1), interpret=True)
     with pytest.raises(ValueError, match="power of two"):
