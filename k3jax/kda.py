@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax import backend
+from k3jax import backend, fuse
 from k3jax.config import ModelConfig
 from k3jax.layers import Linear, causal_conv_with_state, dense, dense_each, l2_normalize  # Linear: the projection hook
 
@@ -153,7 +153,8 @@ def kda_mixer(
         recurrent [B, T, H, V, K], so speculative verification can roll back by index.
       linear: how the block multiplies by the weights on the hidden-state boundary (see `Linear`): called
         once with every projection reading x (q/k/v, f_a, b, and g or g_a) and once with o_proj. Default:
-        plain `dense` each; a parallel strategy passes sharded GEMMs (k3jax.parallel.tp_subgroup).
+        plain `dense` each; a parallel strategy passes sharded GEMMs (k3jax.parallel.tp_subgroup). Params in the
+        serving layout (k3jax.fuse.fuse_for_serving: one "in_proj" for all six) take the default only.
       slots: [B] int32 distinct pool rows (None: the states are per row, see above). The fused decode kernel
         reads the pools at `slots` itself and, in decode, writes them in place (when the caller donates them);
         with all_states (verify) it only reads them: the per-position states are new [B, T, ...] arrays and the
@@ -193,14 +194,11 @@ def kda_mixer(
         conv_state = jnp.where(keep[:, None, None], conv_state, jnp.zeros_like(conv_state))
         rec_state = jnp.where(keep[:, None, None, None], rec_state, jnp.zeros_like(rec_state))
         fresh = None
+    qkv, proj, conv_w = _input_projections(params, x, cfg, linear)
     linear = linear or dense_each
-    gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)
-    proj = linear(x, {name: params[name] for name in ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", gate_in)})
-    qkv = jnp.concatenate([proj["q_proj"], proj["k_proj"], proj["v_proj"]], -1)
     z = dense(proj["f_a"], params["f_b"]).reshape(b, t, h, dk)  # raw forget-gate logits
     beta_logits = proj["b_proj"].astype(jnp.float32)  # [B, T, H]
-    gate = (proj["g_proj"] if gate_in == "g_proj" else dense(proj["g_a"], params["g_b"])).reshape(b, t, h, dk)
-    conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]
+    gate = (proj["g_proj"] if "g_proj" in proj else dense(proj["g_a"], params["g_b"])).reshape(b, t, h, dk)
     if fused:
         y, new_conv, new_rec = _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, z, beta_logits, gate,
                                             conv_w, conv_state, rec_state, cfg, lengths=lengths, mode=mode,
@@ -229,6 +227,30 @@ def kda_mixer(
     o = backend.get("gated_rms_norm", backend_name)(o.astype(x.dtype), gate, params["o_norm"], cfg.rms_norm_eps)
     out = linear(o.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"]
     return out, (conv_states if all_states else new_conv), new_rec
+
+
+def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None):
+    """The GEMMs reading x: (qkv [B, T, 3HK] before the conv, {f_a, b_proj, g_proj or g_a: [B, T, N]},
+    conv weight [W, 3HK]).
+
+    Serving layout (k3jax.fuse: "in_proj" = q|k|v|f_a|b|gate, "qkv_conv" pre-concatenated): ONE GEMM whose
+    output is sliced -- qkv is its leading 3HK columns, so nothing is concatenated per step. Otherwise the
+    checkpoint layout through `linear` (one call with the six weights), and the q|k|v outputs and conv weights
+    are concatenated here.
+    """
+    if fuse.is_fused(params):
+        if linear is not None:
+            raise ValueError("kda_mixer: params in the fused serving layout (k3jax.fuse.fuse_for_serving) take the "
+                             "default linear only; a parallel strategy needs the unfused params")
+        q, k, v, *rest = fuse.kda_input_columns(cfg)  # q|k|v lead: one slice is the conv's input
+        cols = fuse.split_columns(dense(x, params[fuse.FUSED_INPUT]), (("qkv", q[1] + k[1] + v[1]), *rest))
+        return cols.pop("qkv"), cols, params[fuse.FUSED_CONV]
+    gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)
+    proj = (linear or dense_each)(x, {name: params[name]
+                                      for name in ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", gate_in)})
+    qkv = jnp.concatenate([proj["q_proj"], proj["k_proj"], proj["v_proj"]], -1)
+    conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]
+    return qkv, {name: proj[name] for name in ("f_a", "b_proj", gate_in)}, conv_w
 
 
 def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):

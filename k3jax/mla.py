@@ -14,13 +14,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax import backend
+from k3jax import backend, fuse
 from k3jax.config import ModelConfig
 from k3jax.layers import Linear, dense, dense_each, rms_norm
 
 # `linear` (every function below that takes it): how the block multiplies by the weights reading or writing
 # the hidden state -- q_a (or q_proj) and kv_a in `project`, g_proj and o_proj in `output` -- see
-# `k3jax.layers.Linear`; default plain `dense`, a parallel strategy passes sharded GEMMs.
+# `k3jax.layers.Linear`; default plain `dense`, a parallel strategy passes sharded GEMMs. Params in the serving
+# layout (k3jax.fuse.fuse_for_serving: q|kv_a|g_proj as one "in_proj", one GEMM per step) take the default only.
 
 
 def project(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None,
@@ -29,9 +30,26 @@ def project(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | No
 
     Returns: q_nope [B, T, H, N], q_pe [B, T, H, R], latent [B, T, C + R] (= [c | k_pe]).
     """
-    b, t, _ = x.shape
+    return _queries_and_latent(params, _input_projections(params, x, cfg, linear), cfg)
+
+
+def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None) -> dict[str, jax.Array]:
+    """The GEMMs reading x, {q_a or q_proj, kv_a} and, in the fused serving layout (k3jax.fuse: "in_proj" =
+    q|kv_a|g_proj), the output gate's g_proj too: one GEMM, sliced. Otherwise `linear` over {q_a or q_proj, kv_a}
+    (g_proj is multiplied in `output`, as before)."""
+    if fuse.is_fused(params):
+        if linear is not None:
+            raise ValueError("MLA: params in the fused serving layout (k3jax.fuse.fuse_for_serving) take the default "
+                             "linear only; a parallel strategy needs the unfused params")
+        return fuse.split_columns(dense(x, params[fuse.FUSED_INPUT]), fuse.mla_input_columns(cfg))
     q_in = "q_a" if cfg.q_lora_rank is not None else "q_proj"
-    proj = (linear or dense_each)(x, {q_in: params[q_in], "kv_a": params["kv_a"]})
+    return (linear or dense_each)(x, {q_in: params[q_in], "kv_a": params["kv_a"]})
+
+
+def _queries_and_latent(params: dict, proj: dict[str, jax.Array], cfg: ModelConfig,
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`project` from the input projections `proj` (see `_input_projections`)."""
+    b, t = proj["kv_a"].shape[:2]
     if cfg.q_lora_rank is not None:
         q = dense(rms_norm(proj["q_a"], params["q_a_norm"], cfg.mla_norm_eps), params["q_b"])
     else:
@@ -44,13 +62,18 @@ def project(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | No
 
 
 def output(params: dict, attn: jax.Array, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None,
-           ) -> jax.Array:
-    """Output gate (K3: attn * sigmoid(g_proj x)) and o_proj. attn: [B, T, H, Vd]."""
+           gate_logits: jax.Array | None = None) -> jax.Array:
+    """Output gate (K3: attn * sigmoid(g_proj x)) and o_proj. attn: [B, T, H, Vd].
+    gate_logits: g_proj x [B, T, H*Vd] when already computed (the fused input GEMM); else multiplied here."""
     linear = linear or dense_each
     b, t = attn.shape[:2]
     attn = attn.reshape(b, t, -1).astype(x.dtype)
     if cfg.mla_output_gate:
-        attn = attn * jax.nn.sigmoid(linear(x, {"g_proj": params["g_proj"]})["g_proj"])
+        if gate_logits is None:
+            if fuse.is_fused(params):
+                raise ValueError("MLA output: fused params hold g_proj inside in_proj; pass gate_logits")
+            gate_logits = linear(x, {"g_proj": params["g_proj"]})["g_proj"]
+        attn = attn * jax.nn.sigmoid(gate_logits)
     return linear(attn, {"o_proj": params["o_proj"]})["o_proj"]
 
 
@@ -62,7 +85,8 @@ def split_kv_b(params: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
 
 def naive_attention(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None) -> jax.Array:
     """Causal MLA over x [B, T, D] alone (no cache), in the naive per-head form."""
-    q_nope, q_pe, latent = project(params, x, cfg, linear=linear)
+    proj = _input_projections(params, x, cfg, linear)
+    q_nope, q_pe, latent = _queries_and_latent(params, proj, cfg)
     c, k_pe = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
     w_uk, w_uv = split_kv_b(params, cfg)
     k_nope = jnp.einsum("bsc,chn->bshn", c, w_uk.astype(c.dtype), preferred_element_type=jnp.float32)
@@ -76,7 +100,7 @@ def naive_attention(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Lin
     scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     attn = jnp.einsum("bhts,bshv->bthv", probs, v, preferred_element_type=jnp.float32)
-    return output(params, attn, x, cfg, linear=linear)
+    return output(params, attn, x, cfg, linear=linear, gate_logits=proj.get("g_proj"))
 
 
 @backend.register("mla_paged_attention", "reference")
@@ -202,7 +226,8 @@ def paged_attention(
     (updated in place under donation), then attends in the absorbed form to the whole history.
     Returns (y [B, T, D], new kv_pages).
     """
-    q_nope, q_pe, latent = project(params, x, cfg, linear=linear)
+    proj = _input_projections(params, x, cfg, linear)
+    q_nope, q_pe, latent = _queries_and_latent(params, proj, cfg)
     kv_pages = write_latents(kv_pages, layer, latent, page_table, context_lens, lengths)
     w_uk, w_uv = split_kv_b(params, cfg)
     q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=jnp.float32)
@@ -212,4 +237,4 @@ def paged_attention(
         kv_lora_rank=cfg.kv_lora_rank, scale=cfg.mla_q_head_dim**-0.5, layer=layer,
     )
     attn = jnp.einsum("bthc,chv->bthv", o_latent, w_uv.astype(jnp.float32))
-    return output(params, attn, x, cfg, linear=linear), kv_pages
+    return output(params, attn, x, cfg, linear=linear, gate_logits=proj.get("g_proj")), kv_pages
