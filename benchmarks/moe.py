@@ -15,9 +15,9 @@ the kernel layout the model loads) against bf16 weights at decode sizes, one com
 Mid-size groups (issue 4: >= 60 % of the jnp.dot peak and >= 1.0x ragged_dot_mgpu from 256 rows/expert), one command,
 <= 90 s on the H200 (limits ~15 s, then the sweep starts no new case after --sweep-budget-s 65):
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe \
-        --sweep-tokens 16384,65536 --sweep-budget-s 65 --sweep-configs 128/128/256/64/8/3/aligned,\
-128/128/256/64/8/3/aligned/64,128/128/256/64/8/3/packed/64,64/256/256/64/8/3/aligned --out $OUT/moe_mid.json
-  per T: moe_grouped_mlp's default, each tiling (/row_layout/tail_block_m: MoeGemmConfig's mid-size modes), then
+        --sweep-tokens 16384,65536 --sweep-budget-s 65 --sweep-configs 128/128/256/64/8/3,\
+128/128/256/64/8/3/64,64/256/256/64/8/3 --out $OUT/moe_mid.json
+  per T: moe_grouped_mlp's default, each tiling (/tail_block_m: MoeGemmConfig's mid-size mode), then
   ragged_dot_mgpu (rows zero-padded to its 128-row tile, pad_sorted_rows); each checked against the dense einsum on
   the device; TFLOP/s, % of the jnp.dot peak of the same run, peer ms / ours; a summary line per T against the bar.
 
@@ -92,8 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep-budget-s", type=float, default=None,
                    help="the sweep section starts no new case after this many seconds (default: no limit)")
     p.add_argument("--sweep-configs", type=str, default=None,
-                   help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages[/row_layout"
-                        "[/tail_block_m]] tilings for the sweep (default: the built-in alternatives)")
+                   help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages[/tail_block_m]"
+                        " tilings for the sweep (default: the built-in alternatives)")
     return p.parse_args(argv)
 
 
@@ -357,20 +357,15 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
 
 def parse_configs(spec: str) -> list[MoeGemmConfig]:
     """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages),
-    optionally followed by /row_layout (packed | aligned) and /tail_block_m (0 = off),
-    e.g. 128/128/256/64/8/3/aligned/64."""
+    optionally followed by /tail_block_m (0 = off), e.g. 128/128/256/64/8/3/64."""
     configs = []
     for item in filter(None, spec.split(",")):
         parts = item.split("/")
-        if len(parts) not in (6, 7, 8):
-            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /row_layout and "
-                             f"/tail_block_m; got {item!r}")
+        if len(parts) not in (6, 7):
+            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m; "
+                             f"got {item!r}")
         fields = [int(x) for x in parts[:6]]
-        extra = {}
-        if len(parts) > 6:
-            extra["row_layout"] = parts[6]
-        if len(parts) > 7:
-            extra["tail_block_m"] = int(parts[7])
+        extra = {"tail_block_m": int(parts[6])} if len(parts) > 6 else {}
         configs.append(MoeGemmConfig(*fields, **extra))
     return configs
 
@@ -379,8 +374,6 @@ def config_name(cfg: MoeGemmConfig) -> str:
     """The tiling string parse_configs reads (mode fields only when not the defaults)."""
     name = "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n", "block_k", "num_warps",
                                                    "num_stages"))
-    if cfg.row_layout != "packed" or cfg.tail_block_m:
-        name += f"/{cfg.row_layout}"
     if cfg.tail_block_m:
         name += f"/{cfg.tail_block_m}"
     return name
@@ -460,10 +453,7 @@ def mma_rows(cfg: MoeGemmConfig, counts: np.ndarray) -> int:
     tail_block_m when it has at most that many): the wasted-work model behind the mid-size modes."""
     sizes = jnp.asarray(counts, jnp.int32)
     m = int(counts.sum())
-    if cfg.row_layout == "aligned":
-        sched = moe_gemm.aligned_schedule(sizes, m, cfg.block_m)[0]
-    else:
-        sched = moe_gemm.tile_schedule(sizes, m, cfg.block_m)
+    sched = moe_gemm.tile_schedule(sizes, m, cfg.block_m)
     n = np.asarray(sched[3] - sched[2])
     n = n[n > 0]
     if cfg.tail_block_m:

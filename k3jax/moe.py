@@ -15,12 +15,17 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax import backend
 from k3jax.config import ModelConfig
 from k3jax.layers import dense, glu_activation, mlp, rms_norm
 from k3jax.quant import dequantize_experts
 from pallas_kernels import moe_gemm
+
+# Load-time fused projections (`fuse_moe_weights`); `moe` takes layer params with or without them.
+FUSED_IN = "in_proj"  # [D, Dl + 2 I_sh]: latent_down | shared gate | shared up (all read the same x, bf16)
+FUSED_OUT = "out_proj"  # [Dl + I_sh, D]: latent_up stacked over shared down (one GEMM on [norm(y_lat) | h_shared])
 
 
 def route(router_w: jax.Array, bias: jax.Array, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -41,7 +46,12 @@ def route(router_w: jax.Array, bias: jax.Array, x: jax.Array, cfg: ModelConfig) 
     _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.num_experts_per_tok > 1 and cfg.moe_renormalize:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        # the k-term sum as unrolled adds, not a reduction: with them the gather, the sum and the scaling are one
+        # elementwise fusion on the GPU (a row reduction would be a kernel of its own in every MoE layer)
+        total = weights[:, 0]
+        for j in range(1, cfg.num_experts_per_tok):
+            total = total + weights[:, j]
+        weights = weights / (total[:, None] + 1e-20)
     return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
@@ -51,11 +61,15 @@ def grouped_experts_reference(
 ) -> jax.Array:
     """sum_i w_i E_i(x) for tokens x [N, Dx] routed to ids/weights [N, k]; result in x's dtype.
 
+    x may be wider than the experts' input Dx (every "moe_experts" backend reads only its first Dx columns: `moe`
+    passes the fused projection's output whole, so the Pallas kernels read the latent columns in place).
+
     experts: {"gate", "up": [E, Dx, I], "down": [E, I, Dx]} in any float dtype, or MXFP4-packed in the
     checkpoint's or the kernel's layout (see k3jax.quant), dequantised here (bit-identically for both).
     """
     n, k = ids.shape
     experts = dequantize_experts(experts, x.dtype)
+    x = x[:, :experts["gate"].shape[1]]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k
@@ -84,19 +98,76 @@ backend.register("moe_experts", "pallas")(partial(_grouped_experts_pallas, inter
 backend.register("moe_experts", "interpret")(partial(_grouped_experts_pallas, interpret=True))
 
 
+def fuse_moe_weights(layer_params: dict, cfg: ModelConfig) -> dict:
+    """One MoE layer's params with its x-side GEMMs fused, for serving (a load-time transform; fewer kernels per
+    decode step, each ~8 us of host launch time on the H200). Other layers' params are returned unchanged.
+
+    FUSED_IN: latent_down and the shared expert's gate and up all multiply the same bf16 x -> one GEMM on their
+    column concatenation (each output column is the same dot product as before). FUSED_OUT (K3: latent MoE with
+    shared experts): latent_up and the shared down are one GEMM on [RMSNorm(y_lat) | GLU(shared)] with the rows
+    stacked, so the two branches are summed in the fp32 accumulator instead of as two bf16 results (one rounding
+    instead of three). The originals are dropped; `moe` splits by the config's widths (static slices). Training,
+    checkpoints and k3jax/parallel keep the unfused structure; `moe` takes both.
+    """
+    if "router" not in layer_params or FUSED_IN in layer_params:
+        return layer_params
+    latent, shared = bool(cfg.moe_latent_size), bool(cfg.num_shared_experts)
+    p = dict(layer_params)
+    pieces = ([p["latent_down"]] if latent else []) + ([p["shared"]["gate"], p["shared"]["up"]] if shared else [])
+    if len(pieces) < 2 or any(getattr(w, "ndim", None) != 2 or w.dtype != pieces[0].dtype for w in pieces):
+        return layer_params  # nothing to fuse (or non-array weights): the unfused layer is already right
+    xp = np if all(isinstance(w, np.ndarray) for w in pieces) else jnp
+    p[FUSED_IN] = xp.concatenate(pieces, axis=1)
+    p.pop("latent_down", None)
+    shared_params = dict(p.pop("shared")) if shared else {}
+    shared_params.pop("gate", None)
+    shared_params.pop("up", None)
+    if latent and shared and p["latent_up"].dtype == shared_params["down"].dtype:
+        p[FUSED_OUT] = xp.concatenate([p.pop("latent_up"), shared_params.pop("down")], axis=0)
+    if shared_params:
+        p["shared"] = shared_params  # {"down"}: the shared expert's down GEMM stays separate
+    return p
+
+
+def _x_projections(params: dict, xf: jax.Array, cfg: ModelConfig):
+    """(z, shared gate, shared up) of tokens xf [N, D]: z the experts' input in its first columns (latent_down x,
+    or x itself without a latent), the other two None without shared experts; one GEMM on FUSED_IN when the
+    params have it."""
+    if FUSED_IN not in params:
+        z = dense(xf, params["latent_down"]) if cfg.moe_latent_size else xf
+        if not cfg.num_shared_experts:
+            return z, None, None
+        return z, dense(xf, params["shared"]["gate"]), dense(xf, params["shared"]["up"])
+    fused = dense(xf, params[FUSED_IN])
+    latent = cfg.moe_latent_size if cfg.moe_latent_size else 0
+    # z is the whole fused output: the experts read its first `latent` columns in place (no slice copy before
+    # the Pallas kernels; see grouped_experts_reference)
+    z = fused if latent else xf
+    if not cfg.num_shared_experts:
+        return z, None, None
+    width = cfg.shared_intermediate_size
+    if fused.shape[1] != latent + 2 * width:
+        raise ValueError(f"{FUSED_IN} has {fused.shape[1]} columns; the config's layout needs {latent} + 2 x {width}")
+    return z, fused[:, latent:latent + width], fused[:, latent + width:]
+
+
 def moe(params: dict, x: jax.Array, cfg: ModelConfig, *, backend_name: str = "reference") -> jax.Array:
-    """Latent MoE + shared experts on pre-normed x [..., D]."""
+    """Latent MoE + shared experts on pre-normed x [..., D]; params unfused or from `fuse_moe_weights`."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     ids, weights = route(params["router"], params["router_bias"], xf, cfg)
-    z = dense(xf, params["latent_down"]) if cfg.moe_latent_size else xf
+    z, shared_gate, shared_up = _x_projections(params, xf, cfg)
     y = backend.get("moe_experts", backend_name)(z, ids, weights, params["experts"], cfg)
-    if cfg.moe_latent_size:
-        if cfg.moe_latent_norm:
-            y = rms_norm(y, params["latent_norm"], cfg.rms_norm_eps)
-        y = dense(y, params["latent_up"])
-    if cfg.num_shared_experts:
-        y = y + mlp(params["shared"], xf, cfg)
+    if cfg.moe_latent_size and cfg.moe_latent_norm:
+        y = rms_norm(y, params["latent_norm"], cfg.rms_norm_eps)
+    h_shared = glu_activation(shared_gate, shared_up, cfg) if cfg.num_shared_experts else None
+    if FUSED_OUT in params:
+        y = dense(jnp.concatenate([y, h_shared], axis=-1), params[FUSED_OUT])
+    else:
+        if cfg.moe_latent_size:
+            y = dense(y, params["latent_up"])
+        if cfg.num_shared_experts:
+            y = y + dense(h_shared, params["shared"]["down"])
     return y.reshape(shape)
 
 

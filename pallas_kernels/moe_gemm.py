@@ -2,27 +2,29 @@
 
     sum_i w_i E_i(x),   E(x) = down(act(x @ gate, x @ up)),   act = SiTU-GLU (K3) or SwiGLU
 
-Pipeline (`moe_grouped_mlp`):
-  1. assignments (token, expert) are sorted by expert: rows xs [M, K], M = N * top_k, with expert e owning
-     the contiguous rows offsets[e] .. offsets[e+1] (ragged groups; an expert may own none);
-  2. `tile_schedule` cuts the rows into block_m tiles and lists every (tile, expert) pair that overlaps --
-     at most cdiv(M, block_m) + min(E, M) - 1 work items, a bound known at trace time, so the schedule is
-     a fixed-size int32 array computed on device and jit never recompiles for a new routing;
-  3. `grouped_glu`: per work item and output tile, gate and up GEMMs share each x tile, the GLU epilogue runs
-     on the fp32 accumulators and only the rows of the item's expert are stored (masked rows belong to a
-     neighbouring expert's item);
-  4. `grouped_down`: the down GEMM over the same schedule, rows scaled by their routing weight, fp32 out;
-  5. each token sums its top_k rows (a gather through the inverse permutation, deterministic).
+Pipeline (`moe_grouped_mlp`): three XLA kernels around the two Pallas ones (the sort, the compare-and-count, the
+combine; plus a pad of `order` when M is not a multiple of block_m), because every XLA kernel costs a launch
+(~8 us of host time and a ~2.7 us GPU gap each in the k3-small decode step, H200 profile of 2026-11-30):
+  1. one stable sort of the flat expert ids: `order`, the assignment (token * top_k + slot) of each expert-sorted
+     row, expert e owning the contiguous rows bounds[e] .. bounds[e+1] (ragged groups; an expert may own none);
+  2. one compare-and-count, `row_bounds` (no bincount scatter, no cumsum);
+  3. `grouped_glu`: program (item, column tile) derives its work item from the bounds (`work_item`: the
+     (tile, expert) pairs that overlap -- at most cdiv(M, block_m) + min(E, M) - 1 items, a bound known at trace
+     time, so jit never recompiles for a new routing), gathers its x rows by token id (no sorted copy of x), runs
+     gate and up on each x tile, the GLU epilogue on the fp32 accumulators, and stores only the rows of the item's
+     expert (masked rows belong to a neighbouring expert's item);
+  4. `grouped_down`: the down GEMM over the same items, each row scaled by its routing weight (gathered in the
+     kernel) and stored at its assignment's row of y [M, D] fp32 (each row written exactly once);
+  5. each token sums its top_k consecutive rows of y (one reduction, deterministic).
+`tile_schedule` lists all items at once (tests, the benchmark's MMA-row count).
 
-Mid-size groups (opt-in, MoeGemmConfig.row_layout / tail_block_m; defaults unchanged). Every work item costs a
-full block_m-row MMA, so step 2's items waste the rows of a tile that belong to a neighbouring expert: with 56
-groups of ~292 rows in 128-row tiles the MMAs compute 1.42x the real rows (1.11x at ~1170 rows), which alone
-accounts for 47 % vs 64.6 % of the jnp.dot peak measured on the H200 at those sizes. row_layout="aligned"
-(`aligned_schedule`) gathers the rows into a padded buffer where each expert starts a tile (same fixed item
-bound, one gather builds xs and the combine gathers through the same shift): 1.28x at 292 rows/expert, the
-remaining waste being each expert's last partial tile; tail_block_m=64 runs items of <= 64 rows as a 64-row MMA
-(a second compiled branch of each kernel): 1.10x with the aligned layout, 1.21x without (counted by
-benchmarks/moe.py's sweep, `mma_rows`). Untimed on a GPU when written (2026-11-30); the sweep times them.
+Mid-size groups (opt-in MoeGemmConfig.tail_block_m; defaults unchanged except LARGE_GROUP_DEFAULT). Every work
+item costs a full block_m-row MMA, so items waste the rows of a tile that belong to a neighbouring expert: with 56
+groups of ~292 rows in 128-row tiles the MMAs compute 1.42x the real rows (1.11x at ~1170 rows).
+tail_block_m=64 runs items of <= 64 rows as a 64-row MMA (a second compiled branch of each kernel): 1.21x
+(counted by benchmarks/moe.py's sweep, `mma_rows`). A group-aligned row layout (each expert starting a tile of a
+padded row buffer, 1.10x with 64-row tails) was slower than this packed layout on the H200 at both 294 and 1172
+rows/expert (docs/benchmarks.md, MoE section) and was removed; it is in this file's git history.
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
 one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
@@ -71,7 +73,6 @@ from jax.experimental.pallas import triton as plgpu
 
 MXFP4_GROUP = 32  # inputs per E8M0 scale
 ACTIVATIONS = ("situ", "silu")
-ROW_LAYOUTS = ("packed", "aligned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +81,10 @@ class MoeGemmConfig:
 
     block_m rows per work item (shared by both kernels: one schedule); glu_block_n output columns of each
     of gate and up; down_block_n output columns of the down GEMM; block_k the contraction step of both.
-    row_layout (mid-size groups, opt-in; see `aligned_schedule`): "packed" cuts the expert-sorted rows into
-    global block_m tiles (a tile straddling two experts is two work items, each a full block_m-row MMA);
-    "aligned" starts every expert's rows at a multiple of block_m in a padded row buffer, so each work item is
-    one tile of one expert. tail_block_m (0 = off): a work item with at most this many rows runs a
-    tail_block_m-row MMA instead of a block_m-row one (both code paths are compiled; the branch is per item).
+    The expert-sorted rows are cut into global block_m tiles (a tile straddling two experts is two work items,
+    each a full block_m-row MMA). tail_block_m (0 = off, mid-size groups): a work item with at most this many
+    rows runs a tail_block_m-row MMA instead of a block_m-row one (both code paths are compiled; the branch is
+    per item).
     """
 
     block_m: int = 64
@@ -93,7 +93,6 @@ class MoeGemmConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    row_layout: str = "packed"
     tail_block_m: int = 0
 
     def __post_init__(self):
@@ -101,8 +100,6 @@ class MoeGemmConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoeGemmConfig.{name}={v} must be a power of two >= 16")
-        if self.row_layout not in ROW_LAYOUTS:
-            raise ValueError(f"MoeGemmConfig.row_layout={self.row_layout!r} must be one of {ROW_LAYOUTS}")
         t = self.tail_block_m
         if t and (t < 16 or t & (t - 1) or t >= self.block_m):
             raise ValueError(f"MoeGemmConfig.tail_block_m={t} must be 0 (off) or a power of two >= 16 below "
@@ -114,7 +111,7 @@ LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n
 # The large-group default: the wide-down tiling with 64-row MMAs for work items of <= 64 rows (the pieces of tiles
 # that straddle two experts). H200, benchmarks/moe.py --sweep-tokens 16384,65536 (2026-11-30, on-device check 4.4e-3,
 # docs/results/moe_mid_h200_2026-11-30e.json): 294 rows/expert 3.06 vs 3.36 ms (54.8 vs 49.9 % of the jnp.dot peak),
-# 1172 rows/expert 10.16 vs 10.44 ms (65.7 vs 63.9 %); the "aligned" row layout was slower at both sizes.
+# 1172 rows/expert 10.16 vs 10.44 ms (65.7 vs 63.9 %); a group-aligned row layout (removed) was slower at both sizes.
 LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64)
 
 
@@ -147,70 +144,61 @@ def num_work_items(num_rows: int, num_experts: int, block_m: int) -> int:
     return max(pl.cdiv(num_rows, block_m) + min(num_experts, num_rows) - 1, 1)
 
 
-def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
-    """Work items [4, W] int32 for expert-sorted rows: (row tile start, expert, first row, end row).
+def bounds_width(num_experts: int) -> int:
+    """Length of `row_bounds`: a power of two >= E (Triton vectors are power-of-two long) plus one entry."""
+    return (1 << max(num_experts - 1, 0).bit_length()) + 1
 
-    group_sizes [E] int32 (rows per expert, summing to <= num_rows). Items are ordered by expert, then by
-    tile, so consecutive programs reuse one expert's weights. Items past the real count have first row ==
-    end row (the kernels skip them).
-    """
-    e = group_sizes.shape[0]
-    w = num_work_items(num_rows, e, block_m)
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first_tile = starts // block_m
-    count = jnp.where(sizes > 0, (ends - 1) // block_m - first_tile + 1, 0)
+
+def row_bounds(flat_ids: jax.Array, num_experts: int) -> jax.Array:
+    """bounds [bounds_width(E)] int32: bounds[e] = number of assignments to experts < e, i.e. the first
+    expert-sorted row of expert e (its rows are bounds[e] .. bounds[e+1]-1); entries past E hold the row count.
+
+    One compare-and-count over [P, M] (a single reduction kernel): no bincount scatter and no cumsum; the work
+    items are derived from it inside the kernels (`work_item`)."""
+    e = jnp.arange(bounds_width(num_experts), dtype=jnp.int32)
+    return (flat_ids.astype(jnp.int32)[None, :] < e[:, None]).sum(1, dtype=jnp.int32)
+
+
+def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int):
+    """(tile row start, expert, first row, end row) of work item `item` (int32 scalars) from the first and one-past-
+    last rows of each expert, starts = `row_bounds`[:P] and ends = `row_bounds`[1:] (P a power of two).
+
+    Items are the (row tile, expert) pairs that overlap, ordered by expert, then by tile, so consecutive programs
+    reuse one expert's weights; items past the real count have first row == end row == 0 (the kernels skip them).
+    Plain jnp on the two power-of-two vectors, so the same code runs inside the Triton
+    kernels (a few P-wide vector ops per program, P = 256 for 192 experts) and in `tile_schedule`. Expert lookups
+    are compare-and-count and one-hot sums (no gather, no while loop: Triton has neither)."""
+    p = starts.shape[0]
+    sizes = ends - starts
+    first_tile = jax.lax.div(starts, block_m)  # non-negative: truncation is floor
+    count = jnp.where(sizes > 0, jax.lax.div(jnp.maximum(ends - 1, 0), block_m) - first_tile + 1, 0)
     item_end = jnp.cumsum(count)
-    item = jnp.arange(w, dtype=jnp.int32)
-    # searchsorted(item_end, item, side="right") as one compare-and-count: jnp.searchsorted's default is a
-    # while loop (8 steps for 192 experts) whose carries XLA copies every step -- ~400 small kernels per
-    # k3-small decode step on the H200 (profile of 2026-11-30); E x W compares are a few thousand.
-    expert = jnp.minimum((item_end[None, :] <= item[:, None]).sum(1), e - 1).astype(jnp.int32)
-    tile = first_tile[expert] + item - (item_end - count)[expert]
-    lo = jnp.maximum(starts[expert], tile * block_m)
-    hi = jnp.minimum(ends[expert], tile * block_m + block_m)
-    valid = item < item_end[-1]
-    tile = jnp.where(valid, tile, 0)
-    lo = jnp.where(valid, lo, 0)
-    hi = jnp.where(valid, hi, 0)
-    return jnp.stack([tile * block_m, expert, lo, hi]).astype(jnp.int32)
+    num_items = jnp.sum(count)
+    expert = jnp.minimum(jnp.sum((item_end <= item).astype(jnp.int32)), p - 1)
+    pick = jnp.arange(p, dtype=jnp.int32) == expert
+
+    def at_expert(v):
+        return jnp.sum(jnp.where(pick, v, 0))
+
+    tile = at_expert(first_tile) + item - at_expert(item_end - count)
+    row0 = tile * block_m
+    valid = item < num_items
+    lo = jnp.where(valid, jnp.maximum(at_expert(starts), row0), 0)
+    hi = jnp.where(valid, jnp.minimum(at_expert(ends), row0 + block_m), 0)
+    return jnp.where(valid, row0, 0), expert, lo, hi
 
 
-def aligned_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
-    """Group-aligned layout: expert e's rows sit at aligned rows tile_start[e] * block_m + r of a buffer of
-    W * block_m rows (W = `num_work_items`, the same fixed bound as `tile_schedule`: a group of s rows
-    overlaps at least cdiv(s, block_m) global tiles, so sum_e cdiv(s_e, block_m) <= W), and work item w is
-    exactly aligned tile w -- no tile holds two experts, so no MMA row is spent on a neighbour's rows.
-
-    group_sizes [E] int32. Returns
-      schedule [4, W] int32 in `tile_schedule`'s format (tile start, expert, first row, end row), first row =
-        tile start, end row = tile start + the expert's real rows in the tile; unused items first == end == 0;
-      source [W * block_m] int32: the expert-sorted row each aligned row holds (clipped into range for pad rows);
-      real [W * block_m] bool: whether the aligned row holds a real row (pad rows are zero-filled);
-      shift [E] int32: aligned row = expert-sorted row + shift[expert] (the combine's gather).
-    """
+def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+    """All work items [4, W] int32 (tile row start, expert, first row, end row), W = `num_work_items`, for
+    expert-sorted rows with group_sizes [E] int32 (summing to <= num_rows): the schedule the kernels compute
+    per program with `work_item` (kept for tests and benchmarks/moe.py's MMA-row count)."""
     e = group_sizes.shape[0]
-    w = num_work_items(num_rows, e, block_m)
-    sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    tiles = (sizes + block_m - 1) // block_m
-    tile_end = jnp.cumsum(tiles)
-    tile_start = tile_end - tiles
-    item = jnp.arange(w, dtype=jnp.int32)
-    expert = jnp.minimum((tile_end[None, :] <= item[:, None]).sum(1), e - 1).astype(jnp.int32)  # no while loop
-    valid = item < tile_end[-1]
-    before = (item - tile_start[expert]) * block_m  # the expert's rows in its earlier tiles
-    in_tile = jnp.where(valid, jnp.clip(sizes[expert] - before, 0, block_m), 0)
-    row0 = jnp.where(valid, item * block_m, 0)
-    schedule = jnp.stack([row0, expert, row0, row0 + in_tile]).astype(jnp.int32)
-    r = jnp.arange(block_m, dtype=jnp.int32)
-    real = r[None, :] < in_tile[:, None]  # [W, block_m]
-    source = jnp.where(real, (starts[expert] + before)[:, None] + r[None, :], 0)
-    source = jnp.clip(source, 0, max(num_rows - 1, 0)).reshape(-1)
-    real = real.reshape(-1)
-    shift = tile_start * block_m - starts
-    return schedule, source, real, shift.astype(jnp.int32)
+    p = bounds_width(e) - 1
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    bounds = jnp.concatenate([jnp.zeros(1, jnp.int32), ends, jnp.full(p - e, ends[-1], jnp.int32)])
+    items = jnp.arange(num_work_items(num_rows, e, block_m), dtype=jnp.int32)
+    row0, expert, lo, hi = jax.vmap(lambda w: work_item(bounds[:p], bounds[1:], w, block_m))(items)
+    return jnp.stack([row0, jnp.minimum(expert, e - 1), lo, hi]).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -331,9 +319,9 @@ class _WeightRefs:
     def __init__(self, refs, layout: str):
         self.refs, self.layout = refs, layout
 
-    def accumulate(self, acc, a_ref, row0, expert, k0, n0, block_m: int, block_k: int, block_n: int):
-        """acc [block_m, block_n] fp32 + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n]."""
-        rows = pl.ds(row0, block_m)
+    def accumulate(self, acc, a_ref, rows, expert, k0, n0, block_k: int, block_n: int):
+        """acc [block_m, block_n] fp32 + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n];
+        rows: block_m contiguous rows (pl.ds) or an int32 vector of block_m row ids (a gather of a's rows)."""
         if self.layout == "float":
             (w_ref,) = self.refs
             a = a_ref[rows, pl.ds(k0, block_k)]  # [block_m, block_k]
@@ -378,14 +366,15 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 # kernels
 
 
-def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout: str, config: MoeGemmConfig,
-                        block_m: int, block_n: int, block_k: int, activation: str, beta: float,
+def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, up_layout: str, config: MoeGemmConfig,
+                        top_k: int, in_dim: int, block_n: int, block_k: int, activation: str, beta: float,
                         linear_beta: float | None):
-    # schedule_ref [4, W] int32 (tile row start, expert, first row, end row)
-    # x_ref        [M_pad, K_pad] expert-sorted rows
+    # bounds_ref [P + 1] int32 first expert-sorted row of each expert (`row_bounds`)
+    # order_ref  [M_pad] int32 assignment (token * top_k + slot) of each expert-sorted row (pad rows: M)
+    # x_ref      [N, >= in_dim] tokens (columns past in_dim unread); rows gathered by token = assignment // top_k
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
     #       planes [E, K_pad/2, I_pad] u8 + scales [E, K_pad/32, I_pad] u8),
-    #       up refs (same layout), h_ref [M_pad, I_pad] output
+    #       up refs (same layout), h_ref [M_pad, I_pad] output in expert-sorted row order
     n_gate = 1 if gate_layout == "float" else 2
     n_up = 1 if up_layout == "float" else 2
     gate = _WeightRefs(rest[:n_gate], gate_layout)
@@ -393,67 +382,77 @@ def _grouped_glu_kernel(schedule_ref, x_ref, *rest, gate_layout: str, up_layout:
     h_ref = rest[n_gate + n_up]
     item, col = pl.program_id(0), pl.program_id(1)
 
-    def tile(row_start, rows, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
-        expert = schedule_ref[1, item]
+    def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
         n0 = col * block_n
+        last = x_ref.shape[0] * top_k - 1  # pad rows (assignment M) read the last token; never stored
+        token = jax.lax.div(jnp.minimum(order_ref[pl.ds(row_start, rows)], last), top_k)  # [rows] rows of x
 
         def step(kb, carry):
             acc_gate, acc_up = carry
             k0 = kb * block_k
-            acc_gate = gate.accumulate(acc_gate, x_ref, row_start, expert, k0, n0, rows, block_k, block_n)
-            acc_up = up.accumulate(acc_up, x_ref, row_start, expert, k0, n0, rows, block_k, block_n)
+            acc_gate = gate.accumulate(acc_gate, x_ref, token, expert, k0, n0, block_k, block_n)
+            acc_up = up.accumulate(acc_up, x_ref, token, expert, k0, n0, block_k, block_n)
             return acc_gate, acc_up
 
         zeros = jnp.zeros((rows, block_n), jnp.float32)
-        acc_gate, acc_up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
+        acc_gate, acc_up = jax.lax.fori_loop(0, in_dim // block_k, step, (zeros, zeros))
         h = _glu(acc_gate, acc_up, activation, beta, linear_beta).astype(h_ref.dtype)
         row_ids = row_start + jnp.arange(rows)
         keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
         plgpu.store(h_ref.at[pl.ds(row_start, rows), pl.ds(n0, block_n)], h, mask=keep)
 
-    _for_item_rows(schedule_ref, item, block_m, config.tail_block_m, tile)
+    _for_item_rows(bounds_ref, item, config, tile)
 
 
-def _grouped_down_kernel(schedule_ref, h_ref, row_scale_ref, *rest, layout: str, config: MoeGemmConfig,
-                         block_m: int, block_n: int, block_k: int):
-    # schedule_ref  [4, W] int32
-    # h_ref         [M_pad, I_pad] GLU output rows
-    # row_scale_ref [M_pad] fp32 routing weight of each row
+def _grouped_down_kernel(bounds_ref, order_ref, routing_ref, h_ref, *rest, layout: str, config: MoeGemmConfig,
+                         block_n: int, block_k: int):
+    # bounds_ref  [P + 1] int32 (`row_bounds`)
+    # order_ref   [M_pad] int32 assignment of each expert-sorted row (pad rows: M, out of range, never stored)
+    # routing_ref [M] fp32 routing weight of each assignment (token * top_k + slot)
+    # h_ref       [M_pad, I_pad] GLU output rows, expert-sorted
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
     #       planes [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8),
-    #       y_ref [M_pad, D_pad] fp32 output
+    #       y_ref [M, D_pad] fp32 output by assignment: each row written once, by the item that owns it
     down = _WeightRefs(rest[:-1], layout)
     y_ref = rest[-1]
     item, col = pl.program_id(0), pl.program_id(1)
 
-    def tile(row_start, rows, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
-        expert = schedule_ref[1, item]
+    def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
         n0 = col * block_n
+        sorted_rows = pl.ds(row_start, rows)
 
         def step(kb, acc):
-            return down.accumulate(acc, h_ref, row_start, expert, kb * block_k, n0, rows, block_k, block_n)
+            return down.accumulate(acc, h_ref, sorted_rows, expert, kb * block_k, n0, block_k, block_n)
 
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((rows, block_n), jnp.float32))
-        scale = row_scale_ref[pl.ds(row_start, rows)]  # [rows]
+        assignment = order_ref[sorted_rows]  # [rows]
+        scale = routing_ref[jnp.minimum(assignment, routing_ref.shape[0] - 1)]  # [rows], pad rows clamped
         row_ids = row_start + jnp.arange(rows)
         keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
-        plgpu.store(y_ref.at[pl.ds(row_start, rows), pl.ds(n0, block_n)], acc * scale[:, None], mask=keep)
+        cols = n0 + jnp.arange(block_n)
+        # scatter store as a pair of broadcast index arrays (interpret mode's masked store takes no array-and-slice
+        # mix); pad rows target row M: masked on the GPU, and dropped (not a duplicate of a real row) when interpreted
+        plgpu.store(y_ref.at[assignment[:, None], cols[None, :]], acc * scale[:, None], mask=keep)
 
-    _for_item_rows(schedule_ref, item, block_m, config.tail_block_m, tile)
+    _for_item_rows(bounds_ref, item, config, tile)
 
 
-def _for_item_rows(schedule_ref, item, block_m: int, tail_block_m: int, tile):
-    """Calls tile(row_start, rows, lo, hi) for work item `item` with static `rows`: block_m rows from the item's
-    tile start, or -- when tail_block_m is set and the item has at most tail_block_m rows -- tail_block_m rows
-    from min(lo, tile start + block_m - tail_block_m), which covers lo..hi-1 (hi <= tile start + block_m) and
-    stays inside the tile, so inside the padded row buffer. Both branches are compiled; empty items run none."""
-    row0, lo, hi = schedule_ref[0, item], schedule_ref[2, item], schedule_ref[3, item]
+def _for_item_rows(bounds_ref, item, config: MoeGemmConfig, tile):
+    """Calls tile(row_start, rows, expert, lo, hi) for work item `item` (`work_item` on the bounds) with static
+    `rows`: block_m rows from the item's tile start, or -- when tail_block_m is set and the item has at most
+    tail_block_m rows -- tail_block_m rows from min(lo, tile start + block_m - tail_block_m), which covers lo..hi-1
+    (hi <= tile start + block_m) and stays inside the tile, so inside the padded row buffer. Both branches are
+    compiled; empty items run none."""
+    block_m, tail_block_m = config.block_m, config.tail_block_m
+    p = bounds_ref.shape[0] - 1
+    row0, expert, lo, hi = work_item(bounds_ref[pl.ds(0, p)], bounds_ref[pl.ds(1, p)], item, block_m)
     if not tail_block_m:
-        pl.when(hi > lo)(lambda: tile(row0, block_m, lo, hi))
+        pl.when(hi > lo)(lambda: tile(row0, block_m, expert, lo, hi))
         return
     is_tail = hi - lo <= tail_block_m
-    pl.when((hi > lo) & is_tail)(lambda: tile(jnp.minimum(lo, row0 + block_m - tail_block_m), tail_block_m, lo, hi))
-    pl.when(hi - lo > tail_block_m)(lambda: tile(row0, block_m, lo, hi))
+    pl.when((hi > lo) & is_tail)(
+        lambda: tile(jnp.minimum(lo, row0 + block_m - tail_block_m), tail_block_m, expert, lo, hi))
+    pl.when(hi - lo > tail_block_m)(lambda: tile(row0, block_m, expert, lo, hi))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -512,12 +511,6 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
     return packed, scale
 
 
-def _pad2(a: jax.Array, rows: int, cols: int) -> jax.Array:
-    if a.shape == (rows, cols):
-        return a
-    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
-
-
 def _compiler_params(config: MoeGemmConfig, interpret: bool):
     if interpret:
         return None
@@ -529,49 +522,55 @@ def _block(cap: int, dim: int, minimum: int = 16) -> int:
     return max(min(cap, 1 << max(dim - 1, 1).bit_length()), minimum)
 
 
-def grouped_glu(xs: jax.Array, schedule: jax.Array, gate, up, *, config: MoeGemmConfig, out_dim: int,
-                activation: str = "situ", situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-                interpret: bool = False) -> jax.Array:
-    """GLU(xs @ gate_e, xs @ up_e) per expert-sorted row: xs [M_pad, K_pad] -> h [M_pad, out_dim] in xs.dtype.
+def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, top_k: int, config: MoeGemmConfig,
+                num_items: int, in_dim: int, out_dim: int, activation: str = "situ", situ_beta: float = 4.0,
+                situ_linear_beta: float | None = 25.0, interpret: bool = False) -> jax.Array:
+    """GLU(x_t @ gate_e, x_t @ up_e) per expert-sorted row: h [M_pad, out_dim] in x.dtype, row r of h for token
+    t = order[r] // top_k (rows gathered inside the kernel: no sorted copy of x is materialised).
 
-    xs and out_dim must be tile multiples (weights are zero-padded up to them; `moe_grouped_mlp` picks the
-    sizes); schedule from `tile_schedule`.
+    x [N, >= in_dim]: its first in_dim columns are the experts' input (a wider x, e.g. a fused projection's
+    output, is read in place). in_dim and out_dim must be tile multiples (weights are zero-padded up to them;
+    `moe_grouped_mlp` picks the sizes); order [M_pad] int32 (M_pad a multiple of block_m); bounds from
+    `row_bounds`; num_items the grid's work items (`num_work_items`, >= the real count).
     """
-    m_pad, k_pad = xs.shape
+    k_pad = in_dim
+    m_pad = order.shape[0]
     i_pad = out_dim
     kernel = functools.partial(
-        _grouped_glu_kernel, gate_layout=mxfp4_layout(gate), up_layout=mxfp4_layout(up), config=config,
-        block_m=config.block_m,
+        _grouped_glu_kernel, gate_layout=mxfp4_layout(gate), up_layout=mxfp4_layout(up), config=config, top_k=top_k,
+        in_dim=in_dim,
         block_n=config.glu_block_n, block_k=config.block_k, activation=activation, beta=situ_beta,
         linear_beta=situ_linear_beta,
     )
-    args = (schedule, xs, *_pad_weight(gate, k_pad, i_pad), *_pad_weight(up, k_pad, i_pad))
+    args = (bounds, order, x, *_pad_weight(gate, k_pad, i_pad), *_pad_weight(up, k_pad, i_pad))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, i_pad), xs.dtype),
-        grid=(schedule.shape[1], i_pad // config.glu_block_n),
+        out_shape=jax.ShapeDtypeStruct((m_pad, i_pad), x.dtype),
+        grid=(num_items, i_pad // config.glu_block_n),
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
         name="moe_grouped_glu",
     )(*args)
 
 
-def grouped_down(h: jax.Array, schedule: jax.Array, row_scale: jax.Array, down, *, config: MoeGemmConfig,
-                 out_dim: int, interpret: bool = False) -> jax.Array:
-    """row_scale * (h @ down_e) per expert-sorted row: h [M_pad, I_pad] -> y [M_pad, out_dim] float32."""
+def grouped_down(h: jax.Array, order: jax.Array, bounds: jax.Array, routing: jax.Array, down, *,
+                 config: MoeGemmConfig, num_items: int, out_dim: int, interpret: bool = False) -> jax.Array:
+    """routing[a] * (h_r @ down_e) of each expert-sorted row r, stored at its assignment a = order[r]:
+    h [M_pad, I_pad] -> y [M, out_dim] float32 in (token, slot) order, M = routing.shape[0] (the weighted combine
+    is then a plain sum over each token's top_k rows, no inverse permutation)."""
     m_pad, i_pad = h.shape
     kernel = functools.partial(
-        _grouped_down_kernel, layout=mxfp4_layout(down), config=config, block_m=config.block_m,
+        _grouped_down_kernel, layout=mxfp4_layout(down), config=config,
         block_n=config.down_block_n, block_k=config.block_k,
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, out_dim), jnp.float32),
-        grid=(schedule.shape[1], out_dim // config.down_block_n),
+        out_shape=jax.ShapeDtypeStruct((routing.shape[0], out_dim), jnp.float32),
+        grid=(num_items, out_dim // config.down_block_n),
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
         name="moe_grouped_down",
-    )(schedule, h, row_scale, *_pad_weight(down, i_pad, out_dim))
+    )(bounds, order, routing, h, *_pad_weight(down, i_pad, out_dim))
 
 
 def _check_inputs(x, ids, weights, experts, activation):
@@ -591,10 +590,10 @@ def _check_inputs(x, ids, weights, experts, activation):
     eg, kg, ig = _weight_dims(experts["gate"])
     eu, ku, iu = _weight_dims(experts["up"])
     ed, id_, dd = _weight_dims(experts["down"])
-    if not (eg == eu == ed and kg == ku == x.shape[1] == dd and ig == iu == id_):
+    if not (eg == eu == ed and kg == ku == dd <= x.shape[1] and ig == iu == id_):
         raise ValueError(
             f"expert shapes disagree: gate [{eg}, {kg}, {ig}], up [{eu}, {ku}, {iu}], down [{ed}, {id_}, {dd}] "
-            f"(as [E, in, out]) for x width {x.shape[1]}"
+            f"(as [E, in, out]) for x width {x.shape[1]} (x may be wider than the experts' input, not narrower)"
         )
     return eg, kg, ig
 
@@ -604,6 +603,9 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
                     situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
                     config: MoeGemmConfig | None = None, interpret: bool = False) -> jax.Array:
     """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) for x [N, K]; result [N, K] in x.dtype (fp32 combine).
+
+    x may be wider, [N, K' >= K]: its first K columns are the experts' input, read in place when K is a multiple
+    of the contraction block (a fused projection's output needs no slice copy); the result is still [N, K].
 
     ids/weights [N, top_k] (expert ids in [0, E); each token's k experts need not be distinct). experts:
     gate/up [E, K, I] and down [E, I, K] float, or MXFP4-packed entries (see module docstring). Runs the
@@ -630,27 +632,25 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     m_pad = _round_up(m, config.block_m)
 
     flat = ids.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
-    token = order // top_k
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    sorted_scale = weights.reshape(-1).astype(jnp.float32)[order]
-    if config.row_layout == "aligned":  # each expert's rows from a multiple of block_m; pad rows are zeros
-        schedule, source, real, shift = aligned_schedule(group_sizes, m, config.block_m)
-        xs = _pad2(jnp.where(real[:, None], x[token[source]], 0).astype(x.dtype), source.shape[0], k_pad)
-        row_scale = jnp.where(real, sorted_scale[source], 0.0)
-    else:
-        schedule = tile_schedule(group_sizes, m, config.block_m)
-        xs = _pad2(x[token], m_pad, k_pad)
-        row_scale = jnp.pad(sorted_scale, (0, m_pad - m))
+    # the only XLA ops of the schedule: one sort (rows grouped by expert) and one compare-and-count (row_bounds);
+    # the kernels derive their work items from the bounds and gather x rows / routing weights by assignment
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    if m_pad > m:  # (a zero-width pad would still be an XLA op)
+        order = jnp.pad(order, (0, m_pad - m), constant_values=m)
+    bounds = row_bounds(flat, num_experts)
+    routing = weights.reshape(-1).astype(jnp.float32)
+    glu_k = _round_up(k_dim, block_k)  # the GLU's contraction: x's first k_dim columns, zero-padded to glu_k
+    xk = x if glu_k == k_dim else jnp.pad(x[:, :k_dim], ((0, 0), (0, glu_k - k_dim)))
 
-    h = grouped_glu(xs, schedule, experts["gate"], experts["up"], config=config, out_dim=i_pad, activation=activation,
-                    situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
-    y = grouped_down(h, schedule, row_scale, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
-    # row of each (token, slot): the permutation's inverse by one scatter, not a second sort
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype), unique_indices=True)
-    if config.row_layout == "aligned":
-        inverse = inverse + shift[flat]  # the aligned row of each (token, slot)
-    out = y[inverse][:, :k_dim].reshape(n, top_k, k_dim).sum(axis=1)
+    items = num_work_items(m, num_experts, config.block_m)
+    h = grouped_glu(xk, order, bounds, experts["gate"], experts["up"], top_k=top_k, config=config, num_items=items,
+                    in_dim=glu_k, out_dim=i_pad, activation=activation, situ_beta=situ_beta,
+                    situ_linear_beta=situ_linear_beta, interpret=interpret)
+    y = grouped_down(h, order, bounds, routing, experts["down"], config=config, num_items=items,
+                     out_dim=k_pad, interpret=interpret)
+    if k_pad != k_dim:
+        y = y[:, :k_dim]
+    out = y.reshape(n, top_k, k_dim).sum(axis=1)  # each token's top_k rows, fp32, deterministic
     return out.astype(x.dtype)
 
 
@@ -686,7 +686,8 @@ def moe_grouped_mlp_reference(x: jax.Array, ids: jax.Array, weights: jax.Array, 
                               situ_linear_beta: float | None = 25.0) -> jax.Array:
     """The same sum per (token, slot) with each assignment's expert weights gathered (memory O(N k K I):
     for tests), fp32 math throughout, result in x.dtype."""
-    _check_inputs(x, ids, weights, experts, activation)
+    _, k_dim, _ = _check_inputs(x, ids, weights, experts, activation)
+    x = x[:, :k_dim]  # a wider x: its first K columns are the experts' input
     w = {
         name: mxfp4_weight_reference(v) if isinstance(v, dict) else v.astype(jnp.float32)
         for name, v in experts.items()
@@ -711,7 +712,7 @@ def expert_weight_bytes(num_experts_touched: int, k_dim: int, i_dim: int, packed
 
 
 __all__ = [
-    "MoeGemmConfig", "default_config", "tile_schedule", "aligned_schedule", "ROW_LAYOUTS", "num_work_items",
+    "MoeGemmConfig", "default_config", "tile_schedule", "work_item", "row_bounds", "bounds_width", "num_work_items",
     "grouped_glu", "grouped_down",
     "moe_grouped_mlp", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
     "expert_weight_bytes", "prepare_mxfp4", "mxfp4_checkpoint_layout", "mxfp4_layout", "mxfp4_weight_reference",

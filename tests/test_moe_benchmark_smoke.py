@@ -74,27 +74,24 @@ def test_mgpu_peer_padding_leaves_the_result_unchanged():
 
 
 def test_sweep_checks_modes_and_reports_the_peer(tmp_path, capsys):
-    """--sweep-configs takes the mid-size modes (/row_layout/tail_block_m); each case is checked against the dense
+    """--sweep-configs takes the mid-size mode (/tail_block_m); each case is checked against the dense
     einsum, the peer (the padded ragged_dot stand-in on a CPU) is listed, and the summary names the bar."""
     module = load_benchmark()
     args = ["--smoke", "--skip", "norms,moe", "--sweep-tokens", "150", "--sweep-budget-s", "60",
-            "--sweep-configs", "64/64/64/64/4/3/aligned/32", "--out", str(tmp_path / "s.json")]
+            "--sweep-configs", "64/64/64/64/4/3/32", "--out", str(tmp_path / "s.json")]
     rows = module.main(args)["sweep"]
     table = capsys.readouterr().out
     assert [(r["impl"], r["tiling"]) for r in rows] == [
-        ("pallas", "default 64/64/128/64/4/3"), ("pallas", "64/64/64/64/4/3/aligned/32"),
+        ("pallas", "default 64/64/128/64/4/3"), ("pallas", "64/64/64/64/4/3/32"),
         ("ragged_dot_padded_xla", "")]
-    assert rows[1]["config"]["row_layout"] == "aligned" and rows[1]["config"]["tail_block_m"] == 32
+    assert rows[1]["config"]["tail_block_m"] == 32
     # bf16 activations and weights against the fp32-accumulated bf16 einsum: the 1e-2 band (measured ~4e-3)
     assert all(r["correct"] and r["rel_err"] < 1e-2 for r in rows)
     assert "issue 4 bar" in table and "ragged_dot_padded_xla" in table and "MMA rows / rows" in table
     # the wasted-work model: groups of 100, 0 and 30 rows in 64-row tiles. Packed: tiles 0-1 for expert 0 and 1-2
-    # for expert 2 (tile 1 is shared) = 4 items; aligned: 2 + 1 items; with 32-row tails an item of at most 32 rows
-    # costs 32 (aligned: items of 64, 36 and 30 rows)
+    # for expert 2 (tile 1 is shared) = 4 items; with 32-row tails an item of at most 32 rows costs 32
     counts = np.array([100, 0, 30])
     cfg = lambda **kw: module.MoeGemmConfig(block_m=64, **kw)
     assert module.mma_rows(cfg(), counts) == 4 * 64
-    assert module.mma_rows(cfg(row_layout="aligned"), counts) == 3 * 64
-    assert module.mma_rows(cfg(row_layout="aligned", tail_block_m=32), counts) == 64 + 64 + 32
     assert module.mma_rows(cfg(tail_block_m=32), counts) == 64 + 64 + 32 + 32  # items of 64, 36, 28, 2 rows
     assert rows[1]["mma_rows_over_rows"] >= 1

@@ -80,12 +80,10 @@ def test_large_groups_match_reference(config):
     assert rel(got, want) < 1e-2
 
 
-MID_SIZE_MODES = {  # the opt-in row modes for mid-size groups (benchmarks/moe.py --sweep-configs names them alike)
-    "aligned": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, row_layout="aligned"),
-    "aligned_tail64": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, row_layout="aligned", tail_block_m=64),
+MID_SIZE_MODES = {  # the opt-in tail tiles for mid-size groups (benchmarks/moe.py --sweep-configs names them alike)
     "packed_tail64": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, tail_block_m=64),
-    "aligned_64x256": moe_gemm.MoeGemmConfig(block_m=64, glu_block_n=256, down_block_n=256, block_k=64, num_warps=8,
-                                             num_stages=3, row_layout="aligned"),
+    "64x256": moe_gemm.MoeGemmConfig(block_m=64, glu_block_n=256, down_block_n=256, block_k=64, num_warps=8,
+                                     num_stages=3),
 }
 
 

@@ -136,6 +136,24 @@ def test_fp32_situ_with_empty_experts_and_odd_tokens_matches_float64():
     assert rel(moe_grouped_mlp_reference(x, ids, w, experts), want) < 2e-6
 
 
+def test_wider_x_is_read_in_place_and_fewer_rows_than_a_tile():
+    """x wider than the experts' input (a fused projection's output: moe passes it whole) gives exactly the result
+    of its first K columns, with the trailing columns large and finite (they must not be read); 3 tokens x top-2 =
+    6 rows in one 16-row tile, so the pad rows' out-of-range assignment (never stored) is exercised; a narrower x
+    raises."""
+    rng = np.random.default_rng(12)
+    x, ids, w, experts = make_case(rng, 3, 2, 4, 64, 32, jnp.float32, empty=(2,))
+    wide = jnp.concatenate([x, jnp.full((3, 48), 1e30, jnp.float32)], axis=1)
+    config = MoeGemmConfig(block_m=16, block_k=64)
+    got = moe_grouped_mlp(wide, ids, w, experts, config=config, interpret=True)
+    assert got.shape == x.shape
+    np.testing.assert_array_equal(got, moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True))
+    assert rel(got, numpy_moe(x, ids, w, as_f64(experts), "situ")) < 2e-6
+    assert rel(moe_grouped_mlp_reference(wide, ids, w, experts), numpy_moe(x, ids, w, as_f64(experts), "situ")) < 2e-6
+    with pytest.raises(ValueError, match="not narrower"):
+        moe_grouped_mlp(x[:, :32], ids, w, experts, interpret=True)
+
+
 def test_wide_down_tiling_over_several_row_and_column_tiles_matches_float64():
     """LARGE_GROUP_WIDE_DOWN (128-row items, 256-wide down tiles) at a width that needs two down tiles and
     groups spanning row tiles: the tiling logic in interpret mode (the GPU test checks its compiled form)."""
@@ -379,51 +397,18 @@ def test_mxfp4_layouts_lower_to_triton_for_an_h200():
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, name  # grouped_glu and grouped_down
 
 
-@pytest.mark.parametrize("num_rows,block_m", [(1, 16), (37, 16), (300, 64)])
-def test_aligned_schedule_gives_each_expert_whole_tiles(num_rows, block_m):
-    """Group-aligned layout: every real row appears once, at its expert's aligned offset (sorted row + shift), in a
-    tile of that expert alone; pad rows are flagged; the item count stays within the packed schedule's bound."""
-    rng = np.random.default_rng(num_rows + 1)
-    e = 9
-    sizes = rng.multinomial(num_rows, rng.dirichlet(np.full(e, 0.3)))
-    sizes[0] += sizes[3]
-    sizes[3] = 0
-    sched, source, real, shift = (np.asarray(a) for a in moe_gemm.aligned_schedule(jnp.asarray(sizes, jnp.int32),
-                                                                                   num_rows, block_m))
-    w = moe_gemm.num_work_items(num_rows, e, block_m)
-    assert sched.shape == (4, w) and source.shape == real.shape == (w * block_m,)
-    owner = np.repeat(np.arange(e), sizes)
-    seen = np.zeros(num_rows, int)
-    for row0, expert, lo, hi in sched.T:
-        if hi <= lo:
-            continue
-        assert row0 % block_m == 0 and lo == row0 < hi <= row0 + block_m
-        assert real[lo:hi].all() and not real[hi:row0 + block_m].any()
-        assert (owner[source[lo:hi]] == expert).all()
-        seen[source[lo:hi]] += 1
-    assert (seen == 1).all() and real.sum() == num_rows
-    aligned_row = np.arange(num_rows) + shift[owner]
-    assert (source[aligned_row] == np.arange(num_rows)).all()
-    first_rows = (np.cumsum(sizes) - sizes)[sizes > 0]
-    assert (aligned_row[first_rows] % block_m == 0).all()  # each group starts a tile
-
-
 @pytest.mark.parametrize("config", [
-    MoeGemmConfig(block_m=32, row_layout="aligned"),
     MoeGemmConfig(block_m=32, tail_block_m=16),
-    MoeGemmConfig(block_m=64, glu_block_n=32, down_block_n=32, block_k=32, row_layout="aligned", tail_block_m=16),
-], ids=["aligned", "packed_tail16", "aligned_tail16"])
+    MoeGemmConfig(block_m=64, glu_block_n=32, down_block_n=32, block_k=32, tail_block_m=16),
+], ids=["tail16", "64x32_tail16"])
 def test_mid_size_modes_match_float64(config):
-    """The opt-in modes for mid-size groups on ragged groups with an empty expert (1), a hot expert (2) spanning
+    """The opt-in tail tiles for mid-size groups on ragged groups with an empty expert (1), a hot expert (2) spanning
     several tiles and odd sizes: fp32, so the 2e-6 band of the default path. The routing has items on both sides
     of tail_block_m, so both compiled branches of the kernels run."""
     rng = np.random.default_rng(5)
     x, ids, w, experts = make_case(rng, 75, 2, 5, 40, 24, jnp.float32, empty=(1,), hot=2)
     sizes = jnp.bincount(ids.reshape(-1), length=5).astype(jnp.int32)
-    if config.row_layout == "aligned":
-        sched = moe_gemm.aligned_schedule(sizes, ids.size, config.block_m)[0]
-    else:
-        sched = tile_schedule(sizes, ids.size, config.block_m)
+    sched = tile_schedule(sizes, ids.size, config.block_m)
     counts = np.asarray(sched[3] - sched[2])
     if config.tail_block_m:
         assert ((counts > 0) & (counts <= config.tail_block_m)).any() and (counts > config.tail_block_m).any()
@@ -434,20 +419,13 @@ def test_mid_size_modes_match_float64(config):
 
 
 def test_mid_size_modes_bf16_and_config_errors():
-    """bf16 activations through the aligned layout with a tail tile (1e-2: the bf16 band above), and the new
-    fields' ValueErrors."""
+    """bf16 activations with a tail tile (1e-2: the bf16 band above), and tail_block_m's ValueErrors."""
     rng = np.random.default_rng(6)
     x, ids, w, experts = make_case(rng, 41, 3, 6, 64, 48, jnp.bfloat16, empty=(4,), hot=0)
     want = numpy_moe(x, ids, w, as_f64(experts), "situ")
-    got = moe_grouped_mlp(x, ids, w, experts, config=MoeGemmConfig(block_m=32, row_layout="aligned", tail_block_m=16),
+    got = moe_grouped_mlp(x, ids, w, experts, config=MoeGemmConfig(block_m=32, tail_block_m=16),
                           interpret=True)
     assert got.dtype == jnp.bfloat16 and rel(got, want) < 1e-2
-    aligned = MoeGemmConfig(block_m=32, row_layout="aligned")
-    prims = _primitives(jax.make_jaxpr(lambda *a: moe_grouped_mlp(*a, config=aligned, interpret=True))(
-        x, ids, w, experts).jaxpr)
-    assert prims["while"] == 0 and prims["sort"] == 1  # the same bookkeeping budget as the packed layout
-    with pytest.raises(ValueError, match="row_layout"):
-        MoeGemmConfig(row_layout="sorted")
     with pytest.raises(ValueError, match="tail_block_m"):
         MoeGemmConfig(block_m=64, tail_block_m=64)
     with pytest.raises(ValueError, match="tail_block_m"):
@@ -467,9 +445,7 @@ def test_mid_size_modes_lower_to_triton_for_an_h200():
              "down": spec((e, i, k), jnp.bfloat16)})
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     wide = moe_gemm.LARGE_GROUP_WIDE_DOWN
-    for config in (MoeGemmConfig(**{**wide.__dict__, "row_layout": "aligned", "tail_block_m": 64}),
-                   MoeGemmConfig(**{**wide.__dict__, "tail_block_m": 64}),
-                   MoeGemmConfig(64, 256, 256, 64, 8, 3, row_layout="aligned")):
+    for config in (MoeGemmConfig(**{**wide.__dict__, "tail_block_m": 64}), MoeGemmConfig(64, 256, 256, 64, 8, 3)):
         with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
             lowered = jax.jit(lambda *a, c=config: moe_grouped_mlp(*a, config=c)).trace(*args).lower(
                 lowering_platforms=("cuda",))

@@ -1,0 +1,141 @@
+"""The MoE layer's load-time fused projections (k3jax.moe.fuse_moe_weights) and its kernel count per decode step.
+
+Run: python -m pytest -q tests/model/test_moe_fuse.py
+
+Tolerances: FUSED_IN computes each output column as the same dot product as the separate GEMMs, so it only
+reorders nothing; FUSED_OUT sums the routed and shared branches inside one fp32 accumulator instead of rounding
+each to the activation dtype and adding. In float32 that is summation order alone (~1e-7 relative, 1e-5 bound);
+in bf16 the unfused side rounds three times (2^-9 each) where the fused one rounds once, so ~3e-3 relative, with
+1e-2 the bound (gpu.md's bf16 band).
+"""
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jax_core
+
+import k3jax
+from k3jax import moe as moe_mod
+from k3jax.moe import FUSED_IN, FUSED_OUT, fuse_moe_weights, moe
+from k3jax.params import init_params, param_shapes
+from k3jax.testing import k3_tiny, kimi_linear_tiny
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def moe_layer(params: dict) -> dict:
+    return next(layer["mlp"] for layer in params["layers"] if "router" in layer["mlp"])
+
+
+def _case(cfg, seed: int, tokens: tuple[int, ...]):
+    params = init_params(cfg.replace(num_layers=2, mla_layers=()), jax.random.key(seed))  # layer 1 is an MoE layer
+    layer = moe_layer(params)
+    x = jax.random.normal(jax.random.key(seed + 100), (*tokens, cfg.hidden_size), jnp.float32).astype(cfg.dtype)
+    return layer, x
+
+
+@pytest.mark.parametrize("dtype,bound", [("float32", 1e-5), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("routing", ["random", "one_hot_expert"])
+def test_fused_layer_equals_unfused(dtype, bound, routing):
+    """k3-tiny (latent MoE + shared experts), 7 experts top-3 over 2 x 5 ragged tokens (10 tokens: most experts get
+    a few rows, some none); one_hot_expert: a huge router bias makes every token pick expert 4 (selection only, so
+    its weights stay the unbiased scores), the other picks spread over the rest, several experts empty."""
+    cfg = k3_tiny().replace(dtype=dtype)
+    layer, x = _case(cfg, 1, (2, 5))
+    if routing == "one_hot_expert":
+        layer = {**layer, "router_bias": layer["router_bias"].at[4].set(50.0)}
+    fused = fuse_moe_weights(layer, cfg)
+    want = moe(layer, x, cfg)
+    for name in ("reference", "interpret"):
+        got = moe(fused, x, cfg, backend_name=name)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        assert rel(got, want) < bound, (name, rel(got, want))
+    if routing == "one_hot_expert":
+        ids, _ = moe_mod.route(layer["router"], layer["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
+        assert (np.asarray(ids) == 4).any(1).all()
+
+
+def test_fused_params_structure_and_other_layouts():
+    """The fused weights replace the originals (same bytes), fusing twice is a no-op, dense layers pass through,
+    numpy stays numpy; a config without a latent (kimi-linear-tiny) fuses only the shared gate and up and matches."""
+    cfg = k3_tiny().replace(num_layers=2, mla_layers=())
+    params = init_params(cfg, jax.random.key(2))
+    layer = moe_layer(params)
+    fused = fuse_moe_weights(layer, cfg)
+    d, latent, width = cfg.hidden_size, cfg.moe_latent_size, cfg.shared_intermediate_size
+    assert fused[FUSED_IN].shape == (d, latent + 2 * width) and fused[FUSED_OUT].shape == (latent + width, d)
+    assert not {"latent_down", "latent_up", "shared"} & set(fused)
+    np.testing.assert_array_equal(fused[FUSED_IN][:, latent + width:], layer["shared"]["up"])
+    np.testing.assert_array_equal(fused[FUSED_OUT][latent:], layer["shared"]["down"])
+    assert fuse_moe_weights(fused, cfg) is fused
+    dense_layer = params["layers"][0]["mlp"]
+    assert "router" not in dense_layer and fuse_moe_weights(dense_layer, cfg) is dense_layer
+    as_numpy = fuse_moe_weights(jax.tree.map(np.asarray, layer), cfg)
+    assert isinstance(as_numpy[FUSED_IN], np.ndarray)
+
+    kimi = kimi_linear_tiny()
+    layer, x = _case(kimi, 3, (7,))
+    fused = fuse_moe_weights(layer, kimi)
+    assert FUSED_OUT not in fused and set(fused["shared"]) == {"down"}
+    assert rel(moe(fused, x, kimi, backend_name="interpret"), moe(layer, x, kimi)) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernel count proxy: primitives of one MoE layer's decode step at k3-small's shapes
+
+
+def _primitives(jaxpr) -> Counter:
+    """Primitive counts outside kernels: jit / custom_jvp bodies are inlined, pallas_call bodies are one kernel."""
+    counts = Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            counts["pallas_call"] += 1
+            continue
+        subs = list(jax_core.jaxprs_in_params(eqn.params))
+        if subs and eqn.primitive.name in ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"):
+            for sub in subs:
+                counts += _primitives(sub)
+            continue
+        counts[eqn.primitive.name] += 1
+    return counts
+
+
+def decode_layer_primitives(fused: bool) -> Counter:
+    """One k3-small MoE layer on a decode batch of 64 tokens with the Pallas experts, traced on shapes only."""
+    cfg = k3jax.load_config("k3-small")
+    layer = moe_layer(param_shapes(cfg))
+    if fused:
+        layer = jax.eval_shape(lambda p: fuse_moe_weights(p, cfg), layer)
+    x = jax.ShapeDtypeStruct((64, 1, cfg.hidden_size), jnp.bfloat16)
+    return _primitives(jax.make_jaxpr(lambda p, x: moe(p, x, cfg, backend_name="pallas"))(layer, x).jaxpr)
+
+
+# Ops that are kernels of their own on the GPU (or start one): GEMMs, sorts, scatters, scans, gathers, reductions,
+# data movement. Slices feeding elementwise ops fuse into them (the unrolled routing-weight sum, the shared GLU
+# reading FUSED_IN's columns) and are not counted. Before this change (HEAD 34a154c) one layer had 6 dot_general,
+# 8 gather, 2 cumsum, 1 scatter, 1 scatter-add, 4 reduce_sum, 1 sort, 1 top_k, 2 pallas_call, 1 stack, 1 pad
+# (28 such ops; the H200 profile: ~21 GPU kernels per layer + the sort).
+HEAVY = ("dot_general", "gather", "cumsum", "scatter", "scatter-add", "reduce_sum", "sort", "top_k", "pallas_call",
+         "concatenate", "stack", "pad", "dynamic_slice", "dynamic_update_slice", "while")
+
+
+def test_decode_layer_kernel_count_proxy():
+    """The fused layer's decode step: 3 GEMMs (router, FUSED_IN, FUSED_OUT), one sort and one compare-and-count
+    for the schedule (no scatter, no cumsum, no gather beyond the routing weights' take_along_axis), one
+    reduction each for the combine and the latent RMSNorm. The unfused layer keeps its 6 GEMMs but shares the
+    schedule's savings."""
+    fused = decode_layer_primitives(fused=True)
+    unfused = decode_layer_primitives(fused=False)
+    assert fused["dot_general"] == 3 and unfused["dot_general"] == 6
+    for counts in (fused, unfused):
+        assert counts["sort"] == 1 and counts["pallas_call"] == 2 and counts["top_k"] == 1
+        assert counts["scatter"] == counts["scatter-add"] == counts["cumsum"] == counts["while"] == 0
+        assert counts["gather"] <= 1 and counts["reduce_sum"] <= 3
+    heavy = {k: v for k, v in fused.items() if k in HEAVY}
+    assert sum(heavy.values()) <= 12, heavy  # 28 such ops at 34a154c
