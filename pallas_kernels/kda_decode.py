@@ -45,6 +45,11 @@ The whole-state kernel (block_v == V, 8 warps) took 0.389 / 1.508 / 1.124 ms in 
 hypothesis (64 KB of registers per program, few loads in flight) held. 8 warps are slower at every block
 size; 2 warps tie 4 at blocks <= 32. Hence the defaults: block_v 32 for decode, 64 for verify, 4 warps.
 Mosaic GPU was not tried.
+Decode's default since 2026-11-30 (seventh session) is the looped form (`loop_v`): grid (H, B), each program walks
+its head's state in 64-row blocks one after another (registers hold one block), computes q / k once, writes the
+whole conv state in place (it is the only reader of the head's channels) and fuses the gated RMSNorm (the blocks'
+o are kept, [T, V] in all): one launch per layer instead of three, and 0.262 / 1.010 ms at B64 / B256 (V-blocked 32:
+0.269 / 1.014; fla 0.286 / 1.166; 74 / 77 % of copy). Verify keeps the V-blocked grid until its looped form is timed.
 """
 
 from __future__ import annotations
@@ -64,9 +69,13 @@ GATES = ("lower_bound", "softplus")
 DEFAULT_BLOCK_V = 32
 DEFAULT_VERIFY_BLOCK_V = 64
 DEFAULT_BLOCKED_WARPS = 4
-# loop_v=None's choice (read at trace time): the V-blocked grid (False) or one program per head walking its V-blocks
-# (True; one launch per layer instead of three). Opt-in until measured in the model on the H200.
-DEFAULT_LOOP_V = False
+# loop_v=None's choice for decode (read at trace time): one program per head walking its V-blocks (True: one launch
+# per layer instead of three) or the V-blocked grid. Verify keeps the V-blocked grid (its looped form is untimed).
+# H200, 2026-11-30 (benchmarks/kda.py --decode-loop-v, docs/results/kda_decode_h200_2026-11-30f.json), H96, 4 warps:
+# looped 64-row blocks 0.262 ms at B64 (V-blocked 32: 0.269, fla 0.286) and 1.010 ms at B256 (1.014, fla 1.166);
+# looped 16- and 32-row blocks were slower (0.36 / 0.30 ms at B64).
+DEFAULT_LOOP_V = True
+DEFAULT_LOOP_BLOCK_V = 64
 _L2_EPS = 1e-6
 
 
@@ -242,14 +251,14 @@ def _pool_load(ref, from_pool):
     return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype))
 
 
-def _tiling(block_v, num_warps, dv, all_states):
+def _tiling(block_v, num_warps, dv, all_states, loop_v=False):
     """(block_v, num_warps) with the defaults filled in and checked (see `kda_decode`)."""
     if block_v is None:
-        block_v = min(DEFAULT_VERIFY_BLOCK_V if all_states else DEFAULT_BLOCK_V, dv)
+        block_v = min(DEFAULT_LOOP_BLOCK_V if loop_v else DEFAULT_VERIFY_BLOCK_V if all_states else DEFAULT_BLOCK_V, dv)
     if not isinstance(block_v, int) or block_v < 1 or block_v & (block_v - 1) or block_v > dv:
         raise ValueError(f"block_v must be a power of two <= V = {dv} (it then divides V); got {block_v!r}")
     if num_warps is None:
-        num_warps = 8 if block_v == dv else DEFAULT_BLOCKED_WARPS
+        num_warps = 8 if block_v == dv and not loop_v else DEFAULT_BLOCKED_WARPS
     if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32:
         raise ValueError(f"num_warps must be a power of two in 1..32; got {num_warps!r}")
     return block_v, num_warps
@@ -306,14 +315,15 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
       fresh: [B] int32 (or bool), non-zero for a row that starts from the zero conv and recurrent state whatever
         its slot holds (a new request in a reused slot; the kernel skips reading that slot and, in decode,
         overwrites it). None: no fresh rows.
-      block_v: state rows per program, a power of two <= V. None: min(32, V), verify min(64, V). V is the
+      block_v: state rows per program (per inner step with loop_v), a power of two <= V. None: min(32, V), verify
+        min(64, V), looped min(64, V). V is the
         one-program-per-head kernel with the gated RMSNorm fused; smaller blocks write the rounded o and
         finish the norm (which needs all V) in a jnp epilogue over [B, T, H, V] -- the same numbers.
       num_warps: Triton warps per program. None: 8 when block_v == V (the whole-state kernel's value), else 4.
       loop_v: one program per (sequence, head) that walks its state in V-blocks of block_v rows one after another
         (grid H x B): q / k computed once per head, the conv state written in place and the gated RMSNorm fused
         -- one launch per layer instead of the blocked kernel's three (kernel, q|k conv scatter, norm epilogue).
-        None: DEFAULT_LOOP_V.
+        None: DEFAULT_LOOP_V for decode (with block_v None: DEFAULT_LOOP_BLOCK_V rows, 4 warps), False for verify.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -325,8 +335,8 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
-    block_v, num_warps = _tiling(block_v, num_warps, dv, all_states)
-    loop_v = DEFAULT_LOOP_V if loop_v is None else loop_v
+    loop_v = (DEFAULT_LOOP_V and not all_states) if loop_v is None else loop_v
+    block_v, num_warps = _tiling(block_v, num_warps, dv, all_states, loop_v)
     w1 = conv_state.shape[1]
     act = qkv.dtype
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
