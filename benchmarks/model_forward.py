@@ -145,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mla-kernel", choices=("triton", "mosaic"), default=k3_mla.MLA_DECODE_KERNEL,
                    help="the MLA decode kernel of the pallas backend (k3jax.mla.MLA_DECODE_KERNEL; default "
                         f"{k3_mla.MLA_DECODE_KERNEL})")
+    p.add_argument("--fuse", type=int, choices=(0, 1), default=1,
+                   help="1 (default): run on the serving layout (k3jax.fuse.fuse_for_serving: each layer's input "
+                        "projections as one weight, as the engine loads them on one device); 0: the checkpoint layout")
     p.add_argument("--kda-loop-v", type=int, choices=(0, 1), default=None,
                    help="pallas_kernels.kda_decode.DEFAULT_LOOP_V for this run (1: one program per head walking its "
                         "V-blocks; default: the module's)")
@@ -1004,6 +1007,10 @@ def main(argv=None) -> dict:
           f"{_gb(scores)} per MLA layer (x2 with the softmax)", file=sys.stderr, flush=True)
 
     params, init_mode, init_s = init_params(cfg, args.seed, args.init)
+    if args.fuse:  # the serving layout, as serving/engine.py and `k3jax generate` load it on one device
+        from k3jax.fuse import fuse_for_serving
+
+        params = jax.block_until_ready(fuse_for_serving(params, cfg))
     n_params = k3jax.count_params(params)
     weights_in_use = (device.memory_stats() or {}).get("bytes_in_use")
     bandwidth = copy_bandwidth(copy_mib)
