@@ -55,12 +55,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kda_chunk as kc
+from pallas_kernels import kda_intra
 from pallas_kernels.kda_decode import kda_decode
 from pallas_kernels.kda_state_pass import kda_state_pass
 from pallas_kernels.kda_state_pass_split import kda_state_pass_split
 
 D = 128
 LB = -5.0
+KDA_CHUNK_STAGE1 = ("default", "v2", "pallas")  # kda_chunk's stage1 values; other --stage1 names time stage 1 alone
 
 
 class CaseTimeout(Exception):
@@ -162,7 +164,7 @@ def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
     row["ours_Mtok_s"] = b * t / row["ours_ms"] / 1e3
     save()
     for variant in args.stage1:  # opt-in stage-1 variants beside the default, before fla's long first call
-        if variant == "default":
+        if variant == "default" or variant not in KDA_CHUNK_STAGE1:  # the others are timed in prefill_stages
             continue
         try:
             o_var, final_var, _ = ours(stage1=variant)
@@ -267,7 +269,12 @@ def prefill_stages(row, b, t, args, x, ours, save):
     row["stage_intra_ms"] = 1e3 * time_jax(intra, args.trials)
     for variant in args.stage1:
         if variant != "default":
-            row[f"stage_intra_{variant}_ms"] = 1e3 * time_jax(lambda: intra(stage1=variant), args.trials)
+            try:  # one variant failing to compile (a Triton limit) must not cost the others their timings
+                row[f"stage_intra_{variant}_ms"] = 1e3 * time_jax(lambda: intra(stage1=variant), args.trials)
+            except CaseTimeout:
+                raise
+            except Exception as e:  # noqa: BLE001
+                row[f"stage_intra_{variant}_error"] = repr(e)[:500]
             save()
     if not args.interpret:  # the GPU's own fusion decisions: the traffic proxy as XLA compiled it here
         try:
@@ -310,22 +317,39 @@ def profile_stage(fn, calls: int = 3) -> dict:
         return load_benchmark_script("model_forward").profile_kernel_times(trace_dir, calls)
 
 
+def pallas_stage1_knobs(variant):
+    """kda_intra's settings from a stage-1 variant name "pallas[_w<warps>][_s<stages>][_<inverse>][_skip-<part>
+    [+<part>...]]", knobs in any order: warps (default 4), Triton num_stages (default 1), the inverse's dot
+    precision (ieee, tf32 or tf32x3; default tf32x3) and the benchmark-only ablation parts (kda_intra.SKIPPABLE:
+    load, exp, scan, lk, inverse, wu; wrong outputs, cost by difference). E.g. "pallas_w2", "pallas_w4_tf32",
+    "pallas_w4_skip-inverse", "pallas_w8_skip-lk+inverse+wu"."""
+    knobs = dict(num_warps=4, num_stages=1, inverse_precision="tf32x3", _skip=frozenset())
+    for knob in variant.split("_")[1:]:
+        if re.fullmatch(r"w\d+", knob):
+            knobs["num_warps"] = int(knob[1:])
+        elif re.fullmatch(r"s\d+", knob):
+            knobs["num_stages"] = int(knob[1:])
+        elif knob in kda_intra.INVERSE_PRECISIONS:
+            knobs["inverse_precision"] = knob
+        elif knob.startswith("skip-") and set(knob[5:].split("+")) <= set(kda_intra.SKIPPABLE):
+            knobs["_skip"] = frozenset(knob[5:].split("+"))
+        else:
+            raise ValueError(f"unknown knob {knob!r} in stage1 variant {variant!r} (see pallas_stage1_knobs)")
+    return knobs
+
+
 def stage1_call(variant, tok_start, length, x, a, bias, solve="xla", interpret=False):
     """Stage 1 (`kda_chunk._intra_stage`, the opt-in `_intra_stage_v2`, or the one-kernel `kda_intra` as
-    "pallas", "pallas_w<warps>" or "pallas_w<warps>_<ieee, tf32 or tf32x3>": its warps and inverse precision;
-    only plain "pallas" is also a kda_chunk stage1 value, the others time the stage alone) as kda_chunk calls
-    it."""
+    "pallas[_knob...]", see `pallas_stage1_knobs`: warps, stages, inverse precision, ablations; only plain
+    "pallas" is also a kda_chunk stage1 value, the others time the stage alone) as kda_chunk calls it."""
     kw = dict(gate="lower_bound", lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True,
               stored=jnp.bfloat16)
     args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a, bias)
     if variant == "v2":
         return kc._intra_stage_v2(*args, **kw)
-    if variant.startswith("pallas"):
-        knobs = variant.split("_")[1:]
-        warps = int(knobs[0][1:]) if knobs and knobs[0].startswith("w") else 4
-        inverse = next((x for x in knobs if x in ("ieee", "tf32", "tf32x3")), "tf32x3")
+    if variant == "pallas" or variant.startswith("pallas_"):
         del kw["bounded"]
-        return kc.kda_intra(*args, **kw, num_warps=warps, inverse_precision=inverse, interpret=interpret)
+        return kda_intra.kda_intra(*args, **kw, **pallas_stage1_knobs(variant), interpret=interpret)
     if variant != "default":
         raise ValueError(f"unknown stage1 variant {variant!r}")
     return kc._intra_stage(*args, solve=solve, interpret=interpret, **kw)
@@ -624,7 +648,8 @@ def main(argv=None):
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],
                    help="kda_chunk stage-1 variants to time at every prefill case (ours_stage1_<v>_ms; the first "
-                        "case also times each stage alone, stage_intra_<v>_ms, and its compiled HLO, stage1_hlo)")
+                        "case also times each stage alone, stage_intra_<v>_ms, and its compiled HLO, stage1_hlo); "
+                        "kda_intra variants pallas_<knobs> (see pallas_stage1_knobs) are timed alone only")
     p.add_argument("--prefill-parts", type=lambda v: {x for x in v.split(",") if x},
                    default={"stages", "split", "solve_pallas", "ckpt", "sweep"},
                    help="what a prefill case times beside ours (default state pass, stage-1 variants) and fla: "

@@ -61,6 +61,17 @@ GATES = ("lower_bound",)  # bounded gates only; see the module docstring
 INVERSE_PRECISIONS = ("tf32x3", "ieee", "tf32")
 _L2_EPS = 1e-6  # as kda_chunk (the L2 norm's epsilon)
 _DOUBLINGS = 3  # (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) for D strictly lower inside 16x16 blocks
+# Benchmark-only ablations (`kda_intra(_skip=...)`, benchmarks/kda.py stage1 "pallas_..._skip-<a>+<b>"): each
+# replaces one part of the kernel by a cheap stand-in that keeps the outputs' shapes and the rest of the
+# dataflow live (so Triton cannot drop the other parts), so a part's cost reads as the time difference.
+# The outputs are then WRONG; kda_chunk never passes _skip.
+#   load:    q, k, v, z, beta not read (per-tensor iota patterns instead; the chunk table is still read)
+#   exp:     every e^x of the decay factors (not the gate's sigmoid) computed as 1 + x (an FMA, no MUFU)
+#   scan:    the chunk cumsum G = cumsum(g) replaced by g itself (no cross-row / cross-warp scan)
+#   lk:      the 4 column factors and 8 L / Aqk dots replaced by rank-1 outer products of row sums of qr, kr
+#   inverse: A = I - L (one elementwise op) instead of the 10 inverse dots (L stays live)
+#   wu:      W / U dots replaced by e^G K and V scaled by the row sums of A diag(beta)
+SKIPPABLE = ("load", "exp", "scan", "lk", "inverse", "wu")
 
 
 def _gate_lower_bound(z, a_log, dt_bias, lower_bound):
@@ -70,7 +81,7 @@ def _gate_lower_bound(z, a_log, dt_bias, lower_bound):
 
 def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_ref, bias_ref,
                   w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref, *, lower_bound, beta_sigmoid, qk_l2norm, scale,
-                  inverse_precision):
+                  inverse_precision, skip=frozenset()):
     # start_ref, len_ref: [NC] int32 chunk table (first packed token, token count; 0 = unused chunk)
     # q_ref, k_ref, z_ref: [T(+C), H, K] packed (any float dtype); v_ref: [T(+C), H, V]; b_ref: [T(+C), H] logits
     # alog_ref: [H] fp32; bias_ref: [H, K] fp32
@@ -89,23 +100,38 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
         return plt.load(ref.at[pl.ds(start, CHUNK), h, :], mask=jnp.broadcast_to(valid[:, None], (CHUNK, d)),
                         other=0)
 
+    def load_beta():
+        return plt.load(b_ref.at[pl.ds(start, CHUNK), h], mask=valid, other=0)
+
+    if "load" in skip:  # ablation: distinct per-tensor patterns (equal ones would let Triton merge the tiles)
+        def load(ref):  # noqa: F811
+            salt = next(i for i, r in enumerate((q_ref, k_ref, v_ref, z_ref)) if r is ref) + 2
+            cols = lax.broadcasted_iota(jnp.int32, (CHUNK, ref.shape[-1]), 1)
+            x = ((rows[:, None] * salt + cols * (salt + 1) + start + h) % 17).astype(f32) * (1 / 17) - 0.5
+            return jnp.where(valid[:, None], x, 0.0).astype(ref.dtype)
+
+        def load_beta():
+            return jnp.where(valid, ((rows * 3 + h) % 7).astype(f32) - 3.0, 0.0)
+
+    exp = (lambda x: 1.0 + x) if "exp" in skip else jnp.exp  # the decay factors' exps (ablation: an FMA)
+
     q, k, z = load(q_ref).astype(f32), load(k_ref).astype(f32), load(z_ref).astype(f32)  # [C, K]
-    beta = plt.load(b_ref.at[pl.ds(start, CHUNK), h], mask=valid, other=0).astype(f32)  # [C]
+    beta = load_beta().astype(f32)  # [C]
     beta = jnp.where(valid, jax.nn.sigmoid(beta) if beta_sigmoid else beta, 0.0)
     g = _gate_lower_bound(z, alog_ref[h], bias_ref[h, :][None, :], lower_bound)
     g = jnp.where(valid[:, None], g, 0.0)  # [C, K] in (lb, 0]; 0 on padding rows
     if qk_l2norm:
         q = q * (lax.rsqrt(jnp.sum(q * q, axis=1) + _L2_EPS) * scale)[:, None]
         k = k * lax.rsqrt(jnp.sum(k * k, axis=1) + _L2_EPS)[:, None]
-    cum = jnp.cumsum(g, axis=0)  # G [C, K], non-increasing along C
+    cum = g if "scan" in skip else jnp.cumsum(g, axis=0)  # G [C, K], non-increasing along C
     # Order for register pressure (whole [C, K] fp32 tiles are 64 registers a thread at 4 warps): the
     # elementwise outputs are stored first, q dies into its factored bf16 copy, v is loaded only for U.
-    e_cum = jnp.exp(cum)
+    e_cum = exp(cum)
     qg_ref[...] = (q * e_cum).astype(stored)
     kw = (k * e_cum).astype(stored)  # e^G K, W's right operand
     g_last = jnp.sum(jnp.where((rows == CHUNK - 1)[:, None], cum, 0.0), axis=0)  # G_C [K] (exact: one term)
-    kg_ref[...] = (k * jnp.exp(g_last[None, :] - cum)).astype(stored)
-    gc_ref[...] = jnp.exp(g_last)
+    kg_ref[...] = (k * exp(g_last[None, :] - cum)).astype(stored)
+    gc_ref[...] = exp(g_last)
 
     block = rows // SUB  # [C] 16-row block of each row
     # P_b = G at row 16 b - 1 (0 for b = 0), read from G itself (a sum of one non-zero term: exact), so that
@@ -115,15 +141,18 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     ref_row = refs[0][None, :]
     for b in range(1, NSUB):
         ref_row = jnp.where((block == b)[:, None], refs[b][None, :], ref_row)  # [C, K]: P of each row's block
-    row_f = jnp.exp(cum - ref_row)  # [C, K], <= 1
+    row_f = exp(cum - ref_row)  # [C, K], <= 1
     qr, kr = (q * row_f).astype(stored), (k * row_f).astype(stored)  # masking after the rounding is exact
     lkk = jnp.zeros((CHUNK, CHUNK), f32)
     aqk = jnp.zeros((CHUNK, CHUNK), f32)
-    for b in range(NSUB):
+    if "lk" in skip:  # ablation: rank-1 stand-ins keep qr, kr live without the column factors and dots
+        sum_q, sum_k = jnp.sum(qr.astype(f32), axis=1), jnp.sum(kr.astype(f32), axis=1)  # [C]
+        lkk, aqk = sum_k[:, None] * sum_k[None, :], sum_q[:, None] * sum_k[None, :]
+    for b in range(0 if "lk" in skip else NSUB):
         in_b = (block == b)[:, None]
         upto_b = (rows < SUB * (b + 1))[:, None]  # columns that row block b's lower triangle reaches
         # e^(P_b - G_s): <= 1 before block b, <= e^80 inside it (bounded gate); later columns masked before the exp
-        col = jnp.where(upto_b, k * jnp.exp(jnp.where(upto_b, refs[b][None, :] - cum, 0.0)), 0.0).astype(stored)
+        col = jnp.where(upto_b, k * exp(jnp.where(upto_b, refs[b][None, :] - cum, 0.0)), 0.0).astype(stored)
         lkk = lkk + dot(jnp.where(in_b, kr, 0), col, tb=True, precision=prec)
         aqk = aqk + dot(jnp.where(in_b, qr, 0), col, tb=True, precision=prec)
     r2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
@@ -136,24 +165,33 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     mm = lambda a, b_: dot(a, b_, precision=inv_prec)
     same16 = r2 // SUB == c2 // SUB
     same32 = r2 // (2 * SUB) == c2 // (2 * SUB)
-    diag = jnp.where(same16, lkk, 0.0)  # the 4 diagonal 16x16 blocks of L
-    power = diag
-    inv = identity(CHUNK) - diag
-    for _ in range(_DOUBLINGS):  # inv = (I - D)(I + D^2)(I + D^4)(I + D^8) = (I + D)^-1 exactly (D^16 = 0)
-        power = mm(power, power)
-        inv = inv + mm(inv, power)
-    # by halves, each an exact block forward substitution [[A, 0], [M, B]]^-1 = [[A^-1, 0], [-B^-1 M A^-1, B^-1]]
-    # with the block-diagonal inverse so far (no power series: its cancellation is what made the 64x64 form fail)
-    inv = inv - mm(inv, mm(jnp.where(same32 & ~same16, lkk, 0.0), inv))  # 16x16 pairs -> 32x32 diagonal blocks
-    inv = inv - mm(inv, mm(jnp.where(same32, 0.0, lkk), inv))  # lower-left 32x32 quadrant -> the 64x64 inverse
+    if "inverse" in skip:  # ablation: first order, no dots (L stays live)
+        inv = identity(CHUNK) - lkk
+    else:
+        diag = jnp.where(same16, lkk, 0.0)  # the 4 diagonal 16x16 blocks of L
+        power = diag
+        inv = identity(CHUNK) - diag
+        for _ in range(_DOUBLINGS):  # inv = (I - D)(I + D^2)(I + D^4)(I + D^8) = (I + D)^-1 exactly (D^16 = 0)
+            power = mm(power, power)
+            inv = inv + mm(inv, power)
+        # by halves, each an exact block forward substitution [[A, 0], [M, B]]^-1 = [[A^-1, 0], [-B^-1 M A^-1,
+        # B^-1]] with the block-diagonal inverse so far (no power series: its cancellation is what made the
+        # 64x64 form fail)
+        inv = inv - mm(inv, mm(jnp.where(same32 & ~same16, lkk, 0.0), inv))  # 16x16 pairs -> 32x32 diagonal
+        inv = inv - mm(inv, mm(jnp.where(same32, 0.0, lkk), inv))  # lower-left 32x32 quadrant -> 64x64 inverse
     a_beta = (inv * beta[None, :]).astype(stored)  # A diag(beta)
+    if "wu" in skip:  # ablation: row-scaled stand-ins keep A diag(beta), e^G K and V live without the dots
+        row_sum = jnp.sum(a_beta.astype(f32), axis=1)[:, None]  # [C, 1]
+        w_ref[...] = (row_sum * kw.astype(f32)).astype(stored)
+        u_ref[...] = (row_sum * load(v_ref).astype(f32)).astype(stored)
+        return
     w_ref[...] = dot(a_beta, kw, precision=prec).astype(stored)
     v = load(v_ref).astype(stored)  # [C, V]
     u_ref[...] = dot(a_beta, v, precision=prec).astype(stored)
 
 
 def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bound, beta_sigmoid, qk_l2norm,
-                scale, stored, num_warps, num_stages, inverse_precision, interpret):
+                scale, stored, num_warps, num_stages, inverse_precision, interpret, skip=frozenset()):
     """pallas_call wrapper: grid = chunks x heads, whole-array blocks for the packed inputs (the kernel loads
     its chunk's rows at the table's dynamic offset), one chunk-layout block per output."""
     t, h, dk = q.shape
@@ -169,7 +207,7 @@ def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bo
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
     return pl.pallas_call(
         functools.partial(_intra_kernel, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-                          scale=scale, inverse_precision=inverse_precision),
+                          scale=scale, inverse_precision=inverse_precision, skip=skip),
         grid=(num_chunks, h),
         in_specs=[full_block((num_chunks,)), full_block((num_chunks,)), full_block(q.shape), full_block(k.shape),
                   full_block(v.shape), full_block(z.shape), full_block(beta.shape), full_block((h,)),
@@ -212,7 +250,7 @@ def _check(tok_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_boun
 
 def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lower_bound", lower_bound=-5.0,
               beta_sigmoid=True, qk_l2norm=True, scale=None, stored=None, num_warps=4, num_stages=1,
-              inverse_precision="tf32x3", interpret=False):
+              inverse_precision="tf32x3", interpret=False, _skip=frozenset()):
     """KDA prefill stage 1 for every chunk and head (one Pallas kernel, grid = chunks x heads).
 
     Args:
@@ -230,17 +268,22 @@ def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lo
         relative operand rounding: a third of tf32x3's tensor work, for bf16 outputs only; untested for
         accuracy on the CPU, see tests/gpu/test_kda_gpu.py); interpret: Pallas interpret mode (CPU tests;
         always IEEE there).
+      _skip: BENCHMARK-ONLY ablation (wrong outputs): parts of the kernel to replace by cheap stand-ins, a
+        subset of SKIPPABLE (see its comment); timing with and without reads a part's cost by difference.
 
     Returns (exactly `kda_chunk._intra_stage_v2`'s outputs): w, qg, kg [H, NC, C, K], u [H, NC, C, V],
     aqk [H, NC, C, C] in the stored dtype, and e^(G_C) [H, NC, K] fp32.
     """
     stored = (jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32) if stored is None else stored
     _check(token_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_bound, stored, inverse_precision)
+    if not set(_skip) <= set(SKIPPABLE):
+        raise ValueError(f"_skip must be a subset of {SKIPPABLE}; got {sorted(_skip)}")
     scale = q.shape[2] ** -0.5 if scale is None else scale
     return tuple(_intra_call(token_start, length, q, k, v, z, beta, a_log.astype(jnp.float32),
                              dt_bias.astype(jnp.float32), lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
                              qk_l2norm=qk_l2norm, scale=scale, stored=stored, num_warps=num_warps,
-                             num_stages=num_stages, inverse_precision=inverse_precision, interpret=interpret))
+                             num_stages=num_stages, inverse_precision=inverse_precision, interpret=interpret,
+                             skip=frozenset(_skip)))
 
 
 def kda_intra_reference(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lower_bound",

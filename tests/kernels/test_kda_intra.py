@@ -157,3 +157,45 @@ def test_lowers_to_triton_for_an_h200(dtype):
             lowered = jax.jit(lambda *a, i=inverse: kda_intra(*a, inverse_precision=i, num_warps=8)).trace(
                 *args).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1, inverse
+
+
+# outputs (w, u, qg, kg, aqk, gate_last) each benchmark-only ablation must leave bit-identical: the parts it
+# replaces feed only the others, so this shows each knob cuts what its name says and nothing upstream of it.
+# exp, scan and load sit upstream of every output: they run together (each interpret compile costs ~2.5 s)
+_UNTOUCHED_BY_SKIP = {("inverse",): {"qg", "kg", "aqk", "gate_last"}, ("wu",): {"qg", "kg", "aqk", "gate_last"},
+                      ("lk",): {"qg", "kg", "gate_last"}, ("exp", "scan", "load"): set()}
+
+
+def test_ablation_skips_run_and_leave_the_default_unchanged():
+    """kda_intra's benchmark-only _skip knobs (benchmarks/kda.py "pallas_..._skip-<part>"): the empty set
+    traces the default kernel exactly; each part compiles the rest, keeps every output's shape and dtype,
+    changes the outputs downstream of it and leaves the others bit-identical; the benchmark's variant names
+    parse; unknown parts raise."""
+    import jax
+
+    from pallas_kernels import kda_intra as ki
+
+    x, _, a_log, dt_bias, tok_start, length = packed(5, [37], 1, 16, 16, jnp.float32)  # 1 used + 1 unused chunk
+    args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a_log, dt_bias)
+    names = ("w", "u", "qg", "kg", "aqk", "gate_last")
+    trace = lambda **kw: str(jax.make_jaxpr(lambda *a: kda_intra(*a, interpret=True, **kw))(*args))
+    assert trace(_skip=frozenset()) == trace()
+    base = kda_intra(*args, interpret=True)
+    assert {p for parts in _UNTOUCHED_BY_SKIP for p in parts} == set(ki.SKIPPABLE)
+    for parts, untouched in _UNTOUCHED_BY_SKIP.items():
+        got = kda_intra(*args, interpret=True, _skip=frozenset(parts))
+        for name, g, w in zip(names, got, base):
+            assert g.shape == w.shape and g.dtype == w.dtype, (parts, name)
+            assert np.array_equal(np.asarray(g), np.asarray(w)) == (name in untouched), (parts, name)
+    with pytest.raises(ValueError, match="_skip must be"):
+        kda_intra(*args, interpret=True, _skip=frozenset({"dots"}))
+
+    from k3jax.testing import load_benchmark_script
+
+    knobs = load_benchmark_script("kda").pallas_stage1_knobs
+    assert knobs("pallas") == dict(num_warps=4, num_stages=1, inverse_precision="tf32x3", _skip=frozenset())
+    assert knobs("pallas_w8_s2_tf32_skip-lk+wu") == dict(num_warps=8, num_stages=2, inverse_precision="tf32",
+                                                         _skip=frozenset({"lk", "wu"}))
+    for bad in ("pallas_x8", "pallas_w4_skip-dots", "pallas_w4_fp16"):
+        with pytest.raises(ValueError, match="unknown knob"):
+            knobs(bad)
