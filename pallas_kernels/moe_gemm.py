@@ -2,9 +2,10 @@
 
     sum_i w_i E_i(x),   E(x) = down(act(x @ gate, x @ up)),   act = SiTU-GLU (K3) or SwiGLU
 
-Pipeline (`moe_grouped_mlp`): three XLA kernels around the two Pallas ones (the sort, the compare-and-count, the
-combine; plus a pad of `order` when M is not a multiple of block_m), because every XLA kernel costs a launch
-(~8 us of host time and a ~2.7 us GPU gap each in the k3-small decode step, H200 profile of 2026-11-30):
+Pipeline (`moe_grouped_mlp`): two XLA kernels before the two Pallas ones (the sort and the compare-and-count; plus
+a pad of `order` when M is not a multiple of block_m) and an elementwise combine after them, because every XLA
+kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-small decode step, H200 profile of
+2026-11-30):
   1. one stable sort of the flat expert ids: `order`, the assignment (token * top_k + slot) of each expert-sorted
      row, expert e owning the contiguous rows bounds[e] .. bounds[e+1] (ragged groups; an expert may own none);
   2. one compare-and-count, `row_bounds` (no bincount scatter, no cumsum);
@@ -15,7 +16,7 @@ combine; plus a pad of `order` when M is not a multiple of block_m), because eve
      expert (masked rows belong to a neighbouring expert's item);
   4. `grouped_down`: the down GEMM over the same items, each row scaled by its routing weight (gathered in the
      kernel) and stored at its assignment's row of y [M, D] fp32 (each row written exactly once);
-  5. each token sums its top_k consecutive rows of y (one reduction, deterministic).
+  5. each token sums its top_k consecutive rows of y (elementwise adds, deterministic: fuse into the consumer).
 `tile_schedule` lists all items at once (tests, the benchmark's MMA-row count).
 
 Mid-size groups (opt-in MoeGemmConfig.tail_block_m; defaults unchanged except LARGE_GROUP_DEFAULT). Every work
@@ -650,7 +651,12 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
                      out_dim=k_pad, interpret=interpret)
     if k_pad != k_dim:
         y = y[:, :k_dim]
-    out = y.reshape(n, top_k, k_dim).sum(axis=1)  # each token's top_k rows, fp32, deterministic
+    # each token's top_k consecutive rows, fp32, deterministic; as unrolled adds rather than a reduction so the sum
+    # is elementwise and fuses into its consumer (k3jax.moe's latent RMSNorm) instead of being a kernel of its own
+    rows = y.reshape(n, top_k, k_dim)
+    out = rows[:, 0]
+    for j in range(1, top_k):
+        out = out + rows[:, j]
     return out.astype(x.dtype)
 
 
