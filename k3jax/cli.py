@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import k3jax
+from k3jax.fuse import fuse_for_serving
 from k3jax.model import StepMeta
 
 PROG = "k3jax"
@@ -225,10 +226,14 @@ def run_generate(args: GenerateArgs) -> int:
     with ThreadPoolExecutor(max_workers=2) as pool:
         shapes = k3jax.param_shapes(cfg) if weights is None else jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), weights)
+        # one device: the serving layout (k3jax.fuse: each layer's input projections as one GEMM)
+        shapes = jax.eval_shape(lambda p: fuse_for_serving(p, cfg), shapes)
         # Compile both steps in the background while the parameters are being initialised.
         jobs = [pool.submit(job) for job in _compile_steps(cfg, shapes, len(args.prompt_tokens), args.max_tokens,
                                                            args.page_size)]
         params = k3jax.init_params(cfg, jax.random.key(args.seed)) if weights is None else weights
+        weights = None  # the unfused tree is not kept beside the fused one
+        params = fuse_for_serving(params, cfg)
         jax.block_until_ready(params)
         result = generate(
             params, cfg, args.prompt_tokens, args.max_tokens, temperature=args.temperature, seed=args.seed,

@@ -75,6 +75,7 @@ class Engine:
                 self.cfg, params = _load_weights(ecfg.weights)
             else:
                 params = k3jax.init_params(self.cfg, jax.random.key(ecfg.seed))
+        params = _serving_layout(params, self.cfg)
         if ecfg.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {ecfg.max_model_len} exceeds the model's {self.cfg.max_position_embeddings}")
         drafter = _resolve_drafter(self.cfg, ecfg, drafter)
@@ -456,6 +457,17 @@ def _resolve_drafter(cfg, ecfg: EngineConfig, drafter: tuple | None) -> tuple | 
         raise ValueError("speculative_k > 0 needs a drafter: EngineConfig.drafter (a checkpoint) or Engine(drafter=...)")
     drafter[0].resolve(cfg)  # ValueError if it does not fit the target
     return drafter
+
+
+def _serving_layout(params: dict, cfg) -> dict:
+    """params with each layer's input projections fused (k3jax.fuse: fewer GEMM launches per step). The engine
+    runs the model on one device (ModelRunner, jax.devices()[0]); params spread over several devices (sharded by
+    a caller) keep their layout, as the fused concatenation would re-shard them."""
+    from k3jax.fuse import fuse_for_serving
+
+    if any(len(leaf.sharding.device_set) > 1 for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array)):
+        return params
+    return fuse_for_serving(params, cfg)
 
 
 def _load_weights(path: str):
