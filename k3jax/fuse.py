@@ -6,6 +6,7 @@ each attention block's input projections into one [D, sum N] matrix, multiplied 
 
     KDA: in_proj = q_proj | k_proj | v_proj | f_a | b_proj | (g_proj or g_a)    qkv_conv = q_conv | k_conv | v_conv
     MLA: in_proj = (q_a or q_proj) | kv_a | g_proj (gated only)
+         kv_b -> w_uk [H, N, C], w_uv [H, C, Vd] fp32 (the absorbed form's weights, split and laid out once)
 
 and drops the originals (the weights are not held twice). MoE layers go through `k3jax.moe.fuse_moe_weights` when
 that exists. `kda.kda_mixer` and the MLA steps read "in_proj" when it is there. The column order and widths come
@@ -26,6 +27,7 @@ from k3jax.config import ModelConfig
 
 FUSED_INPUT = "in_proj"  # the fused input-projection weight of a KDA or MLA block
 FUSED_CONV = "qkv_conv"  # KDA's q|k|v short-conv weights [W, 3*H*K]
+ABSORB_UK, ABSORB_UV = "w_uk", "w_uv"  # MLA's kv_b split: W_UK [H, N, C] and W_UV [H, C, Vd] fp32
 _KDA_CONVS = ("q_conv", "k_conv", "v_conv")
 
 
@@ -84,8 +86,14 @@ def _fuse_kda(attn: dict, cfg: ModelConfig, where: str) -> dict:
 
 def _fuse_mla(attn: dict, cfg: ModelConfig, where: str) -> dict:
     columns = mla_input_columns(cfg)
-    out = {k: v for k, v in attn.items() if k not in dict(columns)}
+    out = {k: v for k, v in attn.items() if k not in dict(columns) and k != "kv_b"}
     out[FUSED_INPUT] = _concat_columns(attn, columns, jnp.dtype(cfg.dtype), where)
+    # kv_b [C, H*(N+Vd)] split once into the absorbed form's two per-head weights, head-major as the batched GEMMs
+    # read them (the step sliced both halves out of kv_b, cast W_UV to fp32 and moved H ahead of C, every step)
+    c, h, n = cfg.kv_lora_rank, cfg.mla_num_heads, cfg.qk_nope_head_dim
+    kv_b = attn["kv_b"].reshape(c, h, n + cfg.v_head_dim)
+    out[ABSORB_UK] = jnp.transpose(kv_b[..., :n], (1, 2, 0))  # [H, N, C]
+    out[ABSORB_UV] = jnp.transpose(kv_b[..., n:], (1, 0, 2)).astype(jnp.float32)  # [H, C, Vd] fp32 (exact)
     return out
 
 

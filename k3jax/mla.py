@@ -78,7 +78,12 @@ def output(params: dict, attn: jax.Array, x: jax.Array, cfg: ModelConfig, *, lin
 
 
 def split_kv_b(params: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """kv_b [C, H*(N+Vd)] -> W_UK [C, H, N] and W_UV [C, H, Vd]."""
+    """kv_b [C, H*(N+Vd)] -> W_UK [C, H, N] and W_UV [C, H, Vd].
+
+    The serving layout (k3jax.fuse) stores them split, head-major ([H, N, C], [H, C, Vd] fp32): the transposes
+    here are views that XLA folds into the consuming GEMMs (no per-step slice, convert or weight transpose)."""
+    if fuse.ABSORB_UK in params:
+        return jnp.transpose(params[fuse.ABSORB_UK], (2, 0, 1)), jnp.transpose(params[fuse.ABSORB_UV], (1, 0, 2))
     w = params["kv_b"].reshape(cfg.kv_lora_rank, cfg.mla_num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
     return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
 

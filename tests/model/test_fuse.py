@@ -11,7 +11,8 @@ relative (measured: 4e-7 max abs on logits of magnitude 0.6); 1e-5 catches a wro
 projection by orders of magnitude.
 Structure: one KDA and one MLA layer at k3-small's real sizes, traced (jax.make_jaxpr on ShapeDtypeStructs, nothing
 compiled or allocated): the fused KDA decode layer has 3 GEMMs (in_proj, f_b, o_proj; 8 unfused) and no
-concatenate (2 unfused: q|k|v outputs and the conv weights); the fused MLA decode layer 5 GEMMs (7 unfused).
+concatenate (2 unfused: q|k|v outputs and the conv weights); the fused MLA decode layer 5 GEMMs (7 unfused) and no
+per-step slice or convert of its absorbed-form weights.
 """
 
 import collections
@@ -127,6 +128,7 @@ def test_layout_replaces_the_parts():
     cfg = K3
     params, fused = params_pair(cfg)
     assert k3jax.count_params(fused) == k3jax.count_params(params)  # nothing held twice (A_log is not padded here)
+    assert "kv_b" in params["layers"][2]["attn"]  # the input tree is not modified
     for l, (lp, fp) in enumerate(zip(params["layers"], fused["layers"])):
         attn, fattn = lp["attn"], fp["attn"]
         columns = fuse.mla_input_columns(cfg) if cfg.is_mla(l) else fuse.kda_input_columns(cfg)
@@ -136,7 +138,13 @@ def test_layout_replaces_the_parts():
             np.testing.assert_array_equal(fattn["in_proj"][:, start : start + width], attn[name])
             start += width
         assert fattn["in_proj"].shape == (cfg.hidden_size, start)
-        if not cfg.is_mla(l):
+        if cfg.is_mla(l):  # kv_b split into the absorbed form's head-major weights, W_UV in fp32 (exact)
+            assert "kv_b" not in fattn
+            w_uk, w_uv = mla.split_kv_b(attn, cfg)
+            np.testing.assert_array_equal(fattn["w_uk"], np.transpose(w_uk, (1, 2, 0)))
+            np.testing.assert_array_equal(fattn["w_uv"], np.transpose(w_uv, (1, 0, 2)).astype(np.float32))
+            assert fattn["w_uv"].dtype == jnp.float32
+        else:
             assert not {"q_conv", "k_conv", "v_conv"} & set(fattn)
             np.testing.assert_array_equal(fattn["qkv_conv"],
                                           np.concatenate([attn["q_conv"], attn["k_conv"], attn["v_conv"]], -1))
@@ -169,20 +177,35 @@ def test_fused_params_refuse_a_custom_linear():
         mla.naive_attention(fused["layers"][2]["attn"], x, cfg, linear=dense_each)
 
 
-def _counts(closed) -> collections.Counter:
-    """Primitive counts of a jaxpr and its sub-jaxprs, outside Pallas kernel bodies, and "float_concatenate"."""
+_VIEWS = ("reshape", "transpose", "squeeze", "expand_dims")
+
+
+def _counts(closed, num_weights: int) -> collections.Counter:
+    """Primitive counts of a jaxpr (whose first `num_weights` inputs are weights) and its sub-jaxprs, outside Pallas
+    kernel bodies; plus "float_concatenate" and "weight_slice" / "weight_convert": slices and converts of a weight
+    (or a view of one, followed through nested jits) -- per-step work the serving layout does once at load."""
     counts = collections.Counter()
+    is_var = lambda v: isinstance(v, jex.core.Var)  # noqa: E731
 
-    def walk(jaxpr):
+    def walk(jaxpr, weights: set):
         for eqn in jaxpr.eqns:
-            counts[eqn.primitive.name] += 1
-            if eqn.primitive.name == "concatenate" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+            name = eqn.primitive.name
+            counts[name] += 1
+            on_weight = bool(eqn.invars) and is_var(eqn.invars[0]) and eqn.invars[0] in weights
+            if name == "concatenate" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
                 counts["float_concatenate"] += 1  # not the kernel wrapper's int32 scatter indices
-            if eqn.primitive.name != "pallas_call":
+            if on_weight and name in ("slice", "convert_element_type"):
+                counts["weight_" + name.split("_")[0]] += 1
+            if on_weight and name in (*_VIEWS, "slice"):  # still weight-derived: a later convert counts too
+                weights.add(eqn.outvars[0])
+            if name == "jit":
+                inner = eqn.params["jaxpr"].jaxpr
+                walk(inner, {iv for iv, ov in zip(inner.invars, eqn.invars) if is_var(ov) and ov in weights})
+            elif name != "pallas_call":
                 for sub in jex.core.jaxprs_in_params(eqn.params):
-                    walk(sub)
+                    walk(sub, set())
 
-    walk(closed.jaxpr)
+    walk(closed.jaxpr, set(closed.jaxpr.invars[:num_weights]))
     return counts
 
 
@@ -210,12 +233,12 @@ def _decode_layer_counts(layers, kind: str) -> collections.Counter:
         rec = sd((2 * b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32)
         fn = lambda p, x, c, r, s, n: kda.kda_mixer(p, x, c, r, cfg, lengths=n, mode="recurrent", slots=s,  # noqa: E731
                                                      backend_name="pallas")
-        return _counts(jax.make_jaxpr(fn)(attn, x, conv, rec, slots, lens))
+        return _counts(jax.make_jaxpr(fn)(attn, x, conv, rec, slots, lens), len(attn))
     attn = layers[1]["attn"]
     kv = sd((1, b * pages, 64, cfg.latent_cache_dim), jnp.dtype(cfg.dtype))
     table = sd((b, pages), jnp.int32)
     fn = lambda p, x, kv, t, c, n: mla.paged_attention(p, x, kv, 0, t, c, n, cfg, backend_name="pallas")  # noqa: E731
-    return _counts(jax.make_jaxpr(fn)(attn, x, kv, table, lens, lens))
+    return _counts(jax.make_jaxpr(fn)(attn, x, kv, table, lens, lens), len(attn))
 
 
 def test_k3_small_kda_decode_layer_has_one_input_gemm():
@@ -223,6 +246,7 @@ def test_k3_small_kda_decode_layer_has_one_input_gemm():
     before, after = _decode_layer_counts(plain, "kda"), _decode_layer_counts(fused, "kda")
     assert (before["dot_general"], before["float_concatenate"]) == (8, 2)  # q k v f_a b g, f_b, o_proj; qkv and conv w
     assert (after["dot_general"], after["float_concatenate"]) == (3, 0)  # in_proj, f_b, o_proj
+    assert after["weight_slice"] == after["weight_convert"] == 0
 
 
 def test_k3_small_mla_decode_layer_has_one_input_gemm():
@@ -230,3 +254,5 @@ def test_k3_small_mla_decode_layer_has_one_input_gemm():
     before, after = _decode_layer_counts(plain, "mla"), _decode_layer_counts(fused, "mla")
     assert before["dot_general"] == 7  # q_a kv_a, q_b, W_UK, W_UV, g_proj, o_proj
     assert after["dot_general"] == 5  # in_proj, q_b, W_UK, W_UV, o_proj
+    assert before["weight_slice"] == 2 and before["weight_convert"] == 1  # kv_b -> W_UK | W_UV, W_UV to fp32
+    assert after["weight_slice"] == after["weight_convert"] == 0
