@@ -20,8 +20,12 @@ from jax.extend import core as jax_core
 import k3jax
 from k3jax import moe as moe_mod
 from k3jax.moe import FUSED_IN, FUSED_OUT, fuse_moe_weights, moe
-from k3jax.params import init_params, param_shapes
+from k3jax.params import param_shapes
 from k3jax.testing import k3_tiny, kimi_linear_tiny
+
+
+# one compiled layer per (structure, shapes, cfg, backend): the routing cases of a dtype share it
+moe_jit = jax.jit(moe, static_argnames=("cfg", "backend_name"))
 
 
 def rel(a, b) -> float:
@@ -33,10 +37,31 @@ def moe_layer(params: dict) -> dict:
     return next(layer["mlp"] for layer in params["layers"] if "router" in layer["mlp"])
 
 
+def moe_layer_params(cfg, seed: int) -> dict:
+    """One MoE layer's params (k3jax.params layout) from numpy draws: init_params builds every layer of the model
+    with one compiled draw per weight shape (~20 s on the CI machine), this is milliseconds."""
+    rng = np.random.default_rng(seed)
+    d, e, i, dtype = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, jnp.dtype(cfg.dtype)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape) * shape[-2] ** -0.5, dtype)
+
+    w = cfg.expert_width
+    p = {"router": normal(d, e), "router_bias": jnp.asarray(rng.standard_normal(e) * 0.01, jnp.float32),
+         "experts": {"gate": normal(e, w, i), "up": normal(e, w, i), "down": normal(e, i, w)}}
+    if cfg.moe_latent_size:
+        p["latent_down"] = normal(d, cfg.moe_latent_size)
+        p["latent_norm"] = jnp.asarray(1 + 0.1 * rng.standard_normal(cfg.moe_latent_size), dtype)
+        p["latent_up"] = normal(cfg.moe_latent_size, d)
+    if cfg.num_shared_experts:
+        s = cfg.shared_intermediate_size
+        p["shared"] = {"gate": normal(d, s), "up": normal(d, s), "down": normal(s, d)}
+    return p
+
+
 def _case(cfg, seed: int, tokens: tuple[int, ...]):
-    params = init_params(cfg.replace(num_layers=2, mla_layers=()), jax.random.key(seed))  # layer 1 is an MoE layer
-    layer = moe_layer(params)
-    x = jax.random.normal(jax.random.key(seed + 100), (*tokens, cfg.hidden_size), jnp.float32).astype(cfg.dtype)
+    layer = moe_layer_params(cfg, seed)
+    x = jnp.asarray(np.random.default_rng(seed + 100).standard_normal((*tokens, cfg.hidden_size)), cfg.dtype)
     return layer, x
 
 
@@ -51,22 +76,22 @@ def test_fused_layer_equals_unfused(dtype, bound, routing):
     if routing == "one_hot_expert":
         layer = {**layer, "router_bias": layer["router_bias"].at[4].set(50.0)}
     fused = fuse_moe_weights(layer, cfg)
-    want = moe(layer, x, cfg)
+    want = moe_jit(layer, x, cfg=cfg)
     for name in ("reference", "interpret"):
-        got = moe(fused, x, cfg, backend_name=name)
+        got = moe_jit(fused, x, cfg=cfg, backend_name=name)
         assert got.shape == x.shape and got.dtype == x.dtype
         assert rel(got, want) < bound, (name, rel(got, want))
     if routing == "one_hot_expert":
-        ids, _ = moe_mod.route(layer["router"], layer["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
+        route = jax.jit(moe_mod.route, static_argnames="cfg")
+        ids, _ = route(layer["router"], layer["router_bias"], x.reshape(-1, cfg.hidden_size), cfg=cfg)
         assert (np.asarray(ids) == 4).any(1).all()
 
 
 def test_fused_params_structure_and_other_layouts():
     """The fused weights replace the originals (same bytes), fusing twice is a no-op, dense layers pass through,
     numpy stays numpy; a config without a latent (kimi-linear-tiny) fuses only the shared gate and up and matches."""
-    cfg = k3_tiny().replace(num_layers=2, mla_layers=())
-    params = init_params(cfg, jax.random.key(2))
-    layer = moe_layer(params)
+    cfg = k3_tiny()
+    layer = moe_layer_params(cfg, 2)
     fused = fuse_moe_weights(layer, cfg)
     d, latent, width = cfg.hidden_size, cfg.moe_latent_size, cfg.shared_intermediate_size
     assert fused[FUSED_IN].shape == (d, latent + 2 * width) and fused[FUSED_OUT].shape == (latent + width, d)
@@ -74,8 +99,8 @@ def test_fused_params_structure_and_other_layouts():
     np.testing.assert_array_equal(fused[FUSED_IN][:, latent + width:], layer["shared"]["up"])
     np.testing.assert_array_equal(fused[FUSED_OUT][latent:], layer["shared"]["down"])
     assert fuse_moe_weights(fused, cfg) is fused
-    dense_layer = params["layers"][0]["mlp"]
-    assert "router" not in dense_layer and fuse_moe_weights(dense_layer, cfg) is dense_layer
+    dense_layer = {"gate": layer["shared"]["gate"], "up": layer["shared"]["up"], "down": layer["shared"]["down"]}
+    assert fuse_moe_weights(dense_layer, cfg) is dense_layer  # a dense MLP layer (no router) passes through
     as_numpy = fuse_moe_weights(jax.tree.map(np.asarray, layer), cfg)
     assert isinstance(as_numpy[FUSED_IN], np.ndarray)
 
@@ -83,7 +108,8 @@ def test_fused_params_structure_and_other_layouts():
     layer, x = _case(kimi, 3, (7,))
     fused = fuse_moe_weights(layer, kimi)
     assert FUSED_OUT not in fused and set(fused["shared"]) == {"down"}
-    assert rel(moe(fused, x, kimi, backend_name="interpret"), moe(layer, x, kimi)) < 1e-5
+    got = moe_jit(fused, x, cfg=kimi, backend_name="interpret")
+    assert rel(got, moe_jit(layer, x, cfg=kimi)) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------------
