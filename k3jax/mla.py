@@ -149,13 +149,11 @@ def paged_attention_reference(
 
 # The decode kernel of the "pallas" op: "triton" (pallas_kernels/mla_decode.py's Triton kernel) or "mosaic" (its
 # Mosaic GPU kernel: TMA page copies, wgmma; bf16 pages and kv_lora_rank 512 only, other sizes fall back to Triton).
-# Read at trace time. Triton, by the H200 (2026-11-30): the Mosaic kernel alone is faster (k3-small's 16 heads, B64 x 8k,
-# benchmarks/mla.py --shape-sweep: 0.206 ms per layer at one wave of programs, 69 % of copy bandwidth, against Triton's
-# 0.384 ms; K3's 96 heads: 1.48x), but the whole k3-small decode step was slower with it: 16.6 ms/step against 13.4
-# with Triton (benchmarks/model_forward.py; docs/results/model_backends_h200_2026-11-30e.json). Its profile shows 9.0 ms
-# of kernels and 11.7 ms of short gaps between them (3.1 ms with Triton): the GPU waits on the host, which issues the
-# step's 1,181 kernels more slowly around the Mosaic GPU custom calls (cause not found).
-MLA_DECODE_KERNEL = "triton"
+# Read at trace time. Mosaic, by the H200 (2026-11-30, benchmarks/model_forward.py --mla-kernel, k3-small decode B64 x
+# 8k): the whole step took 12.07 ms against Triton's 13.41 at 34a154c, and 10.17 against 11.78 with the serving layout
+# at eb8fe6f (MLA kernels 1.22 ms per step against 3.23; docs/results/model_decode_*_h200_2026-11-30f.json). The sixth
+# session's contrary run (16.6 ms) shared its process with the reference backend and the shadow check.
+MLA_DECODE_KERNEL = "mosaic"
 # The "interpret" op's kernel (CPU CI): Triton, as the Mosaic GPU interpreter takes ~17 s per model-sized call; the
 # Mosaic kernel's interpreter tests are in tests/kernels/test_mla_decode.py.
 MLA_INTERPRET_KERNEL = "triton"

@@ -33,8 +33,8 @@ def route(monkeypatch, kernel: str, *, c_dim=512, r_dim=64, page=64, kv_dtype=jn
     return calls[0]["backend"]
 
 
-def test_default_is_triton_and_mosaic_is_selectable(monkeypatch):
-    assert k3_mla.MLA_DECODE_KERNEL == "triton" and k3_mla.MLA_INTERPRET_KERNEL == "triton"
+def test_default_is_mosaic_on_gpu_triton_in_interpret_and_both_selectable(monkeypatch):
+    assert k3_mla.MLA_DECODE_KERNEL == "mosaic" and k3_mla.MLA_INTERPRET_KERNEL == "triton"
     assert route(monkeypatch, "triton") == "triton"
     assert route(monkeypatch, "mosaic") == "mosaic"  # k3-small: 16 heads, 512 + 64 latent, 64-token pages, bf16
     assert route(monkeypatch, "mosaic", page=16, q_len=4) == "mosaic"
