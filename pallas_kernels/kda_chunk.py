@@ -24,7 +24,7 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    e^(G_C - G) K, Aqk and e^(G_C). Opt-in `solve="pallas"` replaces the L / Aqk einsums and the inverse
    by one Pallas kernel per (head, chunk) (`kda_chunk_solve`, fla's inter+solve layout: the 10 lower 16x16
    blocks of L and Aqk accumulated over K in 32-wide slices, then the inverse in registers), which reads
-   q, k, G once instead of a 4x column-factor tensor; interpret-tested, not yet timed on the GPU.
+   q, k, G once instead of a 4x column-factor tensor; on the H200 it made the prefill 2x slower (15.5 ms).
    Opt-in `stage1="v2"` (`_intra_stage_v2`, same outputs and precisions) cuts the XLA stage's intermediates:
    L / Aqk per 16-row block against only the lower triangle's columns (2.5x instead of 4x column factors,
    each operand read by one dot), the inverse by halves (10 dots instead of 23), the L2 norms as packed
@@ -36,7 +36,8 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    Opt-in `stage1="pallas"` (`kda_intra.py`, same outputs): the whole stage as ONE Pallas kernel per chunk
    and head, reading the packed inputs through the chunk table (no gathered copies), L / Aqk as 8 full-tile
    [64, K] x [K, 64] dots, the inverse by masked 16x16 blocks and halves in 64x64 dots at tf32x3, W / U as 2 dots;
-   bounded gate only (an unbounded gate takes "v2"). Interpret-tested; not yet timed on the GPU.
+   bounded gate only (an unbounded gate takes "v2"). On the H200 (2026-11-30) 8.26 ms against v2's 5.09 ms at
+   B1 T32768 H32 (register spills: `kda_intra`'s docstring), so it stays opt-in.
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
    multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of
@@ -60,7 +61,7 @@ fla-core 0.6.0 `chunk_kda` (3.8 / 3.9 / 10.9 ms on the same machine and inputs, 
 session's fla runs were cut short by its first-call autotuning). Stages apart at B1 T32768 H32: stage 1
 (this file, XLA) 6.26 ms of the 7.84 ms total; the state passes' own numbers are in their files. Stage 1
 is therefore the bottleneck: the next step is a Pallas kernel for L / Aqk (the 4x column-factor tensor
-that the einsums read is ~1 GB of bf16 traffic here; `kda_chunk_solve.py`, not yet timed) and for the
+that the einsums read is ~1 GB of bf16 traffic here; `kda_chunk_solve.py`, later measured 2x slower) and for the
 solve + W / U, measured against these XLA numbers.
 Checkpoints: page 256 +0% (-0.8%, noise), page 64 +2.5% over no checkpoints.
 
@@ -403,11 +404,11 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         O follows as one parallel einsum); same results up to rounding.
       solve: "xla" (default, measured) or "pallas": L / Aqk and the block inverse in one Pallas kernel per
         (head, chunk) (`kda_chunk_solve`; bounded gate only, else XLA). Same math and operand precisions;
-        not yet timed on the GPU.
+        2x slower on the H200.
       stage1: "default" (`_intra_stage`) or "v2" (`_intra_stage_v2`: the same stage with fewer and smaller
         intermediates, 1.16x faster on the H200 and the model's choice; XLA L / Aqk only, so solve must be "xla")
         or "pallas" (`kda_intra`: the whole stage as one Pallas kernel per chunk and head, reading the packed
-        inputs; bounded gate only: an unbounded one takes "v2"; solve must be "xla"; not yet timed on the GPU).
+        inputs; bounded gate only: an unbounded one takes "v2"; solve must be "xla"; slower than v2 on the H200).
       stage1_num_warps, stage1_inverse: stage1="pallas"'s Triton warps and its inverse's dot precision
         ("tf32x3" or "ieee"; see `kda_intra`).
 

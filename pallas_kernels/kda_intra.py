@@ -40,8 +40,14 @@ unbounded gate (softplus, or a precomputed g) needs the pairwise diagonal blocks
 tensors do not fit this kernel's whole-tile design: `kda_chunk` routes those to the XLA stage
 (`_intra_stage_v2`) and this function raises.
 
-Measured: interpret-tested only (CPU); not yet timed on the H200 (the XLA `_intra_stage_v2` it replaces:
-5.09 ms at B1 T32768 H32 D128 bf16, docs/results/kda_stage1_h200_2026-11-30f.json).
+Measured on the H200 (2026-11-30, benchmarks/kda.py --stage1 v2,pallas,pallas_w8; docs/results/
+kda_intra_h200_2026-11-30f.json), B1 T32768 H32 D128 bf16: 8.26 ms at 4 warps, 10.63 ms at 8, against 5.09 ms for
+the XLA `_intra_stage_v2` it would replace -- slower, so the model keeps v2. Its GPU test against v2
+(tests/gpu/test_kda_gpu.py -k intra) has not completed on a GPU yet (cut by a call's time limit); the benchmark's
+whole prefill with it landed within 4.8e-4 of the default stage's output. Why it is slow
+(docs/results/kda_intra_ptxas_sm90a_2026-11-30f.json, `ptxas -v` of its Triton PTX for sm_90a): 255 registers and
+~1.5 KB of spill stores per thread at 4 warps (every [64, 128] fp32 tile is 64 registers per thread, and q, k, g, G
+and the factors are live together), 2 programs per SM. The next form should work on [64, 64] halves of K.
 """
 
 from __future__ import annotations
