@@ -76,6 +76,10 @@ DEFAULT_BLOCKED_WARPS = 4
 # looped 16- and 32-row blocks were slower (0.36 / 0.30 ms at B64).
 DEFAULT_LOOP_V = True
 DEFAULT_LOOP_BLOCK_V = 64
+# prefetch=None's choice: how many V-blocks ahead the looped kernel issues its state loads (0: each block's load
+# waits for the previous block's compute and store, the kernel timed above). Untimed on the H200 as of 2026-11-30
+# (eighth session): 0 until it is.
+DEFAULT_PREFETCH = 0
 _L2_EPS = 1e-6
 
 
@@ -87,172 +91,190 @@ def _gate(z, a_log, dt_bias, gate, lower_bound):
     return -a * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def _decode_kernel(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref, onw_ref,
-                   state_ref, y_ref, conv_out_ref, state_out_ref, *qk_conv_out_ref,
-                   num_tokens, gate, lower_bound, eps, all_states, act_dtype, block_v):
-    # slots_ref, lens_ref, fresh_ref: [B] int32 (fresh != 0: start from zero states); x_ref: [B, T, 3*H*K] raw q|k|v projections (pre-conv)
-    # conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
-    # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
-    # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
-    # y_ref: [B, T, H, V] (activation dtype): gated-normed output when block_v == V, else raw o (normed outside)
-    # decode:  conv_out_ref: [P, W-1, 3*H*K] (aliases conv_ref); state_out_ref: [P, H, V, K] (aliases state_ref)
-    # verify:  conv_out_ref: [B, T, W-1, 3*H*K]; state_out_ref: [B, T, H, V, K]
-    # qk_conv_out_ref (blocked decode only): [B, W-1, 2*H*K] the new q|k conv state, scattered into the pool
-    #   outside: every V-block reads the head's q|k conv state, so none may overwrite it in place.
-    # This program: sequence b, head h, state rows [vb*block_v, (vb+1)*block_v) -- the delta rule is
-    # row-separable over V, so V-blocks of one (sequence, head) never exchange anything but the output norm.
-    vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    f32 = jnp.float32
-    slot, length = slots_ref[b], lens_ref[b]
-    from_pool = fresh_ref[b] == 0  # a fresh row's loads are masked off: zeros, and its slot is not read
-    num_heads = alog_ref.shape[0]
-    dk = dtb_ref.shape[1]
-    width = convw_ref.shape[0]
-    whole_state = block_v == onw_ref.shape[0]  # one program per head: the gated RMSNorm is fused here
-    rows = pl.ds(vb * block_v, block_v)  # this program's state rows = its v channels within the head
-    # this head's q and k channels (every V-block recomputes them: 2*K channels, cheap) and this block's v channels
-    segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk), pl.ds((2 * num_heads + h) * dk + vb * block_v, block_v)]
-    conv_w = [[convw_ref[i, segs[s]].astype(f32) for i in range(width)] for s in range(3)]
-    # oldest first, in the activation dtype (the reference concatenates the state with x in x's dtype)
-    # (the row index as an int32 scalar, not a Python int: interpret mode's masked-load discharge needs .shape)
-    window = [[_pool_load(conv_ref.at[slot, jnp.int32(r), segs[s]], from_pool).astype(act_dtype)
-               for r in range(width - 1)] for s in range(3)]
-    kept = [list(w) for w in window]  # the last W-1 *valid* inputs (decode's new conv state)
-    alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
-    s = _pool_load(state_ref.at[slot, h, rows, :], from_pool).astype(f32)  # [block_v, K]
-
-    def store_conv(write_rows):
-        # Each conv channel is written by exactly one program: q|k by V-block 0, v by the block owning it.
-        def qk():
-            for sg in range(2):
-                write_rows(sg)
-        if whole_state:
-            qk()
-        else:
-            pl.when(vb == 0)(qk)
-        write_rows(2)
-
-    for t in range(num_tokens):
-        valid = t < length
-        acts = []
-        for sg in range(3):
-            x_t = x_ref[b, t, segs[sg]]
-            acc = conv_w[sg][width - 1] * x_t.astype(f32)
-            for i in range(width - 1):
-                acc = acc + conv_w[sg][i] * window[sg][i].astype(f32)
-            acts.append(jax.nn.silu(acc).astype(act_dtype).astype(f32))
-            window[sg] = window[sg][1:] + [x_t.astype(act_dtype)]
-            kept[sg] = [jnp.where(valid, new, old) for new, old in zip(window[sg], kept[sg])]
-        q, k, v = acts  # q, k: [K]; v: [block_v]
-        q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk**-0.5
-        k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
-        g = jnp.where(valid, _gate(z_ref[b, t, h, :].astype(f32), alog, dtb, gate, lower_bound), 0.0)
-        beta = jnp.where(valid, jax.nn.sigmoid(b_ref[b, t, h].astype(f32)), 0.0)
-        s = s * jnp.exp(g)[None, :]
-        err = v - jnp.sum(s * k[None, :], axis=1)  # [block_v]
-        s = s + (beta * err)[:, None] * k[None, :]
-        o = jnp.sum(s * q[None, :], axis=1).astype(act_dtype)  # [block_v], rounded as the reference rounds it
-        if whole_state:
-            o = o.astype(f32)
-            o = o * lax.rsqrt(jnp.mean(o * o) + eps) * onw_ref[...].astype(f32) * \
-                jax.nn.sigmoid(og_ref[b, t, h, :].astype(f32))
-        y_ref[b, t, h, rows] = o.astype(y_ref.dtype)
-        if all_states:
-            state_out_ref[b, t, h, rows, :] = s
-
-            def write_position(sg, t=t):
-                for r in range(width - 1):
-                    conv_out_ref[b, t, r, segs[sg]] = window[sg][r].astype(conv_out_ref.dtype)
-            store_conv(write_position)
-    if not all_states:
-        state_out_ref[slot, h, rows, :] = s
-
-        def write_kept(sg):
-            for r in range(width - 1):
-                if sg == 2 or whole_state:  # in place: only this program reads these channels
-                    conv_out_ref[slot, r, segs[sg]] = kept[sg][r].astype(conv_out_ref.dtype)
-                else:  # other V-blocks of this head may still be reading the pool's q|k channels
-                    qk_conv_out_ref[0][b, r, pl.ds((sg * num_heads + h) * dk, dk)] = \
-                        kept[sg][r].astype(conv_out_ref.dtype)
-        store_conv(write_kept)
-
-
-def _looped_kernel(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref,
-                   onw_ref, state_ref, y_ref, conv_out_ref, state_out_ref,
-                   *, num_tokens, gate, lower_bound, eps, all_states, act_dtype, block_v):
-    # Refs as in _decode_kernel (no q|k side output). This program: sequence b, head h, ALL its state rows, walked
-    # in V-blocks of block_v rows one after another (registers hold one [block_v, K] block at a time), so q and k are
-    # computed once per head, the conv state is written in place by its only reader, and the gated RMSNorm (which
-    # needs all of V) is fused: the blocks' o are kept ([T, V] in all) and normed at the end.
-    h, b = pl.program_id(0), pl.program_id(1)
-    f32 = jnp.float32
-    slot, length = slots_ref[b], lens_ref[b]
-    from_pool = fresh_ref[b] == 0  # a fresh row's loads are masked off: zeros, and its slot is not read
-    num_heads = alog_ref.shape[0]
-    dk, dv = dtb_ref.shape[1], onw_ref.shape[0]
-    width = convw_ref.shape[0]
-    nvb = dv // block_v
-    # segments: this head's q, k channels, then its v channels block by block
-    segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk)] + [
-        pl.ds((2 * num_heads + h) * dk + j * block_v, block_v) for j in range(nvb)]
-    window = [[_pool_load(conv_ref.at[slot, jnp.int32(r), sg], from_pool).astype(act_dtype) for r in range(width - 1)]
-              for sg in segs]
-    kept = [list(w) for w in window]
-    acts = [[None] * len(segs) for _ in range(num_tokens)]
-    for t in range(num_tokens):  # the short conv of every channel, position by position
-        valid = t < length
-        for i, sg in enumerate(segs):
-            x_t = x_ref[b, t, sg]
-            acc = convw_ref[width - 1, sg].astype(f32) * x_t.astype(f32)
-            for r in range(width - 1):
-                acc = acc + convw_ref[r, sg].astype(f32) * window[i][r].astype(f32)
-            acts[t][i] = jax.nn.silu(acc).astype(act_dtype).astype(f32)
-            window[i] = window[i][1:] + [x_t.astype(act_dtype)]
-            kept[i] = [jnp.where(valid, new, old) for new, old in zip(window[i], kept[i])]
-            if all_states:
-                for r in range(width - 1):
-                    conv_out_ref[b, t, r, sg] = window[i][r].astype(conv_out_ref.dtype)
-    if not all_states:  # in place: this program is the only reader of these channels, and it has read them
-        for i, sg in enumerate(segs):
-            for r in range(width - 1):
-                conv_out_ref[slot, r, sg] = kept[i][r].astype(conv_out_ref.dtype)
-    alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
-    qs, ks, gs, betas = [], [], [], []
-    for t in range(num_tokens):
-        valid = t < length
-        q, k = acts[t][0], acts[t][1]
-        qs.append(q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk**-0.5)
-        ks.append(k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS))
-        gs.append(jnp.exp(jnp.where(valid, _gate(z_ref[b, t, h, :].astype(f32), alog, dtb, gate, lower_bound), 0.0)))
-        betas.append(jnp.where(valid, jax.nn.sigmoid(b_ref[b, t, h].astype(f32)), 0.0))
-    outs = [[None] * nvb for _ in range(num_tokens)]  # o per position and V-block, rounded as the reference rounds it
-    for j in range(nvb):
-        rows = pl.ds(j * block_v, block_v)
-        s = _pool_load(state_ref.at[slot, h, rows, :], from_pool).astype(f32)  # [block_v, K]
-        for t in range(num_tokens):
-            s = s * gs[t][None, :]
-            err = acts[t][2 + j] - jnp.sum(s * ks[t][None, :], axis=1)  # [block_v]
-            s = s + (betas[t] * err)[:, None] * ks[t][None, :]
-            outs[t][j] = jnp.sum(s * qs[t][None, :], axis=1).astype(act_dtype).astype(f32)
-            if all_states:
-                state_out_ref[b, t, h, rows, :] = s
-        if not all_states:
-            state_out_ref[slot, h, rows, :] = s
-    for t in range(num_tokens):  # gated RMSNorm over all V: mean square from the blocks, then each block
-        inv_rms = lax.rsqrt(sum(jnp.sum(o * o) for o in outs[t]) / dv + eps)
-        for j in range(nvb):
-            rows = pl.ds(j * block_v, block_v)
-            y = outs[t][j] * inv_rms * onw_ref[rows].astype(f32) * jax.nn.sigmoid(og_ref[b, t, h, rows].astype(f32))
-            y_ref[b, t, h, rows] = y.astype(y_ref.dtype)
-
+# ---- the per-segment pieces both kernels use (one copy; the kernels differ only in their grid walk) ----
 
 def _pool_load(ref, from_pool):
     """ref's block, or zeros (of its dtype) without reading memory when `from_pool` (a scalar bool) is false."""
     return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype))
 
 
-def _tiling(block_v, num_warps, dv, all_states, loop_v=False):
-    """(block_v, num_warps) with the defaults filled in and checked (see `kda_decode`)."""
+def _conv_operands(conv_ref, convw_ref, x_ref, slot, b, seg, from_pool, num_tokens, act_dtype):
+    """The loads of one channel segment's short conv for sequence b: (W tap weights fp32, the slot's last W-1
+    inputs -- zeros for a fresh row, not read -- in the activation dtype, the T new inputs). Issued apart from
+    `_short_conv` so that a V-block's loads can go out ahead of its compute (see `prefetch`)."""
+    width = convw_ref.shape[0]
+    weights = [convw_ref[i, seg].astype(jnp.float32) for i in range(width)]
+    # oldest first, in the activation dtype (the reference concatenates the state with x in x's dtype)
+    # (the row index as an int32 scalar, not a Python int: interpret mode's masked-load discharge needs .shape)
+    window = [_pool_load(conv_ref.at[slot, jnp.int32(r), seg], from_pool).astype(act_dtype) for r in range(width - 1)]
+    return weights, window, [x_ref[b, t, seg] for t in range(num_tokens)]
+
+
+def _short_conv(operands, valids, act_dtype):
+    """Causal short conv + SiLU of one channel segment over its T new positions, from `_conv_operands`.
+
+    Returns (acts, windows, kept): acts[t] the SiLU output (rounded to the activation dtype where the reference
+    rounds it, then fp32); windows[t] the last W-1 inputs after position t (verify's per-position conv state,
+    oldest first); kept the last W-1 *valid* inputs (decode's new conv state).
+    """
+    f32 = jnp.float32
+    weights, window, xs = operands
+    kept = list(window)
+    acts, windows = [], []
+    for x_t, valid in zip(xs, valids):
+        acc = weights[-1] * x_t.astype(f32)
+        for i in range(len(window)):
+            acc = acc + weights[i] * window[i].astype(f32)
+        acts.append(jax.nn.silu(acc).astype(act_dtype).astype(f32))
+        window = window[1:] + [x_t.astype(act_dtype)]
+        windows.append(window)
+        kept = [jnp.where(valid, new, old) for new, old in zip(window, kept)]
+    return acts, windows, kept
+
+
+def _qk_norm(q, k):
+    """L2-normalised q (times K^-1/2) and k, fp32, eps inside the sqrt (k3-model.md §3 step 2)."""
+    q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * q.shape[0] ** -0.5
+    k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
+    return q, k
+
+
+def _decay_beta(z, beta_logit, alog, dtb, valid, gate, lower_bound):
+    """(e^g [K], beta) of one position; a padding position (valid false) gets e^0 = 1 and beta 0: S unchanged."""
+    g = jnp.where(valid, _gate(z, alog, dtb, gate, lower_bound), 0.0)
+    return jnp.exp(g), jnp.where(valid, jax.nn.sigmoid(beta_logit), 0.0)
+
+
+def _delta_step(s, decay, k, beta, v, q, act_dtype):
+    """One delta-rule step on state rows s [rows, K] (row-separable over V): decay, correct, read out.
+    Returns the new rows and o [rows] rounded to the activation dtype as the reference rounds it (then fp32)."""
+    s = s * decay[None, :]
+    err = v - jnp.sum(s * k[None, :], axis=1)  # [rows]
+    s = s + (beta * err)[:, None] * k[None, :]
+    return s, jnp.sum(s * q[None, :], axis=1).astype(act_dtype).astype(jnp.float32)
+
+
+def _gated_rms_norm(o_blocks, weight_blocks, gate_blocks, eps):
+    """RMSNorm over all V of o (given in V-blocks), times the weight and sigmoid(gate), block by block."""
+    sum_sq = jnp.sum(o_blocks[0] * o_blocks[0])
+    for o in o_blocks[1:]:
+        sum_sq = sum_sq + jnp.sum(o * o)
+    inv_rms = lax.rsqrt(sum_sq / sum(o.shape[0] for o in o_blocks) + eps)
+    return [o * inv_rms * w * jax.nn.sigmoid(g) for o, w, g in zip(o_blocks, weight_blocks, gate_blocks)]
+
+
+def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref,
+              onw_ref, state_ref, y_ref, conv_out_ref, state_out_ref, qk_conv_out_ref, *, b, h, part, rows, block_v,
+              prefetch, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
+    # slots_ref, lens_ref, fresh_ref: [B] int32 (fresh != 0: start from zero states); x_ref: [B, T, 3*H*K] raw q|k|v
+    #   projections (pre-conv); conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
+    # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
+    # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
+    # y_ref: [B, T, H, V] (activation dtype): gated-normed output when rows == V, else raw o (normed outside)
+    # decode:  conv_out_ref: [P, W-1, 3*H*K] (aliases conv_ref); state_out_ref: [P, H, V, K] (aliases state_ref)
+    # verify:  conv_out_ref: [B, T, W-1, 3*H*K]; state_out_ref: [B, T, H, V, K]
+    # qk_conv_out_ref (decode with rows < V only, else None): [B, W-1, 2*H*K] the new q|k conv state, scattered into
+    #   the pool outside: every program of the head reads the head's q|k conv state, so none may overwrite it in place.
+    # The body of both kernels: sequence b, head h, state rows [part*rows, (part+1)*rows) walked in V-blocks of block_v
+    # rows one after another (registers hold 1 + prefetch blocks). The delta rule is row-separable over V, so
+    # programs owning different rows of one (sequence, head) exchange nothing but the output norm's mean square.
+    f32 = jnp.float32
+    slot, length = slots_ref[b], lens_ref[b]
+    from_pool = fresh_ref[b] == 0  # a fresh row's loads are masked off: zeros, and its slot is not read
+    num_heads, dk, dv = alog_ref.shape[0], dtb_ref.shape[1], onw_ref.shape[0]
+    width = convw_ref.shape[0]
+    whole_head = rows == dv  # the only program of the head: conv state written in place, gated RMSNorm fused
+    num_blocks = rows // block_v
+    blocks = [pl.ds(part * rows + j * block_v, block_v) for j in range(num_blocks)]  # rows within the head
+    # this head's q and k channels (every program of the head computes them: 2*K channels, cheap), then its v
+    # channels block by block (v channel i of the head is state row i)
+    segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk)] + [
+        pl.ds((2 * num_heads + h) * dk + part * rows + j * block_v, block_v) for j in range(num_blocks)]
+
+    # Each V-block's loads (its state rows and its v channels' conv operands) are issued `prefetch` blocks ahead of
+    # its compute: manual double buffering. Triton keeps program order, and the state pool is aliased to the output,
+    # so nothing would hoist block j+1's loads above block j's store by itself. The first 1 + prefetch blocks' loads
+    # go out before the q / k conv, so their latency overlaps it. A block's v conv is computed only when its turn
+    # comes: Triton computes it in the row layout of the [block_v, K] state (each thread holds block_v / num_warps
+    # rows, replicated across its warp), so doing every block's up front held them all in registers (ptxas: 210+).
+    pending = {}
+
+    def issue_block_loads(j):
+        if j < num_blocks and j not in pending:
+            pending[j] = (_pool_load(state_ref.at[slot, h, blocks[j], :], from_pool).astype(f32),  # [block_v, K]
+                          _conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2 + j], from_pool, num_tokens,
+                                         act_dtype))
+
+    for j in range(prefetch + 1):
+        issue_block_loads(j)
+
+    valids = [t < length for t in range(num_tokens)]
+
+    def write_conv_state(i, conv):  # segment i's conv state: after every position (verify) or the kept inputs
+        acts, windows, kept = conv
+        for r in range(width - 1):
+            if all_states:
+                for t in range(num_tokens):
+                    conv_out_ref[b, t, r, segs[i]] = windows[t][r].astype(conv_out_ref.dtype)
+            elif i >= 2 or whole_head:  # in place: this program is the only reader of these channels, and has read them
+                conv_out_ref[slot, r, segs[i]] = kept[r].astype(conv_out_ref.dtype)
+            else:  # other programs of this head may still be reading the pool's q|k channels
+                qk_conv_out_ref[b, r, pl.ds((i * num_heads + h) * dk, dk)] = kept[r].astype(conv_out_ref.dtype)
+
+    alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
+    qk_conv = [_short_conv(_conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[i], from_pool, num_tokens,
+                                          act_dtype), valids, act_dtype) for i in range(2)]
+    for i in range(2):  # the q|k conv channels are written by one program of the head only
+        if whole_head:
+            write_conv_state(i, qk_conv[i])
+        else:
+            pl.when(part == 0)(functools.partial(write_conv_state, i, qk_conv[i]))
+    qs, ks, decays, betas = [], [], [], []
+    for t in range(num_tokens):
+        q, k = _qk_norm(qk_conv[0][0][t], qk_conv[1][0][t])
+        decay, beta = _decay_beta(z_ref[b, t, h, :].astype(f32), b_ref[b, t, h].astype(f32), alog, dtb, valids[t],
+                                  gate, lower_bound)
+        qs.append(q), ks.append(k), decays.append(decay), betas.append(beta)
+
+    outs = [[None] * num_blocks for _ in range(num_tokens)]  # o per position and V-block
+    for j in range(num_blocks):
+        issue_block_loads(j + prefetch)  # before block j's compute and store: `prefetch` blocks stay in flight
+        s, v_operands = pending.pop(j)
+        v_conv = _short_conv(v_operands, valids, act_dtype)
+        write_conv_state(2 + j, v_conv)
+        for t in range(num_tokens):
+            s, outs[t][j] = _delta_step(s, decays[t], ks[t], betas[t], v_conv[0][t], qs[t], act_dtype)
+            if all_states:
+                state_out_ref[b, t, h, blocks[j], :] = s
+            if not whole_head:  # raw o (already rounded as the reference rounds it): the norm is applied outside
+                y_ref[b, t, h, blocks[j]] = outs[t][j].astype(y_ref.dtype)
+        if not all_states:
+            state_out_ref[slot, h, blocks[j], :] = s
+    if whole_head:  # gated RMSNorm over all V: the mean square from every block, then each block
+        for t in range(num_tokens):
+            ys = _gated_rms_norm(outs[t], [onw_ref[blk].astype(f32) for blk in blocks],
+                                 [og_ref[b, t, h, blk].astype(f32) for blk in blocks], eps)
+            for blk, y in zip(blocks, ys):
+                y_ref[b, t, h, blk] = y.astype(y_ref.dtype)
+
+
+def _blocked_kernel(*refs, block_v, **kw):
+    # Refs as in _kda_rows (the q|k side output present only in decode with block_v < V). Grid (V / block_v, H, B):
+    # program (vb, h, b) owns state rows [vb*block_v, (vb+1)*block_v) of head h of sequence b, one block.
+    qk_side = refs[16:]
+    _kda_rows(*refs[:16], qk_side[0] if qk_side else None, b=pl.program_id(2), h=pl.program_id(1),
+              part=pl.program_id(0), rows=block_v, block_v=block_v, **kw)
+
+
+def _looped_kernel(*refs, **kw):
+    # Refs as in _kda_rows (no q|k side output). Grid (H, B): program (h, b) owns ALL the state rows of head h of
+    # sequence b and walks them in V-blocks: q and k computed once per head, the conv state written in place by its
+    # only reader, the gated RMSNorm (which needs all of V) fused.
+    _kda_rows(*refs, None, b=pl.program_id(1), h=pl.program_id(0), part=0, rows=refs[11].shape[0], **kw)
+
+
+def _tiling(block_v, num_warps, dv, all_states, loop_v=False, prefetch=None):
+    """(block_v, num_warps, prefetch) with the defaults filled in and checked (see `kda_decode`)."""
     if block_v is None:
         block_v = min(DEFAULT_LOOP_BLOCK_V if loop_v else DEFAULT_VERIFY_BLOCK_V if all_states else DEFAULT_BLOCK_V, dv)
     if not isinstance(block_v, int) or block_v < 1 or block_v & (block_v - 1) or block_v > dv:
@@ -261,7 +283,12 @@ def _tiling(block_v, num_warps, dv, all_states, loop_v=False):
         num_warps = 8 if block_v == dv and not loop_v else DEFAULT_BLOCKED_WARPS
     if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32:
         raise ValueError(f"num_warps must be a power of two in 1..32; got {num_warps!r}")
-    return block_v, num_warps
+    if prefetch is None:
+        prefetch = DEFAULT_PREFETCH
+    if not isinstance(prefetch, int) or prefetch < 0:  # (a bool is an int: True = 1 block ahead)
+        raise ValueError(f"prefetch must be a number of V-blocks >= 0 (or a bool); got {prefetch!r}")
+    # a program holds V // block_v blocks (looped) or one: loads further ahead than its last block do not exist
+    return block_v, num_warps, min(int(prefetch), (dv // block_v if loop_v else 1) - 1)
 
 
 def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
@@ -298,10 +325,10 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
-                                             "num_warps", "loop_v"))
+                                             "num_warps", "loop_v", "prefetch"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
-               interpret=False, block_v=None, num_warps=None, loop_v=None):
+               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -324,6 +351,10 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         (grid H x B): q / k computed once per head, the conv state written in place and the gated RMSNorm fused
         -- one launch per layer instead of the blocked kernel's three (kernel, q|k conv scatter, norm epilogue).
         None: DEFAULT_LOOP_V for decode (with block_v None: DEFAULT_LOOP_BLOCK_V rows, 4 warps), False for verify.
+      prefetch: with loop_v, how many V-blocks ahead of the one being computed the program issues its loads (the
+        block's state rows and its v channels' conv inputs): 0 = each block's loads wait for the previous block's
+        compute and store; 1 (or True) = double buffering, 2 blocks in registers. Capped at V / block_v - 1; no
+        effect with one block per program (V-blocked grid, or block_v == V). None: DEFAULT_PREFETCH. Same results.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -336,7 +367,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     p, h, dv, dk = state.shape
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
     loop_v = (DEFAULT_LOOP_V and not all_states) if loop_v is None else loop_v
-    block_v, num_warps = _tiling(block_v, num_warps, dv, all_states, loop_v)
+    block_v, num_warps, prefetch = _tiling(block_v, num_warps, dv, all_states, loop_v, prefetch)
     w1 = conv_state.shape[1]
     act = qkv.dtype
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
@@ -354,10 +385,11 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         if block_v < dv:
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+    body = dict(num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps, all_states=all_states, act_dtype=act,
+                block_v=block_v, prefetch=prefetch)
     if loop_v:
         y, conv_out, state_out = pl.pallas_call(
-            functools.partial(_looped_kernel, num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps,
-                              all_states=all_states, act_dtype=act, block_v=block_v),
+            functools.partial(_looped_kernel, **body),
             grid=(h, bsz),
             in_specs=[full(x) for x in ins],
             out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape[:3]],
@@ -369,8 +401,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     # Grid (V-blocks, H, B): program_id(0) varies fastest (CUDA x), so neighbouring programs stream
     # neighbouring rows of one (slot, head) state -- fla's order (V-block fastest, then head, then sequence).
     y, conv_out, state_out, *qk_conv = pl.pallas_call(
-        functools.partial(_decode_kernel, num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps,
-                          all_states=all_states, act_dtype=act, block_v=block_v),
+        functools.partial(_blocked_kernel, **body),
         grid=(dv // block_v, h, bsz),
         in_specs=[full(x) for x in ins],
         out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape],

@@ -153,6 +153,38 @@ def test_fresh_rows_ignore_their_slots(block_v, t, verify, loop_v):
         assert rel(got[2][2], pools["state"][2]) > 1e-3  # the non-fresh row moved on from its own state
 
 
+PREFETCH_CASES = [  # (block_v, prefetch, T, verify, gate); V = 64: 4, 2 or 1 looped V-blocks per program
+    (16, 1, 1, False, "lower_bound"), (16, 3, 4, False, "softplus"), (32, True, 4, True, "lower_bound"),
+    (64, 1, 1, False, "softplus")]
+
+
+@pytest.mark.parametrize("block_v,prefetch,t,verify,gate", PREFETCH_CASES)
+def test_looped_prefetch_matches_reference(block_v, prefetch, t, verify, gate):
+    """The looped kernel with its state / v-conv loads issued `prefetch` V-blocks ahead (1; 3 = every block in
+    flight; True = 1; 64 = V: one block, nothing to prefetch), decode (T 1, in-place multi-token T 4) and verify
+    (T 4), one head: shuffled slots in a pool of 7, ragged lengths with an idle row, a fresh row whose slot holds inf /
+    NaN garbage, non-zero states. y at the valid positions and the pools / per-position states match the
+    reference; in decode, slots outside the batch and the idle row's are bit-identical to before."""
+    step, pools, params = decode_inputs(40 + block_v + t, bsz=4, t=t, h=1, dk=64, pool=7)
+    slots, lengths, fresh = [6, 2, 0, 4], ([1, 0, 1, 1] if t == 1 else [t, 0, 2, t - 1]), [0, 0, 1, 0]
+    conv, state = np.array(pools["conv_state"]), np.array(pools["state"])
+    state[0, 0, 7, :3], conv[0, 2, :3] = [np.nan, np.inf, -1e30], [np.inf, np.nan, -np.inf]  # the fresh row's slot
+    pools = dict(conv_state=jnp.asarray(conv), state=jnp.asarray(state))
+    kw = dict(gate=gate, all_states=verify, fresh=jnp.asarray(fresh, jnp.int32))
+    got = call(kda_decode, step, pools, params, slots, lengths, interpret=True, block_v=block_v, loop_v=True,
+               prefetch=prefetch, **kw)
+    want = call(kda_decode_reference, step, pools, params, slots, lengths, **kw)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(np.asarray(got[0])[valid], np.asarray(want[0])[valid]) < 1e-5
+    live = np.array([0, 2, 3]) if verify else slice(None)  # verify: per-row states of rows with tokens
+    for g, w in zip(got[1:], want[1:]):
+        assert np.isfinite(np.asarray(g[live])).all() and rel(g[live], w[live]) < 1e-5
+    if not verify:
+        untouched = np.array([1, 2, 3, 5])  # 2 is the idle row's slot
+        np.testing.assert_array_equal(got[2][untouched], pools["state"][untouched])
+        np.testing.assert_array_equal(got[1][untouched], pools["conv_state"][untouched])
+
+
 @pytest.mark.parametrize("block_v", [8, 16])
 def test_bf16_activations(block_v):
     """bf16 activations, whole-state (16 = V) and blocked (8): the blocked kernel writes o rounded to bf16
@@ -184,3 +216,6 @@ def test_bad_arguments_raise():
             call(kda_decode, step, pools, params, [0], [1], block_v=block_v, interpret=True)
     with pytest.raises(ValueError, match="num_warps must be"):
         call(kda_decode, step, pools, params, [0], [1], num_warps=3, interpret=True)
+    for prefetch in (-1, 1.5):
+        with pytest.raises(ValueError, match="prefetch must be"):
+            call(kda_decode, step, pools, params, [0], [1], prefetch=prefetch, loop_v=True, interpret=True)
