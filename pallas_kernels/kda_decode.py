@@ -50,6 +50,20 @@ its head's state in 64-row blocks one after another (registers hold one block), 
 whole conv state in place (it is the only reader of the head's channels) and fuses the gated RMSNorm (the blocks'
 o are kept, [T, V] in all): one launch per layer instead of three, and 0.262 / 1.010 ms at B64 / B256 (V-blocked 32:
 0.269 / 1.014; fla 0.286 / 1.166; 74 / 77 % of copy). Verify keeps the V-blocked grid until its looped form is timed.
+
+Code layout (2026-11-30, eighth session): both kernels run one body, `_kda_rows` (a program's rows of one head walked
+in V-blocks), built from one copy of the per-segment pieces (`_conv_operands` / `_short_conv`, `_qk_norm`,
+`_decay_beta`, `_delta_step`, `_gated_rms_norm`); `_blocked_kernel` and `_looped_kernel` differ only in their grid
+walk (bit-identical results to the two earlier kernels in interpret mode). Two looped-kernel options, both untimed:
+`prefetch` issues each V-block's loads (state rows, v conv inputs) that many blocks ahead of its compute, since
+Triton keeps program order and the aliased pool stops any hoisting of block j+1's load above block j's store; and
+`fold_v` convolves the head's v once with q and k and picks each block's v inside its S k reduction. Why fold_v:
+ptxas (offline proxy, docs/results/kda_decode_ptxas_sm90a_2026-11-30g.json) showed the registers were not the state
+tile (32 per thread for 32 rows at 4 warps) but the v conv: Triton computes a block's v in the state's row layout,
+each thread holding block_v / num_warps rows replicated across its warp, with scalar loads. Looped 32 rows x 4 warps
+T1: 255 registers + 116 B spills before (every block's v conv up front), 168 with each block's v conv at its turn,
+255 (no spill) with prefetch 1; fold_v: 128, and 168 with prefetch 1 (two 32-row blocks in flight per program).
+Loop-carried num_stages pipelining does not apply: the V walk is unrolled (a few blocks), not an scf.for.
 """
 
 from __future__ import annotations
@@ -80,6 +94,8 @@ DEFAULT_LOOP_BLOCK_V = 64
 # waits for the previous block's compute and store, the kernel timed above). Untimed on the H200 as of 2026-11-30
 # (eighth session): 0 until it is.
 DEFAULT_PREFETCH = 0
+# fold_v=None's choice (see `kda_decode`): untimed as of 2026-11-30 (eighth session), off until it is.
+DEFAULT_FOLD_V = False
 _L2_EPS = 1e-6
 
 
@@ -145,11 +161,17 @@ def _decay_beta(z, beta_logit, alog, dtb, valid, gate, lower_bound):
     return jnp.exp(g), jnp.where(valid, jax.nn.sigmoid(beta_logit), 0.0)
 
 
-def _delta_step(s, decay, k, beta, v, q, act_dtype):
+def _delta_step(s, decay, k, beta, v, q, act_dtype, v_select=None):
     """One delta-rule step on state rows s [rows, K] (row-separable over V): decay, correct, read out.
+    v: the rows' v [rows]; or, with v_select ([rows, K] bool, row i's v channel == column c), the head's v [V == K],
+    folded into the S k reduction: err_i = sum_c (v_select[i, c] v_c - S_ic k_c) (the same terms as v_i - S_i k,
+    summed in another order).
     Returns the new rows and o [rows] rounded to the activation dtype as the reference rounds it (then fp32)."""
     s = s * decay[None, :]
-    err = v - jnp.sum(s * k[None, :], axis=1)  # [rows]
+    if v_select is None:
+        err = v - jnp.sum(s * k[None, :], axis=1)  # [rows]
+    else:
+        err = jnp.sum(jnp.where(v_select, v[None, :], 0.0) - s * k[None, :], axis=1)
     s = s + (beta * err)[:, None] * k[None, :]
     return s, jnp.sum(s * q[None, :], axis=1).astype(act_dtype).astype(jnp.float32)
 
@@ -165,7 +187,7 @@ def _gated_rms_norm(o_blocks, weight_blocks, gate_blocks, eps):
 
 def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref,
               onw_ref, state_ref, y_ref, conv_out_ref, state_out_ref, qk_conv_out_ref, *, b, h, part, rows, block_v,
-              prefetch, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
+              prefetch, fold_v, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
     # slots_ref, lens_ref, fresh_ref: [B] int32 (fresh != 0: start from zero states); x_ref: [B, T, 3*H*K] raw q|k|v
     #   projections (pre-conv); conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
     # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
@@ -187,9 +209,10 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     num_blocks = rows // block_v
     blocks = [pl.ds(part * rows + j * block_v, block_v) for j in range(num_blocks)]  # rows within the head
     # this head's q and k channels (every program of the head computes them: 2*K channels, cheap), then its v
-    # channels block by block (v channel i of the head is state row i)
-    segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk)] + [
+    # channels block by block (v channel i of the head is state row i), or (fold_v) all of them as one segment
+    v_segs = [pl.ds((2 * num_heads + h) * dk, dv)] if fold_v else [
         pl.ds((2 * num_heads + h) * dk + part * rows + j * block_v, block_v) for j in range(num_blocks)]
+    segs = [pl.ds(h * dk, dk), pl.ds((num_heads + h) * dk, dk)] + v_segs
 
     # Each V-block's loads (its state rows and its v channels' conv operands) are issued `prefetch` blocks ahead of
     # its compute: manual double buffering. Triton keeps program order, and the state pool is aliased to the output,
@@ -197,13 +220,15 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     # go out before the q / k conv, so their latency overlaps it. A block's v conv is computed only when its turn
     # comes: Triton computes it in the row layout of the [block_v, K] state (each thread holds block_v / num_warps
     # rows, replicated across its warp), so doing every block's up front held them all in registers (ptxas: 210+).
+    # fold_v instead convolves the head's v channels once, with q and k, in the column layout (K / 32 lanes / 4 per
+    # thread... a few registers), and each block picks its rows' v inside the S k reduction (`_delta_step`).
     pending = {}
 
     def issue_block_loads(j):
         if j < num_blocks and j not in pending:
             pending[j] = (_pool_load(state_ref.at[slot, h, blocks[j], :], from_pool).astype(f32),  # [block_v, K]
-                          _conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2 + j], from_pool, num_tokens,
-                                         act_dtype))
+                          None if fold_v else _conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2 + j],
+                                                             from_pool, num_tokens, act_dtype))
 
     for j in range(prefetch + 1):
         issue_block_loads(j)
@@ -222,11 +247,12 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
                 qk_conv_out_ref[b, r, pl.ds((i * num_heads + h) * dk, dk)] = kept[r].astype(conv_out_ref.dtype)
 
     alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
-    qk_conv = [_short_conv(_conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[i], from_pool, num_tokens,
-                                          act_dtype), valids, act_dtype) for i in range(2)]
-    for i in range(2):  # the q|k conv channels are written by one program of the head only
+    head_conv = [_short_conv(_conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[i], from_pool, num_tokens,
+                                            act_dtype), valids, act_dtype) for i in range(3 if fold_v else 2)]
+    qk_conv = head_conv[:2]
+    for i in range(len(head_conv)):  # the q|k conv channels are written by one program of the head only
         if whole_head:
-            write_conv_state(i, qk_conv[i])
+            write_conv_state(i, head_conv[i])
         else:
             pl.when(part == 0)(functools.partial(write_conv_state, i, qk_conv[i]))
     qs, ks, decays, betas = [], [], [], []
@@ -240,10 +266,13 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     for j in range(num_blocks):
         issue_block_loads(j + prefetch)  # before block j's compute and store: `prefetch` blocks stay in flight
         s, v_operands = pending.pop(j)
-        v_conv = _short_conv(v_operands, valids, act_dtype)
-        write_conv_state(2 + j, v_conv)
+        if fold_v:  # the head's v, and which of its channels are this block's rows
+            v_conv, v_select = head_conv[2], (jnp.arange(block_v) + j * block_v)[:, None] == jnp.arange(dk)[None, :]
+        else:
+            v_conv, v_select = _short_conv(v_operands, valids, act_dtype), None
+            write_conv_state(2 + j, v_conv)
         for t in range(num_tokens):
-            s, outs[t][j] = _delta_step(s, decays[t], ks[t], betas[t], v_conv[0][t], qs[t], act_dtype)
+            s, outs[t][j] = _delta_step(s, decays[t], ks[t], betas[t], v_conv[0][t], qs[t], act_dtype, v_select)
             if all_states:
                 state_out_ref[b, t, h, blocks[j], :] = s
             if not whole_head:  # raw o (already rounded as the reference rounds it): the norm is applied outside
@@ -325,10 +354,10 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
-                                             "num_warps", "loop_v", "prefetch"))
+                                             "num_warps", "loop_v", "prefetch", "fold_v"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
-               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None):
+               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -355,6 +384,10 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         block's state rows and its v channels' conv inputs): 0 = each block's loads wait for the previous block's
         compute and store; 1 (or True) = double buffering, 2 blocks in registers. Capped at V / block_v - 1; no
         effect with one block per program (V-blocked grid, or block_v == V). None: DEFAULT_PREFETCH. Same results.
+      fold_v: one program per head only (loop_v, or block_v == V): convolve the head's v channels once with q and
+        k, and fold each V-block's v into its S k reduction (err = sum_c (onehot_ic v_c - S_ic k_c)) instead of
+        convolving each block's v in the state's row layout (replicated across a warp: many registers). The
+        same terms as the reference's v - S k, summed in another order (fp32 rounding only). None: DEFAULT_FOLD_V.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -368,6 +401,10 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
     loop_v = (DEFAULT_LOOP_V and not all_states) if loop_v is None else loop_v
     block_v, num_warps, prefetch = _tiling(block_v, num_warps, dv, all_states, loop_v, prefetch)
+    fold_v = DEFAULT_FOLD_V if fold_v is None else fold_v
+    if fold_v and not (loop_v or block_v == dv):
+        raise ValueError("fold_v needs one program per head (loop_v=True or block_v == V): with V-blocked programs "
+                         "every program would read the head's v conv state that another one rewrites in place")
     w1 = conv_state.shape[1]
     act = qkv.dtype
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
@@ -386,7 +423,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
     body = dict(num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps, all_states=all_states, act_dtype=act,
-                block_v=block_v, prefetch=prefetch)
+                block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v))
     if loop_v:
         y, conv_out, state_out = pl.pallas_call(
             functools.partial(_looped_kernel, **body),

@@ -9,7 +9,8 @@ The solve="pallas" cases and the per-kernel tests (each Pallas kernel of the chu
 D128, against its own reference; added with the one-kernel-per-file split) have not run on a GPU yet
 (added after the 2026-11-30 device runs); nor have the V-blocked decode cases (block_v < 128), nor the decode
 fresh flag (masked-off pool loads: test_decode_fresh_rows_match_reference), nor the model's verify step reading
-the stacked pools in place (test_verify_step_reads_stacked_pools_in_place).
+the stacked pools in place (test_verify_step_reads_stacked_pools_in_place), nor the looped decode's prefetch
+and fold_v (test_decode_looped_prefetch_fold_match_reference, added in the eighth session).
 """
 
 import re
@@ -156,6 +157,42 @@ def test_decode_fresh_rows_match_reference(t, all_states, block_v, loop_v):
         np.testing.assert_array_equal(got[2][untouched], state_pool[untouched])
         np.testing.assert_array_equal(got[1][untouched], conv_pool[untouched])
         assert not got[2][3].any() and not got[1][3].any()
+
+
+@pytest.mark.parametrize("t,all_states,block_v,num_warps,prefetch,fold_v,loop_v", [
+    (1, False, 32, 4, 1, False, True), (1, False, 32, 4, 1, True, True), (1, False, 16, 4, 3, True, True),
+    (1, False, 64, 4, 1, False, True), (1, False, 32, 2, 0, True, True), (4, True, 32, 4, 1, False, True),
+    (4, True, 64, 4, 1, True, True), (4, False, 32, 4, 1, True, True), (1, False, 128, 8, 0, True, False)])
+def test_decode_looped_prefetch_fold_match_reference(t, all_states, block_v, num_warps, prefetch, fold_v, loop_v):
+    """The looped kernel's loads issued `prefetch` V-blocks ahead and fold_v (the head's v convolved once, picked
+    per block inside the S k reduction), compiled for the GPU: decode T1, in-place multi-token decode T4 and verify
+    T4, D128, with a fresh row whose slot holds NaN / inf garbage and an idle row; the whole-state V-blocked kernel
+    (128 = V) with fold_v. Outputs and pools / per-position states = reference, rows outside the batch untouched."""
+    rng = np.random.default_rng(5)
+    b, h, d, pool = 5, 4, 128, 9
+    arr = lambda *s: rng.standard_normal(s).astype(np.float32)
+    conv_pool, state_pool = arr(pool, 3, 3 * h * d), arr(pool, h, d, d)
+    conv_pool[8, 1, 2 * h * d: 2 * h * d + 4] = [np.nan, np.inf, -np.inf, 1e30]  # slot 8 is a fresh row's (v channels)
+    state_pool[8, 2, 70, :4] = [np.nan, np.inf, -np.inf, 1e30]
+    slots, lengths = [7, 0, 3, 8, 1], [t, t, 0, 1, t]
+    fresh = jnp.asarray([0, 0, 0, 1, 0], jnp.int32)
+    args = (jnp.asarray(arr(b, t, 3 * h * d)), jnp.asarray(conv_pool), jnp.asarray(arr(4, 3 * h * d) * 0.5),
+            jnp.asarray(arr(b, t, h, d)), jnp.asarray(arr(b, t, h)), jnp.asarray(arr(b, t, h, d)),
+            jnp.asarray(state_pool), jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    kw = dict(a_log=jnp.asarray(arr(h) * 0.5), dt_bias=jnp.asarray(arr(h * d)),
+              o_norm_weight=jnp.asarray(1 + 0.1 * arr(d)), all_states=all_states, fresh=fresh)
+    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, num_warps=num_warps, loop_v=loop_v,
+                                    prefetch=prefetch, fold_v=fold_v))
+    want = jax.device_get(kda_decode_reference(*args, **kw))
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(got[0][valid], want[0][valid]) < 1e-5
+    live = np.array([0, 1, 3, 4]) if all_states else slice(None)
+    for g, w in zip(got[1:], want[1:]):
+        assert np.isfinite(g[live]).all() and rel(g[live], w[live]) < 1e-5
+    if not all_states:
+        untouched = np.array([2, 3, 4, 5, 6])  # 3 is the idle row's slot
+        np.testing.assert_array_equal(got[2][untouched], state_pool[untouched])
+        np.testing.assert_array_equal(got[1][untouched], conv_pool[untouched])
 
 
 # Two KDA layers (a wrong layer offset into the stacked pool shows) and one MLA layer, at D128 heads so the verify

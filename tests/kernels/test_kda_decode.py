@@ -153,16 +153,17 @@ def test_fresh_rows_ignore_their_slots(block_v, t, verify, loop_v):
         assert rel(got[2][2], pools["state"][2]) > 1e-3  # the non-fresh row moved on from its own state
 
 
-PREFETCH_CASES = [  # (block_v, prefetch, T, verify, gate); V = 64: 4, 2 or 1 looped V-blocks per program
-    (16, 1, 1, False, "lower_bound"), (16, 3, 4, False, "softplus"), (32, True, 4, True, "lower_bound"),
-    (64, 1, 1, False, "softplus")]
+PREFETCH_CASES = [  # (block_v, prefetch, T, verify, gate, fold_v); V = 64: 4, 2 or 1 looped V-blocks per program
+    (16, 1, 1, False, "lower_bound", True), (16, 3, 2, False, "softplus", False),
+    (32, True, 4, True, "lower_bound", False), (32, 0, 4, True, "softplus", True), (64, 1, 1, False, "softplus", True)]
 
 
-@pytest.mark.parametrize("block_v,prefetch,t,verify,gate", PREFETCH_CASES)
-def test_looped_prefetch_matches_reference(block_v, prefetch, t, verify, gate):
+@pytest.mark.parametrize("block_v,prefetch,t,verify,gate,fold_v", PREFETCH_CASES)
+def test_looped_prefetch_matches_reference(block_v, prefetch, t, verify, gate, fold_v):
     """The looped kernel with its state / v-conv loads issued `prefetch` V-blocks ahead (1; 3 = every block in
-    flight; True = 1; 64 = V: one block, nothing to prefetch), decode (T 1, in-place multi-token T 4) and verify
-    (T 4), one head: shuffled slots in a pool of 7, ragged lengths with an idle row, a fresh row whose slot holds inf /
+    flight; True = 1; 64 = V: one block, nothing to prefetch), with or without fold_v (the head's v convolved once
+    and picked per block inside the S k reduction), decode (T 1, in-place multi-token T 2) and verify (T 4), one
+    head: shuffled slots in a pool of 7, ragged lengths with an idle row, a fresh row whose slot holds inf /
     NaN garbage, non-zero states. y at the valid positions and the pools / per-position states match the
     reference; in decode, slots outside the batch and the idle row's are bit-identical to before."""
     step, pools, params = decode_inputs(40 + block_v + t, bsz=4, t=t, h=1, dk=64, pool=7)
@@ -172,7 +173,7 @@ def test_looped_prefetch_matches_reference(block_v, prefetch, t, verify, gate):
     pools = dict(conv_state=jnp.asarray(conv), state=jnp.asarray(state))
     kw = dict(gate=gate, all_states=verify, fresh=jnp.asarray(fresh, jnp.int32))
     got = call(kda_decode, step, pools, params, slots, lengths, interpret=True, block_v=block_v, loop_v=True,
-               prefetch=prefetch, **kw)
+               prefetch=prefetch, fold_v=fold_v, **kw)
     want = call(kda_decode_reference, step, pools, params, slots, lengths, **kw)
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel(np.asarray(got[0])[valid], np.asarray(want[0])[valid]) < 1e-5
@@ -219,3 +220,5 @@ def test_bad_arguments_raise():
     for prefetch in (-1, 1.5):
         with pytest.raises(ValueError, match="prefetch must be"):
             call(kda_decode, step, pools, params, [0], [1], prefetch=prefetch, loop_v=True, interpret=True)
+    with pytest.raises(ValueError, match="fold_v needs one program per head"):
+        call(kda_decode, step, pools, params, [0], [1], fold_v=True, loop_v=False, block_v=8, interpret=True)
