@@ -216,22 +216,25 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
 
     # Each V-block's loads (its state rows and its v channels' conv operands) are issued `prefetch` blocks ahead of
     # its compute: manual double buffering. Triton keeps program order, and the state pool is aliased to the output,
-    # so nothing would hoist block j+1's loads above block j's store by itself. The first 1 + prefetch blocks' loads
-    # go out before the q / k conv, so their latency overlaps it. A block's v conv is computed only when its turn
-    # comes: Triton computes it in the row layout of the [block_v, K] state (each thread holds block_v / num_warps
-    # rows, replicated across its warp), so doing every block's up front held them all in registers (ptxas: 210+).
-    # fold_v instead convolves the head's v channels once, with q and k, in the column layout (K / 32 lanes / 4 per
-    # thread... a few registers), and each block picks its rows' v inside the S k reduction (`_delta_step`).
-    pending = {}
+    # so nothing would hoist block j+1's loads above block j's store by itself. The first 1 + prefetch blocks' state
+    # loads go out before the q / k conv, so their latency overlaps it; their v conv operands after it. A block's v
+    # conv is computed only when its turn comes: Triton computes it in the row layout of the [block_v, K] state (each
+    # thread holds block_v / num_warps rows, replicated across its warp, with scalar loads), so every block's up front
+    # held them all in registers, and even one block's operands issued before the q / k conv stayed live across it
+    # (ptxas, T1 4 warps: looped 32 rows 255 registers + spills -> 134, V-blocked 32 158 -> 128).
+    # fold_v instead convolves the head's v channels once, with q and k, in the column layout (a few registers), and
+    # each block picks its rows' v inside the S k reduction (`_delta_step`).
+    pending, pending_conv = {}, {}  # V-block -> its state rows / its v conv operands, issued ahead of its turn
 
-    def issue_block_loads(j):
+    def issue_block_loads(j, conv_too=True):
         if j < num_blocks and j not in pending:
-            pending[j] = (_pool_load(state_ref.at[slot, h, blocks[j], :], from_pool).astype(f32),  # [block_v, K]
-                          None if fold_v else _conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2 + j],
-                                                             from_pool, num_tokens, act_dtype))
+            pending[j] = _pool_load(state_ref.at[slot, h, blocks[j], :], from_pool).astype(f32)  # [block_v, K]
+        if conv_too and j < num_blocks and j not in pending_conv:
+            pending_conv[j] = None if fold_v else _conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2 + j],
+                                                                 from_pool, num_tokens, act_dtype)
 
     for j in range(prefetch + 1):
-        issue_block_loads(j)
+        issue_block_loads(j, conv_too=False)
 
     valids = [t < length for t in range(num_tokens)]
 
@@ -263,9 +266,11 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
         qs.append(q), ks.append(k), decays.append(decay), betas.append(beta)
 
     outs = [[None] * num_blocks for _ in range(num_tokens)]  # o per position and V-block
+    for j in range(prefetch + 1):
+        issue_block_loads(j)
     for j in range(num_blocks):
         issue_block_loads(j + prefetch)  # before block j's compute and store: `prefetch` blocks stay in flight
-        s, v_operands = pending.pop(j)
+        s, v_operands = pending.pop(j), pending_conv.pop(j)
         if fold_v:  # the head's v, and which of its channels are this block's rows
             v_conv, v_select = head_conv[2], (jnp.arange(block_v) + j * block_v)[:, None] == jnp.arange(dk)[None, :]
         else:
