@@ -55,14 +55,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kda_chunk as kc
-from pallas_kernels import kda_intra
+from pallas_kernels import kda_intra, kda_intra_lk
 from pallas_kernels.kda_decode import kda_decode
 from pallas_kernels.kda_state_pass import kda_state_pass
 from pallas_kernels.kda_state_pass_split import kda_state_pass_split
 
 D = 128
 LB = -5.0
-KDA_CHUNK_STAGE1 = ("default", "v2", "pallas")  # kda_chunk's stage1 values; other --stage1 names time stage 1 alone
+KDA_CHUNK_STAGE1 = ("default", "v2", "pallas", "pallas2")  # kda_chunk's stage1 values; other --stage1 names time stage 1 alone
 
 
 class CaseTimeout(Exception):
@@ -279,7 +279,7 @@ def prefill_stages(row, b, t, args, x, ours, save):
     if not args.interpret:  # the GPU's own fusion decisions: the traffic proxy as XLA compiled it here
         try:
             # XLA stages only: a kda_intra variant is one custom call (no proxy), and its compile costs ~10 s
-            xla_stages = [v for v in args.stage1 if v != "pallas" and not v.startswith("pallas_")]
+            xla_stages = [v for v in args.stage1 if not v.startswith("pallas")]
             row["stage1_hlo"] = stage1_hlo(xla_stages, b, t, x["q"].shape[1])
         except CaseTimeout:
             raise
@@ -322,8 +322,9 @@ def profile_stage(fn, calls: int = 3) -> dict:
 def pallas_stage1_knobs(variant):
     """kda_intra's settings from a stage-1 variant name "pallas[_w<warps>][_s<stages>][_<inverse>][_skip-<part>
     [+<part>...]]", knobs in any order: warps (default 4), Triton num_stages (default 1), the inverse's dot
-    precision (ieee, tf32 or tf32x3; default tf32x3) and the benchmark-only ablation parts (kda_intra.SKIPPABLE:
-    load, exp, scan, lk, inverse, wu; wrong outputs, cost by difference). E.g. "pallas_w2", "pallas_w4_tf32",
+    precision (ieee, tf32, tf32x3, or blocks: the 16x16-block substitution with IEEE dots; default tf32x3) and the
+    benchmark-only ablation parts (kda_intra.SKIPPABLE:
+    load, exp, scan, lk, inverse, wu; wrong outputs, cost by difference). E.g. "pallas_w2", "pallas_w8_blocks",
     "pallas_w4_skip-inverse", "pallas_w8_skip-lk+inverse+wu"."""
     knobs = dict(num_warps=4, num_stages=1, inverse_precision="tf32x3", _skip=frozenset())
     for knob in variant.split("_")[1:]:
@@ -340,15 +341,42 @@ def pallas_stage1_knobs(variant):
     return knobs
 
 
+def pallas2_stage1_knobs(variant):
+    """The two-kernel stage 1's settings (`kda_chunk._intra_stage_pallas2`: `kda_intra_lk` then `kda_intra_wu`)
+    from a variant name "pallas2[_w<lk warps>][_k<block_k>][_wu<wu warps>][_<inverse>][_f32keep]", knobs in any
+    order: kda_intra_lk's warps (default 8), its K slice (default 128: the whole head dim), kda_intra_wu's warps (default 4), the
+    16x16 inverse's dot precision (ieee or tf32x3; default ieee) and f32keep (the factored key blocks kept in
+    fp32 instead of the stored dtype). E.g. "pallas2", "pallas2_w4_k32", "pallas2_k64_wu8_tf32x3"."""
+    knobs = dict(num_warps=8, block_k=128, wu_num_warps=4, inverse_precision="ieee", keep="stored")
+    for knob in variant.split("_")[1:]:
+        if re.fullmatch(r"w\d+", knob):
+            knobs["num_warps"] = int(knob[1:])
+        elif re.fullmatch(r"k\d+", knob):
+            knobs["block_k"] = int(knob[1:])
+        elif re.fullmatch(r"wu\d+", knob):
+            knobs["wu_num_warps"] = int(knob[2:])
+        elif knob in kda_intra_lk.INVERSE_PRECISIONS:
+            knobs["inverse_precision"] = knob
+        elif knob == "f32keep":
+            knobs["keep"] = "f32"
+        else:
+            raise ValueError(f"unknown knob {knob!r} in stage1 variant {variant!r} (see pallas2_stage1_knobs)")
+    return knobs
+
+
 def stage1_call(variant, tok_start, length, x, a, bias, solve="xla", interpret=False):
-    """Stage 1 (`kda_chunk._intra_stage`, the opt-in `_intra_stage_v2`, or the one-kernel `kda_intra` as
-    "pallas[_knob...]", see `pallas_stage1_knobs`: warps, stages, inverse precision, ablations; only plain
-    "pallas" is also a kda_chunk stage1 value, the others time the stage alone) as kda_chunk calls it."""
+    """Stage 1 (`kda_chunk._intra_stage`, the opt-in `_intra_stage_v2`, the one-kernel `kda_intra` as
+    "pallas[_knob...]", see `pallas_stage1_knobs`: warps, stages, inverse precision, ablations; or the
+    two-kernel `_intra_stage_pallas2` as "pallas2[_knob...]", see `pallas2_stage1_knobs`; only plain "pallas"
+    and "pallas2" are also kda_chunk stage1 values, the others time the stage alone) as kda_chunk calls it."""
     kw = dict(gate="lower_bound", lower_bound=LB, beta_sigmoid=True, qk_l2norm=True, scale=D**-0.5, bounded=True,
               stored=jnp.bfloat16)
     args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a, bias)
     if variant == "v2":
         return kc._intra_stage_v2(*args, **kw)
+    if variant == "pallas2" or variant.startswith("pallas2_"):
+        del kw["bounded"], kw["gate"]
+        return kc._intra_stage_pallas2(*args, **kw, **pallas2_stage1_knobs(variant), interpret=interpret)
     if variant == "pallas" or variant.startswith("pallas_"):
         del kw["bounded"]
         return kda_intra.kda_intra(*args, **kw, **pallas_stage1_knobs(variant), interpret=interpret)

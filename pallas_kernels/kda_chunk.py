@@ -86,6 +86,8 @@ from pallas_kernels.kda_common import HIGHEST as _HI
 from pallas_kernels.kda_common import MAX_DIAG_EXPONENT as _MAX_DIAG_EXPONENT
 from pallas_kernels.kda_common import identity as _identity
 from pallas_kernels.kda_intra import kda_intra
+from pallas_kernels.kda_intra_lk import kda_intra_lk
+from pallas_kernels.kda_intra_wu import kda_intra_wu
 from pallas_kernels.kda_state_pass import kda_state_pass
 from pallas_kernels.kda_state_pass_split import kda_state_pass_split
 
@@ -299,6 +301,20 @@ def _intra_stage_v2(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, gate
     return w, u, qg, kg, aqk, jnp.exp(g_last)
 
 
+def _intra_stage_pallas2(tok_start, length, q, k, v, g, beta, a_log, dt_bias, *, lower_bound, beta_sigmoid,
+                         qk_l2norm, scale, stored, num_warps=8, block_k=128, wu_num_warps=4, inverse_precision="ieee",
+                         keep="stored", interpret=False):
+    """Stage 1 as two Pallas kernels (`kda_chunk(stage1="pallas2")`, bounded gate): `kda_intra_lk` (gate, norms,
+    cumsum, the elementwise outputs, Aqk and A diag(beta) by 16-row blocks) then `kda_intra_wu` (W, U); the
+    same six outputs as `_intra_stage_v2`."""
+    a_beta, kw, qg, kg, aqk, gc = kda_intra_lk(
+        tok_start, length, q, k, g, beta, a_log, dt_bias, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm, scale=scale, stored=stored, num_warps=num_warps, block_k=block_k,
+        inverse_precision=inverse_precision, keep=keep, interpret=interpret)
+    w, u = kda_intra_wu(tok_start, length, v, a_beta, kw, num_warps=wu_num_warps, interpret=interpret)
+    return w, u, qg, kg, aqk, gc
+
+
 def chunk_table(cu_seqlens, start_positions, num_chunks, page_size, seq_lens=None):
     """Chunks of every sequence, aligned to absolute multiples of CHUNK.
 
@@ -380,7 +396,7 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
               seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4,
-              state_pass="fused", solve="xla", stage1="default", stage1_num_warps=4, stage1_inverse="tf32x3"):
+              state_pass="fused", solve="xla", stage1="default", stage1_num_warps=None, stage1_inverse=None):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -408,9 +424,12 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       stage1: "default" (`_intra_stage`) or "v2" (`_intra_stage_v2`: the same stage with fewer and smaller
         intermediates, 1.16x faster on the H200 and the model's choice; XLA L / Aqk only, so solve must be "xla")
         or "pallas" (`kda_intra`: the whole stage as one Pallas kernel per chunk and head, reading the packed
-        inputs; bounded gate only: an unbounded one takes "v2"; solve must be "xla"; slower than v2 on the H200).
-      stage1_num_warps, stage1_inverse: stage1="pallas"'s Triton warps and its inverse's dot precision
-        ("tf32x3" or "ieee"; see `kda_intra`).
+        inputs; bounded gate only: an unbounded one takes "v2"; solve must be "xla"; slower than v2 on the H200
+        with its default tf32x3 inverse) or "pallas2" (`_intra_stage_pallas2`: `kda_intra_lk` by 16-row blocks,
+        then `kda_intra_wu`; bounded gate only, as "pallas"; not yet timed on a GPU).
+      stage1_num_warps, stage1_inverse: stage1="pallas"'s Triton warps (default 4) and its inverse (default
+        "tf32x3"; "blocks" for the 16x16-block substitution; see `kda_intra`), or stage1="pallas2"'s
+        `kda_intra_lk` warps (default 8) and inverse dot precision (default "ieee"; or "tf32x3").
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
@@ -421,8 +440,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         raise ValueError(f"state_pass must be 'fused' or 'split'; got {state_pass!r}")
     if solve not in ("xla", "pallas"):
         raise ValueError(f"solve must be 'xla' or 'pallas'; got {solve!r}")
-    if stage1 not in ("default", "v2", "pallas"):
-        raise ValueError(f"stage1 must be 'default', 'v2' or 'pallas'; got {stage1!r}")
+    if stage1 not in ("default", "v2", "pallas", "pallas2"):
+        raise ValueError(f"stage1 must be 'default', 'v2', 'pallas' or 'pallas2'; got {stage1!r}")
     if stage1 != "default" and solve != "xla":
         raise ValueError(f"stage1={stage1!r} computes L / Aqk itself: solve must be 'xla'; got {solve!r}")
     t, h, dk = q.shape
@@ -440,9 +459,14 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     if stage1 == "pallas" and bounded:
         w, u, qg, kg, aqk, gc = kda_intra(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
                                           lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-                                          scale=scale, stored=stored, num_warps=stage1_num_warps,
-                                          inverse_precision=stage1_inverse, interpret=interpret)
-    elif stage1 in ("v2", "pallas"):  # "pallas" with an unbounded gate: the XLA stage (see kda_intra)
+                                          scale=scale, stored=stored, num_warps=stage1_num_warps or 4,
+                                          inverse_precision=stage1_inverse or "tf32x3", interpret=interpret)
+    elif stage1 == "pallas2" and bounded:
+        w, u, qg, kg, aqk, gc = _intra_stage_pallas2(
+            tok_start, length, q, k, v, g, beta, a, b, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
+            qk_l2norm=qk_l2norm, scale=scale, stored=stored, num_warps=stage1_num_warps or 8,
+            inverse_precision=stage1_inverse or "ieee", interpret=interpret)
+    elif stage1 in ("v2", "pallas", "pallas2"):  # a Pallas stage with an unbounded gate: the XLA stage (kda_intra)
         w, u, qg, kg, aqk, gc = _intra_stage_v2(tok_start, length, q, k, v, g, beta, a, b, **stage_kw)
     else:
         w, u, qg, kg, aqk, gc = _intra_stage(tok_start, length, q, k, v, g, beta, a, b, solve=solve,

@@ -64,7 +64,7 @@ from pallas_kernels.kda_common import CHUNK, HIGHEST, MAX_DIAG_EXPONENT, NSUB, S
 from pallas_kernels.kda_common import is_pow2_at_least_16
 
 GATES = ("lower_bound",)  # bounded gates only; see the module docstring
-INVERSE_PRECISIONS = ("tf32x3", "ieee", "tf32")
+INVERSE_PRECISIONS = ("tf32x3", "ieee", "tf32", "blocks")  # "blocks": 16x16-block substitution (see _block_inverse)
 _L2_EPS = 1e-6  # as kda_chunk (the L2 norm's epsilon)
 _DOUBLINGS = 3  # (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) for D strictly lower inside 16x16 blocks
 # Benchmark-only ablations (`kda_intra(_skip=...)`, benchmarks/kda.py stage1 "pallas_..._skip-<a>+<b>"): each
@@ -166,13 +166,15 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     lkk = jnp.where(r2 > c2, beta[:, None] * lkk, 0.0)  # strictly lower L (beta applied)
     aqk_ref[...] = jnp.where(r2 >= c2, aqk, 0.0).astype(aqk_ref.dtype)
 
-    inv_prec = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "ieee": HIGHEST,
+    inv_prec = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "ieee": HIGHEST, "blocks": HIGHEST,
                 "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}[inverse_precision]
     mm = lambda a, b_: dot(a, b_, precision=inv_prec)
     same16 = r2 // SUB == c2 // SUB
     same32 = r2 // (2 * SUB) == c2 // (2 * SUB)
     if "inverse" in skip:  # ablation: first order, no dots (L stays live)
         inv = identity(CHUNK) - lkk
+    elif inverse_precision == "blocks":
+        inv = _block_inverse(lkk, mm)
     else:
         diag = jnp.where(same16, lkk, 0.0)  # the 4 diagonal 16x16 blocks of L
         power = diag
@@ -196,6 +198,40 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     u_ref[...] = dot(a_beta, v, precision=prec).astype(stored)
 
 
+def _concat2(x, y, axis):
+    """jnp.concatenate([x, y], axis) for equal shapes, from the ops Pallas lowers to Triton (its concatenate
+    takes only [..., 1] operands): stack on a new last axis, move it before `axis`, merge the two."""
+    st = jnp.moveaxis(jnp.stack([x, y], axis=-1), -1, axis)  # [..., 2, n, ...]
+    return st.reshape(x.shape[:axis] + (2 * x.shape[axis],) + x.shape[axis + 1:])
+
+
+def _block_inverse(lkk, mm):
+    """(I + L)^-1 of strictly lower-triangular L [C, C] fp32 by 16x16 blocks (inverse_precision="blocks"): the
+    tile split into blocks (Triton split: reshapes and transposes, no memory), A_ii = (I + L_ii)^-1 by the exact
+    nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8) (6 dots each), A_ij = -A_ii sum_{j<=m<i} L_im A_mj
+    (block forward substitution, 16 dots), joined back to [C, C]. 40 [16,16] x [16,16] dots (IEEE fp32 FMAs
+    through `mm`): ~1/13 of the FLOPs of the masked 64x64 forms, whose tf32x3 dots cost ~3 ms of kda_intra's
+    8.2 ms on the H200 (docs/results: skip-inverse ablation). Same algorithm as `kda_chunk._block_inverse`."""
+    blocks = [jnp.split(r, NSUB, axis=1) for r in jnp.split(lkk, NSUB, axis=0)]  # blocks[i][j] [SUB, SUB]
+    eye = identity(SUB)
+    inv = {}
+    for i in range(NSUB):
+        power = blocks[i][i]
+        a_ii = eye - power
+        for _ in range(_DOUBLINGS):
+            power = mm(power, power)
+            a_ii = a_ii + mm(a_ii, power)
+        inv[i, i] = a_ii
+        for j in range(i - 1, -1, -1):
+            acc = mm(blocks[i][j], inv[j, j])
+            for m in range(j + 1, i):
+                acc = acc + mm(blocks[i][m], inv[m, j])
+            inv[i, j] = -mm(a_ii, acc)
+    zero = jnp.zeros((SUB, SUB), jnp.float32)
+    join = lambda parts, axis: _concat2(_concat2(parts[0], parts[1], axis), _concat2(parts[2], parts[3], axis), axis)
+    return join([join([inv.get((i, j), zero) for j in range(NSUB)], 1) for i in range(NSUB)], 0)
+
+
 def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bound, beta_sigmoid, qk_l2norm,
                 scale, stored, num_warps, num_stages, inverse_precision, interpret, skip=frozenset()):
     """pallas_call wrapper: grid = chunks x heads, whole-array blocks for the packed inputs (the kernel loads
@@ -206,7 +242,8 @@ def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bo
     if interpret:  # interpret mode clamps an out-of-range dynamic slice instead of masking it: pad one chunk
         pad = lambda x: jnp.pad(x, ((0, CHUNK),) + ((0, 0),) * (x.ndim - 1))
         q, k, v, z, beta = map(pad, (q, k, v, z, beta))
-        inverse_precision = "ieee"  # the CPU has no tf32x3 algorithm; IEEE fp32 is its exact counterpart
+        if inverse_precision != "blocks":  # the CPU has no tf32 / tf32x3 algorithm: IEEE fp32 is their counterpart
+            inverse_precision = "ieee"
     tile = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda cc, hh: (hh, cc, 0, 0))
     out = lambda d: jax.ShapeDtypeStruct((h, num_chunks, CHUNK, d), stored)
     params = {} if interpret else dict(

@@ -301,3 +301,43 @@ def test_intra_pallas_stage_matches_v2(dtype, stage_tol, tol):
     ro, rfinal, rckpt = kda_chunk_reference(**x, **kw)
     off = int(checkpoint_offsets(cu, start, 256)[-1])
     assert rel(o, ro) < tol and rel(final, rfinal) < tol and rel(ckpt[:off], rckpt[:off]) < tol
+
+
+def test_intra_pallas2_and_block_inverse_match_v2():
+    """stage1="pallas2" (`kda_intra_lk` + `kda_intra_wu`, default knobs) and `kda_intra` with the 16x16-block
+    inverse at 8 warps (benchmark variant pallas_w8_blocks) against `_intra_stage_v2` at B1 T4096 H4 D128 bf16
+    (the model's dtype; one compile per kernel): ragged lengths, keys correlated through a shared direction per
+    head, the K3 bound -5 with heads 0-1 at ordinary decay and heads 2-3 at a weak one (dt_bias -8: g ~ -2e-3,
+    L's entries near beta: the case that breaks an unstable inverse). Stage bar 1e-2 (bf16 rounding of each
+    stored value plus exp / accumulation-order differences, as test_intra_pallas_stage_matches_v2); end to end
+    kda_chunk(stage1="pallas2") against the reference at the file's bf16 bar (2e-2) and against v2 (1e-2)."""
+    from pallas_kernels import kda_chunk as kc
+
+    lens = [1, 63, 65, 4096 - 129]
+    x, p = chunk_inputs(9, lens, h=4, d=128, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(9)
+    shared = jnp.asarray(rng.standard_normal((1, 4, 128)).astype(np.float32))
+    correlated = (0.3 * x["k"].astype(jnp.float32) + shared).astype(jnp.bfloat16)
+    n = len(lens)
+    _, tok_start, length, _ = kc.chunk_table(x["cu_seqlens"], jnp.zeros(n, jnp.int32), 4096 // CHUNK + 2 * n, 0)
+    bias = p["dt_bias"].reshape(4, 128).at[2:].set(-8.0)
+    kw = dict(lower_bound=-5.0, beta_sigmoid=True, qk_l2norm=True, scale=128**-0.5, stored=jnp.bfloat16)
+    args = (tok_start, length, x["q"], correlated, x["v"], x["g"], x["beta"], p["a_log"], bias)
+    want = kc._intra_stage_v2(*args, gate="lower_bound", bounded=True, **kw)
+    got = {"pallas2": jax.jit(lambda *a: kc._intra_stage_pallas2(*a, **kw))(*args),
+           "pallas_w8_blocks": jax.jit(lambda *a: kda_intra(*a, **kw, num_warps=8, inverse_precision="blocks"))(*args)}
+    for variant, outs in got.items():
+        for name, g_, w_ in zip(("w", "u", "qg", "kg", "aqk", "gate_last"), outs, want):
+            g32 = np.asarray(jnp.asarray(g_, jnp.float32))
+            assert g_.dtype == w_.dtype and np.isfinite(g32).all(), (variant, name)
+            assert rel(g32, np.asarray(jnp.asarray(w_, jnp.float32))) < 1e-2, (variant, name)
+    x, p = chunk_inputs(0, [1, 63, 64, 65, 1000, 300], h=4, d=128, dtype=jnp.bfloat16)
+    start = jnp.asarray([0, 10, 64, 3, 200, 0], jnp.int32)
+    kw = dict(**p, gate="lower_bound", beta_sigmoid=True, qk_l2norm=True, start_positions=start,
+              checkpoint_page_size=256)
+    o, final, ckpt = kda_chunk(**x, **kw, stage1="pallas2")
+    o2, final2, _ = kda_chunk(**x, **kw, stage1="v2")
+    ro, rfinal, rckpt = kda_chunk_reference(**x, **kw)
+    off = int(checkpoint_offsets(x["cu_seqlens"], start, 256)[-1])
+    assert rel(o, ro) < 2e-2 and rel(final, rfinal) < 2e-2 and rel(ckpt[:off], rckpt[:off]) < 2e-2
+    assert rel(jnp.asarray(o, jnp.float32), jnp.asarray(o2, jnp.float32)) < 1e-2 and rel(final, final2) < 1e-2

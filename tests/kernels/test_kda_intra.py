@@ -51,7 +51,7 @@ def packed(seed, lens, h, dk, dv, dtype, a_log_max=2.0):
 
 
 @functools.lru_cache(maxsize=None)
-def _case(dtype_name, h, lower_bound, normalise):
+def _case(dtype_name, h, lower_bound, normalise, inverse):
     dtype = jnp.bfloat16 if dtype_name == "bf16" else jnp.float32
     x, _, a_log, dt_bias, tok_start, length = packed(h, LENS, h, 32, 16, dtype)
     kw = dict(lower_bound=lower_bound, beta_sigmoid=normalise, qk_l2norm=normalise)
@@ -61,20 +61,23 @@ def _case(dtype_name, h, lower_bound, normalise):
         x["k"] = (f(x["k"]) * jnp.sum(f(x["k"]) ** 2, -1, keepdims=True) ** -0.5).astype(dtype)
         x["beta"] = 1 / (1 + jnp.exp(-x["beta"]))
     args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a_log, dt_bias)
-    got = kda_intra(*args, **kw, interpret=True)
+    got = kda_intra(*args, **kw, inverse_precision=inverse, interpret=True)
     want = kda_intra_reference(*args, **kw)
     stored = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
     v2 = kc._intra_stage_v2(*args, gate="lower_bound", scale=32**-0.5, bounded=True, stored=stored, **kw)
     return got, want, v2, length
 
 
-@pytest.mark.parametrize("dtype_name,h,lower_bound,normalise", [
-    ("f32", 2, -5.0, True), ("f32", 3, -0.05, False), ("bf16", 1, -5.0, True), ("bf16", 3, -2.0, True)])
-def test_matches_reference_and_v2_stage(dtype_name, h, lower_bound, normalise):
+@pytest.mark.parametrize("dtype_name,h,lower_bound,normalise,inverse", [
+    ("f32", 2, -5.0, True, "tf32x3"), ("f32", 3, -0.05, False, "blocks"), ("bf16", 1, -5.0, True, "tf32x3"),
+    ("bf16", 3, -2.0, True, "blocks")])
+def test_matches_reference_and_v2_stage(dtype_name, h, lower_bound, normalise, inverse):
     """All six outputs on ragged chunks (lengths 1, 63, 64, 65, 200 and unused table rows), 1-3 heads, the
     gate / beta / norm fused or precomputed, the steepest allowed bound (-5: within-block factors up to e^80)
-    and milder ones; the same shapes, dtypes and (bf16) roundings as the XLA stage the state passes read."""
-    got, want, v2, length = _case(dtype_name, h, lower_bound, normalise)
+    and milder ones; the same shapes, dtypes and (bf16) roundings as the XLA stage the state passes read. Both
+    inverses: the masked 64x64 form (IEEE in interpret mode for "tf32x3") and the 16x16-block substitution
+    ("blocks", IEEE), the latter on the weak-decay correlated-keys case that broke the one-shot power series."""
+    got, want, v2, length = _case(dtype_name, h, lower_bound, normalise, inverse)
     bf16 = dtype_name == "bf16"
     for name, g, w, x in zip(("w", "u", "qg", "kg", "aqk", "gate_last"), got, want, v2):
         assert g.shape == x.shape and g.dtype == x.dtype, name
@@ -133,7 +136,7 @@ def test_bad_arguments_raise():
     cu = jnp.asarray([0, 3], jnp.int32)
     s0 = jnp.zeros((1, 1, 16, 16), jnp.float32)
     with pytest.raises(ValueError, match="stage1 must be"):
-        kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], s0, cu, stage1="pallas2", interpret=True)
+        kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], s0, cu, stage1="pallas3", interpret=True)
     with pytest.raises(ValueError, match="solve must be 'xla'"):
         kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], s0, cu, stage1="pallas", solve="pallas",
                      interpret=True)
