@@ -37,7 +37,12 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    and head, reading the packed inputs through the chunk table (no gathered copies), L / Aqk as 8 full-tile
    [64, K] x [K, 64] dots, the inverse by masked 16x16 blocks and halves in 64x64 dots at tf32x3, W / U as 2 dots;
    bounded gate only (an unbounded gate takes "v2"). On the H200 (2026-11-30) 8.26 ms against v2's 5.09 ms at
-   B1 T32768 H32 (register spills: `kda_intra`'s docstring), so it stays opt-in.
+   B1 T32768 H32 (register spills: `kda_intra`'s docstring), so it stays opt-in. An H200 ablation put ~3 ms of
+   that in its masked 64x64 tf32x3 inverse (the rest at 8 warps: 2.29 ms), hence two cheaper inverses, neither
+   timed yet: `kda_intra`'s stage1_inverse="blocks" (16x16-block substitution, benchmark variant
+   pallas_w8_blocks) and opt-in `stage1="pallas2"` (`_intra_stage_pallas2`: `kda_intra_lk` walks each chunk in
+   16-row blocks for the elementwise outputs, Aqk and A diag(beta) -- only needed blocks, the inverse by 16x16
+   block substitution -- then `kda_intra_wu` forms W, U as two [64, 64] x [64, D] dots; bounded gate only).
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
    the state block in registers and writes the final state and the state after every chunk that ends on a
    multiple of `checkpoint_page_size` (absolute positions: chunks are aligned to multiples of 64 of

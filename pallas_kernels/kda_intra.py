@@ -47,7 +47,13 @@ the XLA `_intra_stage_v2` it would replace -- slower, so the model keeps v2. Its
 whole prefill with it landed within 4.8e-4 of the default stage's output. Why it is slow
 (docs/results/kda_intra_ptxas_sm90a_2026-11-30f.json, `ptxas -v` of its Triton PTX for sm_90a): 255 registers and
 ~1.5 KB of spill stores per thread at 4 warps (every [64, 128] fp32 tile is 64 registers per thread, and q, k, g, G
-and the factors are live together), 2 programs per SM. The next form should work on [64, 64] halves of K.
+and the factors are live together), 2 programs per SM. The H200 ablation (docs/results, 2026-11-30 call 1) then
+put ~3 ms of the 8.24 ms in the inverse (skip-inverse: 5.09 ms at 4 warps, 2.29 ms at 8), hence
+inverse_precision="blocks" (`_block_inverse`: the tile split into 16x16 blocks with Triton's split, the
+diagonal blocks by the nilpotent product and the others by block forward substitution in IEEE fp32 FMAs,
+joined back; ~1/13 of the FLOPs; 112 B of spills at 8 warps offline, docs/results/
+kda_intra2_ptxas_sm90a_2026-11-30g.json), not yet timed (benchmarks/kda.py --stage1 pallas_w8_blocks).
+`kda_intra_lk` + `kda_intra_wu` (stage1="pallas2") split the stage in two kernels by 16-row blocks instead.
 """
 
 from __future__ import annotations
@@ -309,8 +315,9 @@ def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lo
       num_warps, num_stages: Triton launch settings; inverse_precision: "tf32x3" (the 64x64 inverse's dots
         on the tensor cores, ~fp32 accuracy), "ieee" (fp32 FMAs) or "tf32" (one tensor-core pass, 2^-11
         relative operand rounding: a third of tf32x3's tensor work, for bf16 outputs only; untested for
-        accuracy on the CPU, see tests/gpu/test_kda_gpu.py); interpret: Pallas interpret mode (CPU tests;
-        always IEEE there).
+        accuracy on the CPU, see tests/gpu/test_kda_gpu.py) or "blocks" (16x16-block substitution with IEEE
+        fp32 dots, `_block_inverse`); interpret: Pallas interpret mode (CPU tests; always IEEE there, "blocks"
+        keeps its block form).
       _skip: BENCHMARK-ONLY ablation (wrong outputs): parts of the kernel to replace by cheap stand-ins, a
         subset of SKIPPABLE (see its comment); timing with and without reads a part's cost by difference.
 
