@@ -17,7 +17,11 @@ sigmoid / q-k L2 norm fused on both sides:
              XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 timeout 570 python3 benchmarks/kda.py \
                --order prefill1,prefill --prefill 1x32768x32,8x4096x32 --stage1 default,v2 \
                --prefill-parts stages --case-limit 200 --fla-first-call-limit 240 --out $OUT/kda.json
-           --stage1-hlo-only prints the proxy alone (compile only; runs on CPU).
+           --stage1-hlo-only prints the proxy alone (compile only; runs on CPU). The Pallas stage-1 forms
+           by knob (names: pallas_stage1_knobs, pallas2_stage1_knobs), stage 1 alone plus the whole prefill
+           for plain "pallas2", without fla:
+             ... benchmarks/kda.py --no-fla --order prefill1 --prefill 1x32768x32 --prefill-parts stages \
+               --stage1 v2,pallas2,pallas_w8_blocks,pallas2_k64,pallas2_w4,pallas2_tf32x3 --case-limit 540
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
            gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
            (no conv, no output norm; final state only). State traffic = fp32 state bytes read + written

@@ -116,6 +116,18 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="token_start"):
         kda_intra_wu(tok_start[:2], length, x["v"], ab, kw_, interpret=True)
 
+    from k3jax.testing import load_benchmark_script  # the benchmark's variant names for this stage parse
+
+    bench = load_benchmark_script("kda")
+    assert bench.pallas2_stage1_knobs("pallas2") == dict(num_warps=8, block_k=128, wu_num_warps=4,
+                                                         inverse_precision="ieee", keep="stored")
+    assert bench.pallas2_stage1_knobs("pallas2_wu8_k32_tf32x3_w4_f32keep") == dict(
+        num_warps=4, block_k=32, wu_num_warps=8, inverse_precision="tf32x3", keep="f32")
+    assert bench.pallas_stage1_knobs("pallas_w8_blocks")["inverse_precision"] == "blocks"
+    for bad in ("pallas2_x8", "pallas2_tf32", "pallas2_blocks"):
+        with pytest.raises(ValueError, match="unknown knob"):
+            bench.pallas2_stage1_knobs(bad)
+
 
 def test_lowers_to_triton_for_an_h200():
     """Both kernels lower through Pallas's Triton path for an abstract H200 on this CPU at D128 (bf16, the
