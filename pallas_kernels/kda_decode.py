@@ -60,9 +60,11 @@ Triton keeps program order and the aliased pool stops any hoisting of block j+1'
 `fold_v` convolves the head's v once with q and k and picks each block's v inside its S k reduction. Why fold_v:
 ptxas (offline proxy, docs/results/kda_decode_ptxas_sm90a_2026-11-30g.json) showed the registers were not the state
 tile (32 per thread for 32 rows at 4 warps) but the v conv: Triton computes a block's v in the state's row layout,
-each thread holding block_v / num_warps rows replicated across its warp, with scalar loads. Looped 32 rows x 4 warps
-T1: 255 registers + 116 B spills before (every block's v conv up front), 168 with each block's v conv at its turn,
-255 (no spill) with prefetch 1; fold_v: 128, and 168 with prefetch 1 (two 32-row blocks in flight per program).
+each thread holding block_v / num_warps rows replicated across its warp, with scalar loads. So each block's v conv
+is emitted at its turn, position by position next to the step that uses it (as are q / k, at the first block), its
+loads after the q / k conv. T1, 4 warps: looped 64 rows (decode's default) 255 registers + 96 B spills before -> 168
+now; looped 32: 255 + 116 B spills -> 128, 255 (no spill) with prefetch 1, 200 with prefetch 1 and fold_v;
+V-blocked 32: 158 -> 128; verify T4 V-blocked 64 (its default): 168, unchanged. See the JSON for the full table.
 Loop-carried num_stages pipelining does not apply: the V walk is unrolled (a few blocks), not an scf.for.
 """
 
@@ -126,26 +128,25 @@ def _conv_operands(conv_ref, convw_ref, x_ref, slot, b, seg, from_pool, num_toke
     return weights, window, [x_ref[b, t, seg] for t in range(num_tokens)]
 
 
-def _short_conv(operands, valids, act_dtype):
-    """Causal short conv + SiLU of one channel segment over its T new positions, from `_conv_operands`.
+def _short_conv_steps(operands, valids, act_dtype):
+    """Causal short conv + SiLU of one channel segment over its T new positions, from `_conv_operands`, yielded
+    position by position (a generator, so a caller can emit each position's ops next to their use: Triton keeps
+    program order, and ptxas keeps values live from their definition).
 
-    Returns (acts, windows, kept): acts[t] the SiLU output (rounded to the activation dtype where the reference
-    rounds it, then fp32); windows[t] the last W-1 inputs after position t (verify's per-position conv state,
-    oldest first); kept the last W-1 *valid* inputs (decode's new conv state).
+    Yields (act, window, kept) per position t: the SiLU output (rounded to the activation dtype where the reference
+    rounds it, then fp32); the last W-1 inputs after t (verify's per-position conv state, oldest first); the last
+    W-1 *valid* inputs so far (after the last position: decode's new conv state).
     """
     f32 = jnp.float32
     weights, window, xs = operands
     kept = list(window)
-    acts, windows = [], []
     for x_t, valid in zip(xs, valids):
         acc = weights[-1] * x_t.astype(f32)
         for i in range(len(window)):
             acc = acc + weights[i] * window[i].astype(f32)
-        acts.append(jax.nn.silu(acc).astype(act_dtype).astype(f32))
         window = window[1:] + [x_t.astype(act_dtype)]
-        windows.append(window)
         kept = [jnp.where(valid, new, old) for new, old in zip(window, kept)]
-    return acts, windows, kept
+        yield jax.nn.silu(acc).astype(act_dtype).astype(f32), window, kept
 
 
 def _qk_norm(q, k):
@@ -221,7 +222,7 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     # conv is computed only when its turn comes: Triton computes it in the row layout of the [block_v, K] state (each
     # thread holds block_v / num_warps rows, replicated across its warp, with scalar loads), so every block's up front
     # held them all in registers, and even one block's operands issued before the q / k conv stayed live across it
-    # (ptxas, T1 4 warps: looped 32 rows 255 registers + spills -> 134, V-blocked 32 158 -> 128).
+    # (ptxas, T1 4 warps: looped 32 rows 255 registers + spills -> 128, V-blocked 32 158 -> 128; module docstring).
     # fold_v instead convolves the head's v channels once, with q and k, in the column layout (a few registers), and
     # each block picks its rows' v inside the S k reduction (`_delta_step`).
     pending, pending_conv = {}, {}  # V-block -> its state rows / its v conv operands, issued ahead of its turn
@@ -238,32 +239,52 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
 
     valids = [t < length for t in range(num_tokens)]
 
-    def write_conv_state(i, conv):  # segment i's conv state: after every position (verify) or the kept inputs
-        acts, windows, kept = conv
+    def write_conv_position(i, t, window):  # verify: segment i's conv state after position t
         for r in range(width - 1):
-            if all_states:
-                for t in range(num_tokens):
-                    conv_out_ref[b, t, r, segs[i]] = windows[t][r].astype(conv_out_ref.dtype)
-            elif i >= 2 or whole_head:  # in place: this program is the only reader of these channels, and has read them
+            conv_out_ref[b, t, r, segs[i]] = window[r].astype(conv_out_ref.dtype)
+
+    def write_conv_kept(i, kept):  # decode: segment i's last W-1 valid inputs, the new conv state
+        for r in range(width - 1):
+            if i >= 2 or whole_head:  # in place: this program is the only reader of these channels, and has read them
                 conv_out_ref[slot, r, segs[i]] = kept[r].astype(conv_out_ref.dtype)
             else:  # other programs of this head may still be reading the pool's q|k channels
                 qk_conv_out_ref[b, r, pl.ds((i * num_heads + h) * dk, dk)] = kept[r].astype(conv_out_ref.dtype)
 
-    alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
-    head_conv = [_short_conv(_conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[i], from_pool, num_tokens,
-                                            act_dtype), valids, act_dtype) for i in range(3 if fold_v else 2)]
-    qk_conv = head_conv[:2]
-    for i in range(len(head_conv)):  # the q|k conv channels are written by one program of the head only
+    def by_one_program(write):  # the q|k conv channels are written by one program of the head only
         if whole_head:
-            write_conv_state(i, head_conv[i])
+            write()
         else:
-            pl.when(part == 0)(functools.partial(write_conv_state, i, qk_conv[i]))
-    qs, ks, decays, betas = [], [], [], []
-    for t in range(num_tokens):
-        q, k = _qk_norm(qk_conv[0][0][t], qk_conv[1][0][t])
-        decay, beta = _decay_beta(z_ref[b, t, h, :].astype(f32), b_ref[b, t, h].astype(f32), alog, dtb, valids[t],
-                                  gate, lower_bound)
-        qs.append(q), ks.append(k), decays.append(decay), betas.append(beta)
+            pl.when(part == 0)(write)
+
+    alog, dtb = alog_ref[h].astype(f32), dtb_ref[h, :].astype(f32)
+    qk_steps = [_short_conv_steps(_conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[i], from_pool, num_tokens,
+                                                 act_dtype), valids, act_dtype) for i in range(2)]
+    if fold_v:  # the head's v channels, all positions, with q and k
+        head_v = list(_short_conv_steps(_conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2], from_pool,
+                                                       num_tokens, act_dtype), valids, act_dtype))
+        for t, (_, window, kept) in enumerate(head_v):
+            if all_states:
+                write_conv_position(2, t, window)
+            elif t == num_tokens - 1:
+                write_conv_kept(2, kept)
+    positions = []  # per position: q, k, e^g, beta, the q|k kept inputs -- made at first use (see position)
+
+    def position(t):
+        # q, k, decay and beta of position t, emitted where the first V-block's step t needs them: with one block
+        # per program the whole step is then emitted position by position, as the reference computes it
+        while len(positions) <= t:
+            u = len(positions)
+            (q, q_window, q_kept), (k, k_window, k_kept) = next(qk_steps[0]), next(qk_steps[1])
+            if all_states:
+                def write_qk_windows(u=u, q_window=q_window, k_window=k_window):
+                    write_conv_position(0, u, q_window)
+                    write_conv_position(1, u, k_window)
+                by_one_program(write_qk_windows)
+            q, k = _qk_norm(q, k)
+            decay, beta = _decay_beta(z_ref[b, u, h, :].astype(f32), b_ref[b, u, h].astype(f32), alog, dtb,
+                                      valids[u], gate, lower_bound)
+            positions.append((q, k, decay, beta, (q_kept, k_kept)))
+        return positions[t]
 
     outs = [[None] * num_blocks for _ in range(num_tokens)]  # o per position and V-block
     for j in range(prefetch + 1):
@@ -271,19 +292,32 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     for j in range(num_blocks):
         issue_block_loads(j + prefetch)  # before block j's compute and store: `prefetch` blocks stay in flight
         s, v_operands = pending.pop(j), pending_conv.pop(j)
-        if fold_v:  # the head's v, and which of its channels are this block's rows
-            v_conv, v_select = head_conv[2], (jnp.arange(block_v) + j * block_v)[:, None] == jnp.arange(dk)[None, :]
+        if fold_v:  # which of the head's v channels are this block's rows
+            v_select = (jnp.arange(block_v) + j * block_v)[:, None] == jnp.arange(dk)[None, :]
         else:
-            v_conv, v_select = _short_conv(v_operands, valids, act_dtype), None
-            write_conv_state(2 + j, v_conv)
+            v_steps, v_select = _short_conv_steps(v_operands, valids, act_dtype), None
         for t in range(num_tokens):
-            s, outs[t][j] = _delta_step(s, decays[t], ks[t], betas[t], v_conv[0][t], qs[t], act_dtype, v_select)
+            q, k, decay, beta, _ = position(t)
+            if fold_v:
+                v = head_v[t][0]
+            else:
+                v, v_window, v_kept = next(v_steps)
+                if all_states:
+                    write_conv_position(2 + j, t, v_window)
+            s, outs[t][j] = _delta_step(s, decay, k, beta, v, q, act_dtype, v_select)
             if all_states:
                 state_out_ref[b, t, h, blocks[j], :] = s
             if not whole_head:  # raw o (already rounded as the reference rounds it): the norm is applied outside
                 y_ref[b, t, h, blocks[j]] = outs[t][j].astype(y_ref.dtype)
         if not all_states:
             state_out_ref[slot, h, blocks[j], :] = s
+            if not fold_v:
+                write_conv_kept(2 + j, v_kept)
+    if not all_states:
+        def write_qk_kept(q_kept=positions[-1][4][0], k_kept=positions[-1][4][1]):
+            write_conv_kept(0, q_kept)
+            write_conv_kept(1, k_kept)
+        by_one_program(write_qk_kept)
     if whole_head:  # gated RMSNorm over all V: the mean square from every block, then each block
         for t in range(num_tokens):
             ys = _gated_rms_norm(outs[t], [onw_ref[blk].astype(f32) for blk in blocks],
