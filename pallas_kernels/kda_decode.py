@@ -64,7 +64,9 @@ each thread holding block_v / num_warps rows replicated across its warp, with sc
 is emitted at its turn, position by position next to the step that uses it (as are q / k, at the first block), its
 loads after the q / k conv. T1, 4 warps: looped 64 rows (decode's default) 255 registers + 96 B spills before -> 168
 now; looped 32: 255 + 116 B spills -> 128, 255 (no spill) with prefetch 1, 200 with prefetch 1 and fold_v;
-V-blocked 32: 158 -> 128; verify T4 V-blocked 64 (its default): 168, unchanged. See the JSON for the full table.
+V-blocked 32: 158 -> 128; verify T4 V-blocked 64 (its default): 168, unchanged. Looped verify (T4) sits at 255
+with small spills: it keeps every position's o of every block for the fused norm (a looped verify would want the
+norm in the epilogue). See the JSON for the full table.
 Loop-carried num_stages pipelining does not apply: the V walk is unrolled (a few blocks), not an scf.for.
 """
 
@@ -218,11 +220,11 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     # Each V-block's loads (its state rows and its v channels' conv operands) are issued `prefetch` blocks ahead of
     # its compute: manual double buffering. Triton keeps program order, and the state pool is aliased to the output,
     # so nothing would hoist block j+1's loads above block j's store by itself. The first 1 + prefetch blocks' state
-    # loads go out before the q / k conv, so their latency overlaps it; their v conv operands after it. A block's v
-    # conv is computed only when its turn comes: Triton computes it in the row layout of the [block_v, K] state (each
-    # thread holds block_v / num_warps rows, replicated across its warp, with scalar loads), so every block's up front
-    # held them all in registers, and even one block's operands issued before the q / k conv stayed live across it
-    # (ptxas, T1 4 warps: looped 32 rows 255 registers + spills -> 128, V-blocked 32 158 -> 128; module docstring).
+    # loads go out first, so their latency overlaps the q / k conv; their v conv operands after the q / k loads. A
+    # block's v conv is computed only when its turn comes: Triton computes it in the row layout of the [block_v, K]
+    # state (each thread holds block_v / num_warps rows, replicated across its warp, with scalar loads), so every
+    # block's up front held them all in registers, and even one block's operands issued before the q / k conv stayed
+    # live across it (ptxas, T1 4 warps: looped 32 rows 255 registers + spills -> 128, V-blocked 32 158 -> 128).
     # fold_v instead convolves the head's v channels once, with q and k, in the column layout (a few registers), and
     # each block picks its rows' v inside the S k reduction (`_delta_step`).
     pending, pending_conv = {}, {}  # V-block -> its state rows / its v conv operands, issued ahead of its turn
