@@ -11,7 +11,11 @@ Reproducibility: row b draws its noise from fold_in(key(seed[b]), position[b]), 
 output position i is a pure function of (seed, i, logits row), whatever else shares the batch.
 
 Every knob is a per-row array of SamplingTensors, so changing values never recompiles; only B, V and the
-ban width S are shapes. `SamplingTensors.from_params` builds them on the host.
+ban width S are shapes. `SamplingTensors.from_params` builds them on the host, with two static flags read from
+the same values (all rows greedy; some row needs the top-k / top-p sort): at most four programs, and no
+data-dependent branch on the device. (A `lax.cond` on a device value makes XLA's GPU runtime copy the predicate
+to the host and wait for it: that stalled the host in every step until the step's own forward had finished, and
+so defeated the engine's overlap scheduling. Tensors built without the flags keep the device-side branches.)
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ class SamplingTensors:
     seed:        [B] uint32 per-request seed
     position:    [B] int32 output index of the token being sampled (the request's num_output)
     banned_ids:  [B, S] int32 ids forced to -inf (eos / stop ids while under min_tokens); -1 = unused
+    all_greedy:  static: every row is greedy (no noise drawn); None = decide on the device
+    needs_sort:  static: some sampled row has top-k or top-p (False skips the sort); None = decide on the device
+
+    from_params leaves the arrays as host numpy arrays: a jitted consumer moves them to the device with its
+    arguments (one transfer each, without the eager `jnp.asarray` dispatch per array).
     """
 
     temperature: jax.Array
@@ -71,6 +80,13 @@ class SamplingTensors:
     seed: jax.Array
     position: jax.Array
     banned_ids: jax.Array
+    all_greedy: bool | None = flax.struct.field(pytree_node=False, default=None)
+    needs_sort: bool | None = flax.struct.field(pytree_node=False, default=None)
+
+    def device_branches(self) -> SamplingTensors:
+        """The same tensors without the static flags: one program for every mix of rows, the greedy / sort
+        branches decided on the device (a consumer that reads its result at once loses nothing by that)."""
+        return self.replace(all_greedy=None, needs_sort=None)
 
     @property
     def batch_size(self) -> int:
@@ -139,14 +155,11 @@ class SamplingTensors:
         banned_ids = np.full((pad_to, width), -1, np.int32)
         for i, ids in enumerate(banned):
             banned_ids[i, : len(ids)] = ids
+        sampled = temperature >= SAMPLING_EPS
         return cls(
-            temperature=jnp.asarray(temperature),
-            top_k=jnp.asarray(top_k),
-            top_p=jnp.asarray(top_p),
-            min_p=jnp.asarray(min_p),
-            seed=jnp.asarray(seed),
-            position=jnp.asarray(position),
-            banned_ids=jnp.asarray(banned_ids),
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, position=position,
+            banned_ids=banned_ids, all_greedy=not sampled.any(),
+            needs_sort=bool((sampled & ((top_k > 0) | (top_p < 1.0))).any()),
         )
 
 
@@ -209,9 +222,12 @@ def process_logits(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     v = x.shape[-1]
     top_k = jnp.where(is_greedy, 0, params.top_k)
     top_p = jnp.where(is_greedy, 1.0, params.top_p)
-    needs_sort = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
-    # The sort is the costly part: batches with no top-k / top-p row skip it.
-    x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, p: x, x, top_k, top_p)
+    # The sort is the costly part: batches with no top-k / top-p row skip it (decided on the host when known).
+    if params.needs_sort is None:
+        needs_sort = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
+        x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, p: x, x, top_k, top_p)
+    elif params.needs_sort:
+        x = _top_k_top_p(x, top_k, top_p)
     return _min_p(x, jnp.where(is_greedy, 0.0, params.min_p))
 
 
@@ -236,5 +252,7 @@ def sample(logits: jax.Array, params: SamplingTensors, keys: jax.Array | None = 
         return greedy(x + noise)
 
     # All-greedy batches (the common agentic case) skip the [B, V] noise.
-    drawn = jax.lax.cond(jnp.all(is_greedy), greedy, draw, x)
+    if params.all_greedy:
+        return greedy(x)
+    drawn = jax.lax.cond(jnp.all(is_greedy), greedy, draw, x) if params.all_greedy is None else draw(x)
     return jnp.where(is_greedy, greedy(x), drawn)

@@ -41,6 +41,9 @@ class EngineConfig:
     row_buckets: str | None = None
     token_buckets: str | None = None
     page_buckets: str | None = None
+    # Overlap scheduling: a decode-only step is dispatched before the previous one's tokens are read back (the
+    # host's per-step work hides behind the device's); outputs arrive one step() later. Not with speculative_k.
+    overlap_schedule: bool = True
     speculative_k: int = 0  # draft tokens per decode step (EAGLE-3 drafter); 0 = off
     drafter: str | None = None  # drafter checkpoint (k3jax.drafter.save_drafter); or Engine(drafter=(dcfg, params))
     spec_fixed_accepted: int | None = None  # BENCHMARK ONLY: accept exactly this many drafts (outputs are not the model's)

@@ -5,8 +5,20 @@
     for chunk in engine.stream([1, 2, 3], SamplingParams(max_tokens=8)): ...
 
 The engine is single-threaded: `step()` runs one scheduled batch; `generate` / `stream` drive steps
-until their requests finish. Requests are validated on entry (ValueError); a bad request never
-touches the state. Memory lifecycle lives in `KVManager`, policy in `Scheduler`, device work in
+until their requests finish.
+
+Overlap scheduling (EngineConfig.overlap_schedule, on by default; not with speculative decoding): a decode-only
+step samples on the device and returns without waiting for its tokens; the next `step()` chooses the following
+decode step (Scheduler.continue_decode), dispatches it with those tokens as its input -- gathered on the device
+-- and only then reads them back and processes them, so the host's scheduling, batch building, kernel enqueue
+and stop checks overlap the device's work instead of leaving it idle between steps. Outputs therefore arrive
+one `step()` later. Any other step (an admission, a prefill chunk, a preemption, a P/D arrival) first processes
+the step in flight and runs synchronously. A request that stops on a sampled token (eos, stop ids, stop strings)
+has been given one more decode row by the time its stop is seen: that row's token is dropped. The row computed
+the stop token itself, which belongs to the request's history: it wrote the right KV and KDA state, and only
+into the request's own pages and slot (positions the prefix cache may publish only with that token in them).
+
+Requests are validated on entry (ValueError); a bad request never touches the state. Memory lifecycle lives in `KVManager`, policy in `Scheduler`, device work in
 `ModelRunner`.
 
 Roles (EngineConfig.role, serving.disagg.roles): "both" serves requests whole. "prefill" stops every
@@ -42,6 +54,15 @@ from serving.request import (
 )
 from serving.runner import ModelRunner, Row, fit, pool_sizes
 from serving.scheduler import Scheduler, StepPlan
+
+
+@dataclass
+class InflightDecode:
+    """A decode step dispatched but not processed yet (overlap scheduling): its rows in order and their sampled
+    tokens, still on the device ([B_bucket] int32; row i is reqs[i]'s next token)."""
+
+    reqs: list[Request]
+    tokens: jax.Array
 
 
 @dataclass
@@ -102,6 +123,7 @@ class Engine:
 
             self.disagg = DecodeIntake(self)
         self.requests: dict[str, Request] = {}
+        self.inflight: InflightDecode | None = None  # overlap scheduling: the decode step not yet processed
         self._ids = itertools.count()
         self.timing = {"schedule_s": 0.0, "forward_s": 0.0, "process_s": 0.0}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
@@ -167,19 +189,27 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """schedule -> forward (prefill part, decode part) -> process. Device work is dispatched before
-        anything waits on it; host-tier prefetches for waiting requests are queued behind the forward."""
+        anything waits on it; host-tier prefetches for waiting requests are queued behind the forward.
+        With overlap scheduling a decode-only step is processed at the next call (module docstring)."""
         t0 = time.perf_counter()
         arrived = self._service_disagg()
+        if self.inflight is not None:
+            rows = None if arrived else self.scheduler.continue_decode(self.inflight.reqs)
+            if rows:
+                return self._overlapped_step(rows, t0)
+            arrived = arrived + self._process_inflight()  # this step needs every token on the host first
         plan = self.scheduler.schedule()
         self.counters["preemptions"] += len(plan.preempted)
         if plan.empty:
             if not arrived and self.ecfg.role == "decode":
                 self.disagg.wait(0.005)  # only transfers in flight: don't spin
             return arrived
+        if self._overlap and plan.decode and not plan.prefill:
+            return arrived + self._overlapped_step(plan.decode, t0)
         self.counters["steps"] += 1
         t1 = time.perf_counter()
         prefill_logits = self._forward_prefill(plan) if plan.prefill else None
-        decode_logits = self._forward_decode(plan) if plan.decode and not self.runner.k else None
+        decode_logits = self._forward_decode(plan.decode) if plan.decode and not self.runner.k else None
         self._prefetch()
         sampled: dict[str, list[int]] = {}
         if plan.prefill:
@@ -194,6 +224,45 @@ class Engine:
         for name, dt in (("schedule_s", t1 - t0), ("forward_s", t2 - t1), ("process_s", t3 - t2)):
             self.timing[name] += dt
         return outputs
+
+    @property
+    def _overlap(self) -> bool:
+        return self.ecfg.overlap_schedule and not self.runner.k and self.ecfg.role != "prefill"
+
+    def _overlapped_step(self, reqs: list[Request], t0: float) -> list[StepOutput]:
+        """Dispatches a decode step for `reqs` (the newest token of those in the in-flight step taken from it on
+        the device), then processes the in-flight step while the new one runs; the new one is left in flight."""
+        self.counters["steps"] += 1
+        t1 = time.perf_counter()
+        previous, self.inflight = self.inflight, None
+        tokens, positions = None, [r.num_output for r in reqs]
+        if previous is not None:  # continue_decode's rows all have their newest token in `previous`
+            index = {id(req): i for i, req in enumerate(previous.reqs)}
+            tokens = self.runner.gather_tokens(previous.tokens, [index[id(req)] for req in reqs])
+            positions = [pos + 1 for pos in positions]
+        logits = self._forward_decode(reqs, tokens)
+        self.inflight = InflightDecode(reqs, self._sample_on_device(logits, reqs, positions))
+        self.inflight.tokens.copy_to_host_async()
+        self._prefetch()
+        t2 = time.perf_counter()
+        outputs = self._process_inflight(previous) if previous is not None else []
+        t3 = time.perf_counter()
+        # here "schedule_s" is continue_decode's share, and processing overlaps the step just dispatched
+        for name, dt in (("schedule_s", t1 - t0), ("forward_s", t2 - t1), ("process_s", t3 - t2)):
+            self.timing[name] += dt
+        return outputs
+
+    def sync(self) -> list[StepOutput]:
+        """Processes the decode step in flight (overlap scheduling) now: its outputs, or [] when none is."""
+        return self._process_inflight() if self.inflight is not None else []
+
+    def _process_inflight(self, step: InflightDecode | None = None) -> list[StepOutput]:
+        """Reads back an in-flight decode step's tokens (default: the engine's, which is then done) and emits
+        them; rows of requests that finished (or were aborted) meanwhile are dropped."""
+        if step is None:
+            step, self.inflight = self.inflight, None
+        tokens = np.asarray(step.tokens)
+        return [self.emit(req, [int(tokens[i])]) for i, req in enumerate(step.reqs) if not req.is_finished]
 
     def _service_disagg(self) -> list[StepOutput]:
         if self.ecfg.role == "decode":
@@ -236,10 +305,11 @@ class Engine:
             self.runner.draft_extend(nxt, park)
         return sampled
 
-    def _forward_decode(self, plan: StepPlan) -> jax.Array:
-        rows = [Row(r.slot, r.pages, r.num_computed_tokens, [r.last_token]) for r in plan.decode]
-        logits = self.runner.decode(rows)
-        for req in plan.decode:
+    def _forward_decode(self, reqs: list[Request], tokens: jax.Array | None = None) -> jax.Array:
+        """One decode token per request: each one's newest token, or `tokens` already on the device (overlap)."""
+        rows = [Row(r.slot, r.pages, r.num_computed_tokens, [] if tokens is not None else [r.last_token]) for r in reqs]
+        logits = self.runner.decode(rows, tokens)
+        for req in reqs:
             req.num_computed_tokens += 1
             self.kv.maybe_checkpoint(req)
         return logits
@@ -283,15 +353,19 @@ class Engine:
 
     def _sample(self, logits: jax.Array, reqs: list[Request]) -> dict[str, list[int]]:
         """One token per request from logits whose first len(reqs) rows are theirs."""
+        tokens = np.asarray(self._sample_on_device(logits, reqs, [r.num_output for r in reqs]))
+        return {r.request_id: [int(t)] for r, t in zip(reqs, tokens)}
+
+    def _sample_on_device(self, logits: jax.Array, reqs: list[Request], positions: list[int]) -> jax.Array:
+        """Sampled tokens [B_bucket] on the device; positions[i]: the output index reqs[i]'s token will have
+        (its seeded stream and min_tokens count by it)."""
         tensors = SamplingTensors.from_params(
-            [r.sampling for r in reqs], positions=[r.num_output for r in reqs],
-            seeds=[r.seed for r in reqs], pad_to=logits.shape[0],
-            suppress_eos=[r.num_output < r.sampling.min_tokens for r in reqs], eos_id=self.cfg.eos_token_id,
+            [r.sampling for r in reqs], positions=positions, seeds=[r.seed for r in reqs], pad_to=logits.shape[0],
+            suppress_eos=[pos < r.sampling.min_tokens for r, pos in zip(reqs, positions)], eos_id=self.cfg.eos_token_id,
         )
         if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[-1]:
             logits = logits[:, : self.sample_vocab_size]
-        tokens = np.asarray(sample(logits, tensors))
-        return {r.request_id: [int(t)] for r, t in zip(reqs, tokens)}
+        return sample(logits, tensors)
 
     # --- process -----------------------------------------------------------------------------
     def _process(self, sampled: dict[str, list[int]]) -> list[StepOutput]:

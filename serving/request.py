@@ -11,6 +11,8 @@ Lengths of a Request (prefixes of all_ids = prompt_ids + output_ids), as in vLLM
     0 <= num_cached_tokens <= num_computed_tokens <= num_tokens
     num_cached_tokens:   found on device at admission (prefix-cache hit); reported as cached tokens
     num_computed_tokens: KV / recurrent state on device: the hit plus what the model has computed
+    (overlap scheduling, serving.engine: while a decode step is dispatched before the previous one's token is
+    read back, num_computed_tokens leads num_tokens by that one token in flight)
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ import numpy as np
 import k3jax
 from k3jax.config import ModelConfig
 from k3jax.model import DecodeState, StepMeta, commit_verified
-from k3jax.sampling import SamplingTensors
+from k3jax.sampling import SamplingTensors, sample
 from k3jax.speculative import target_step
 from serving import spec_decode
 from serving.config import EngineConfig, explicit_buckets
+from serving.request import SamplingParams
 
 
 log = logging.getLogger("k3jax.serving")
@@ -60,6 +61,11 @@ def _copy_slots(state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeSta
     return state.replace(kda=state.kda.at[:, dst].set(state.kda[:, src]), conv=state.conv.at[:, dst].set(state.conv[:, src]))
 
 
+@jax.jit
+def _gather_tokens(previous: jax.Array, index: jax.Array) -> jax.Array:
+    return jnp.where(index >= 0, previous[jnp.maximum(index, 0)], 0).astype(jnp.int32)
+
+
 @partial(jax.jit, donate_argnums=0)
 def _write_pages(state: DecodeState, pages: jax.Array, latents: jax.Array) -> DecodeState:
     return state.replace(kv_pages=state.kv_pages.at[:, pages].set(latents.astype(state.kv_pages.dtype)))
@@ -81,6 +87,14 @@ def _set_axis1(pool: jax.Array, index: jax.Array, values: jax.Array) -> jax.Arra
 @partial(jax.jit, donate_argnums=0)
 def _write_slot(state: DecodeState, slot: jax.Array, kda: jax.Array, conv: jax.Array) -> DecodeState:
     return state.replace(kda=state.kda.at[:, slot].set(kda), conv=state.conv.at[:, slot].set(conv.astype(state.conv.dtype)))
+
+
+def _warm_sampler(rows: int, vocab: int) -> None:
+    """Compiles the sampler for a decode row bucket: one program per host flag combination (all greedy; sampled
+    without the top-k / top-p sort; with it), so that no request's sampling settings compile in steady state."""
+    logits = jnp.zeros((rows, vocab), jnp.float32)
+    for p in (SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
+        sample(logits, SamplingTensors.from_params([p], [0], rows, seeds=[0]))
 
 
 def pool_sizes(cfg: ModelConfig, ecfg: EngineConfig, device: jax.Device, draft_latent_dim: int = 0) -> tuple[int, int]:
@@ -159,13 +173,15 @@ class ModelRunner:
         for i, r in enumerate(rows):
             slots[i], ctx[i], lens[i] = r.slot, r.context_len, lengths[i]
             table[i, : len(r.pages)] = r.pages
-        return StepMeta(jnp.asarray(slots), jnp.asarray(table), jnp.asarray(ctx), jnp.asarray(lens))
+        # host arrays: the jitted step moves them with its arguments (an eager jnp.asarray per array costs the
+        # host a dispatch each, every step)
+        return StepMeta(slots, table, ctx, lens)
 
-    def _tokens(self, rows: list[Row], b: int, t: int) -> jax.Array:
+    def _tokens(self, rows: list[Row], b: int, t: int) -> np.ndarray:
         tokens = np.full((b, t), self.cfg.pad_token_id, np.int32)
         for i, r in enumerate(rows):
             tokens[i, : len(r.tokens)] = r.tokens
-        return jnp.asarray(tokens)
+        return tokens
 
     def prefill(self, rows: list[Row]) -> jax.Array:
         """Appends each row's tokens; returns float32 logits [B_bucket, V] at each row's last token.
@@ -187,19 +203,31 @@ class ModelRunner:
         self._log_first_use(shape, started, logits)
         return logits
 
-    def decode(self, rows: list[Row]) -> jax.Array:
-        """One token per row (row.tokens == [token]); returns float32 logits [B_bucket, V]."""
+    def decode(self, rows: list[Row], tokens: jax.Array | None = None) -> jax.Array:
+        """One token per row; returns float32 logits [B_bucket, V]. The tokens are each row.tokens[0], or
+        `tokens` already on the device ([B_bucket] int32, from `gather_tokens`; the rows' own lists unused)."""
         b = fit(len(rows), self.row_buckets)
         p = fit(max(len(r.pages) for r in rows), self.page_buckets)
-        tokens = np.zeros(b, np.int32)
-        tokens[: len(rows)] = [r.tokens[0] for r in rows]
+        if tokens is None:
+            tokens = np.zeros(b, np.int32)
+            tokens[: len(rows)] = [r.tokens[0] for r in rows]
+        elif tokens.shape != (b,):
+            raise ValueError(f"device tokens of shape {tokens.shape} for {len(rows)} rows (bucket {b})")
         meta = self._meta(rows, b, p, [1] * len(rows))
         shape = ("decode", b, 1, p)
         started = self._first_use(shape)
-        logits, self.state = k3jax.decode(self.params, self.cfg, self.state, jnp.asarray(tokens), meta,
+        logits, self.state = k3jax.decode(self.params, self.cfg, self.state, tokens, meta,
                                           backend_name=self.ecfg.backend)
         self._log_first_use(shape, started, logits)
         return logits
+
+    def gather_tokens(self, previous: jax.Array, index: list[int]) -> jax.Array:
+        """The next decode step's input tokens on the device: previous[index[i]] for its rows, padded to the
+        row bucket with zeros (overlap scheduling: `previous` is the last step's sampled tokens, not read back)."""
+        b = fit(len(index), self.row_buckets)
+        padded = np.full(b, -1, np.int32)
+        padded[: len(index)] = index
+        return _gather_tokens(previous, padded)
 
     # --- speculative decoding ----------------------------------------------------------------
     def draft_extend(self, next_tokens: list[list[int]], pending_last: list[bool]) -> None:
@@ -253,7 +281,7 @@ class ModelRunner:
         vmeta = self._meta(rows, b, p, [k + 1] * n)
         logits, self.state, verified, vfeats = target_step(
             self.params, self.cfg, self.state, vtokens, vmeta, self.capture, True, self.ecfg.backend)
-        accepted, emitted = spec_decode.accept(logits, drafts, tensors, fixed_accepted=fixed_accepted)
+        accepted, emitted = spec_decode.accept(logits, drafts, tensors.device_branches(), fixed_accepted=fixed_accepted)
         self.state = commit_verified(self.state, verified, vmeta.slots, accepted + 1)
         self.pending = _store_pending(self.pending, vmeta.slots, vfeats, jnp.zeros(b, jnp.int32))
         return np.asarray(accepted)[:n], np.asarray(emitted)[:n], (verified, vmeta.slots)
@@ -272,7 +300,7 @@ class ModelRunner:
             return
         n = fit(len(src), self.slot_copy_buckets)
         pad = [self.scratch_slot] * (n - len(src))
-        self.state = _copy_slots(self.state, jnp.asarray(src + pad, jnp.int32), jnp.asarray(dst + pad, jnp.int32))
+        self.state = _copy_slots(self.state, np.asarray(src + pad, np.int32), np.asarray(dst + pad, np.int32))
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
         """Latents of the given pages, all MLA layers: [L_mla, n, page_size, C+R] on the host."""
@@ -324,12 +352,15 @@ class ModelRunner:
                 if self.k:
                     self._warm_speculate(b, meta)
                 else:
-                    _, self.state = k3jax.decode(self.params, self.cfg, self.state, jnp.zeros(b, jnp.int32), meta,
-                                                 backend_name=self.ecfg.backend)
+                    # tokens from the host, and (overlap scheduling) already on the device: the same program, but
+                    # jit's dispatch cache keys the two argument kinds apart
+                    for tokens in (np.zeros(b, np.int32), jnp.zeros(b, jnp.int32)):
+                        _, self.state = k3jax.decode(self.params, self.cfg, self.state, tokens, meta,
+                                                     backend_name=self.ecfg.backend)
                     self._shapes_seen.add(("decode", b, 1, p))
                 count += 1
                 for t in self.token_buckets if prefill and b <= prefill_rows else ():
-                    tokens = jnp.full((b, t), self.cfg.pad_token_id, jnp.int32)
+                    tokens = np.full((b, t), self.cfg.pad_token_id, np.int32)  # host tokens, as `prefill` passes
                     if self.k:
                         _, self.state, _, self._prefill_feats = target_step(
                             self.params, self.cfg, self.state, tokens, meta, self.capture, False, self.ecfg.backend)
@@ -340,6 +371,8 @@ class ModelRunner:
                                                       backend_name=self.ecfg.backend)
                     self._shapes_seen.add(("prefill", b, t, p))
                     count += 1
+            if not self.k:
+                _warm_sampler(b, self.cfg.vocab_size)
         return count
 
     def _warm_speculate(self, b: int, meta: StepMeta) -> None:
@@ -351,7 +384,7 @@ class ModelRunner:
         logits, self.state, verified, vfeats = target_step(
             self.params, self.cfg, self.state, jnp.zeros((b, k + 1), jnp.int32), meta, self.capture, True,
             self.ecfg.backend)
-        tensors = SamplingTensors.greedy(b * (k + 1))
+        tensors = SamplingTensors.greedy(b * (k + 1)).device_branches()
         accepted, _ = spec_decode.accept(logits, jnp.zeros((b, k), jnp.int32), tensors,
                                          fixed_accepted=self.ecfg.spec_fixed_accepted)
         self.state = commit_verified(self.state, verified, meta.slots, accepted + 1)

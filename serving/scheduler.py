@@ -16,6 +16,12 @@ Decode and prefill of one step run back to back on the same state; neither starv
 A swapped request at the head of the queue is re-admitted before new ones, without prefill budget.
 3. Disaggregated prefill (serving.disagg.roles): `admission_gate(req)` must allow a new request
    (backpressure when finished prompts wait for their decode partners; decode-first admission).
+4. Overlap scheduling (`continue_decode`): while a decode step's sampled tokens are still on the device, the
+   next decode step may be chosen without them, but only when a full `schedule()` would choose the same rows:
+   every running request is decoding in that step (no prefill chunk pending), no admission is due (nothing
+   waits, or the running batch is full), and pages for one more token come without preemption. A request
+   whose in-flight token is certainly its last (max_tokens) is left out; one that stops on a sampled token
+   (eos, stop ids or strings) is found one step later, and its extra row's output is dropped.
 """
 
 from __future__ import annotations
@@ -124,6 +130,22 @@ class Scheduler:
             plan.prefill.append((req, n))
             budget -= n
         return plan
+
+    def continue_decode(self, inflight: list[Request]) -> list[Request] | None:
+        """The rows of the next decode step while `inflight`'s newest tokens are not yet on the host (each of
+        those requests has one sampled token in flight), or None when this step needs a full `schedule()`
+        (after the in-flight step is processed). Policy 4 of the module docstring."""
+        if self.waiting and len(self.running) < self.ecfg.max_running:
+            return None  # an admission (or a swap-in) is due: schedule() decides it
+        members = set(map(id, inflight))
+        if any(id(req) not in members for req in self.running):
+            return None  # a request with a prefill chunk to run, or one that joined since (a P/D transfer)
+        rows = [req for req in self.running if req.num_output + 1 < req.sampling.max_tokens]
+        for req in rows:
+            # the step writes the in-flight token's position (num_computed_tokens); no preemption here
+            if not self.kv.ensure_pages(req, req.num_computed_tokens + 1 + self.lookahead):
+                return None
+        return rows or None
 
     def _chunk(self, req: Request, remaining: int, budget: int, ps: int) -> int:
         """How many of req's `remaining` uncomputed tokens to prefill now (0 if pages are short).

@@ -83,7 +83,8 @@ def accept(logits: jax.Array, drafts: jax.Array, tensors: SamplingTensors,
     """How many drafts each row keeps, and the tokens it emits.
 
     logits [B, k+1, V]: the target at [x, d_1 .. d_k] (position i scores the token after d_i).
-    drafts [B, k]. tensors: B*(k+1) rows, row b*(k+1)+i = request b's sampling at output index
+    drafts [B, k]. tensors: B*(k+1) rows (callers pass them without the host flags, `device_branches()`: one
+    program for every mix of rows, which the warm-up compiles; the host reads the result right away here), row b*(k+1)+i = request b's sampling at output index
     num_output + i (bans for min_tokens are per position; keys are (seed, output index), so a request's
     draws do not depend on the batch it runs in).
 

@@ -236,9 +236,31 @@ def test_changing_parameter_values_never_recompiles():
                                     [0, 1, 2], 16, eos_id=3),
         SamplingTensors.greedy(16),
     ]
-    for params in variants:
+    for params in variants[:3]:  # built without the host flags: one program, the branches on the device
         sample(logits, params).block_until_ready()
     assert sample._cache_size() == size
+    # from_params sets the static flags (all greedy / top-k-top-p sort needed): one program per combination
+    # that can occur -- greedy; sampled without the sort; sampled with it -- and no more, whatever the values
+    flagged = [SamplingTensors.from_params([SamplingParams(temperature=t, top_k=k, top_p=p, seed=1)] * 5, [0] * 5, 16)
+               for t, k, p in ((0.0, 0, 1.0), (0.9, 0, 1.0), (0.9, 3, 1.0), (1.3, 0, 0.5), (0.0, 7, 0.2))]
+    assert [(f.all_greedy, f.needs_sort) for f in flagged] == [(True, False), (False, False), (False, True),
+                                                               (False, True), (True, False)]
+    for params in flagged + variants[3:]:
+        sample(logits, params).block_until_ready()
+    assert sample._cache_size() == size + 3
+
+
+def test_host_flags_give_the_device_branches_results():
+    """Tensors from from_params (static flags) and the same values without flags (lax.cond on the device)
+    sample the same tokens: the flags only choose the branch ahead of time."""
+    logits = jnp.asarray(np.random.default_rng(8).standard_normal((16, 50)), jnp.float32)
+    cases = [[SamplingParams(temperature=0.0, seed=1)] * 9,
+             [SamplingParams(temperature=1.1, seed=i) for i in range(9)],
+             [SamplingParams(temperature=0.0, seed=1)] * 4 + [SamplingParams(temperature=0.8, top_k=4, top_p=0.7, seed=3)] * 5]
+    for params in cases:
+        flagged = SamplingTensors.from_params(params, list(range(9)), 16)
+        device_branches = flagged.replace(all_greedy=None, needs_sort=None)
+        np.testing.assert_array_equal(np.asarray(sample(logits, flagged)), np.asarray(sample(logits, device_branches)))
 
 
 # --- host-side build -----------------------------------------------------------------------------
