@@ -15,6 +15,11 @@ on prebuilt device arrays (k3jax.decode + block_until_ready): host overhead = 1 
 the engine's own timers, the fraction of step time spent in host-only phases (scheduling before the
 forward is dispatched, processing after the sampled tokens are back), when the device has nothing queued.
 
+Overlap scheduling (`--overlap 1,0`): each batch size is timed with EngineConfig.overlap_schedule on and off on
+the same engine (the in-flight step is processed between them); `--roofline` adds the decode floor per batch
+(benchmarks/model_forward.py's byte count: weights, activated experts, latents, KDA and conv state, over the copy
+bandwidth measured in the same run) and each mode's step / floor.
+
 Speculation: a random-init drafter (acceptance as measured: ~1 for a random target) and the
 BENCHMARK-ONLY fixed-acceptance mode (`spec_fixed_accepted`: exactly a drafts kept per step, outputs NOT
 the model's), which prices a step at a given acceptance length the way the published AgentX runs do.
@@ -23,6 +28,7 @@ the model's), which prices a step at a given acceptance length the way the publi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -52,6 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-fixed", default="2", help="benchmark-only accepted drafts per step, comma-separated "
                    "(e.g. 2,3 brackets a measured mean acceptance length of 3.62 tokens/step at k=3)")
     p.add_argument("--spec-deadline-s", type=float, default=330.0, help="skip speculation past this run time")
+    p.add_argument("--backend", default=EngineConfig.backend, help="kernel backend (pallas on a GPU)")
+    p.add_argument("--overlap", default="1", help="overlap_schedule settings to time per batch, e.g. 1,0")
+    p.add_argument("--roofline", action="store_true", help="add the decode floor (weights + history + state bytes "
+                   "over the measured copy bandwidth) and step / floor")
+    p.add_argument("--copy-mib", default="1024,2048,4096", help="--roofline's copy-bandwidth probe sizes (MiB)")
     p.add_argument("--smoke", action="store_true", help="CPU-sized run (the test suite's smoke test)")
     p.add_argument("--out", default=None, help="write raw results as JSON here")
     return p.parse_args(argv)
@@ -72,7 +83,7 @@ def engine_config(args, max_running: int, **kw) -> EngineConfig:
     return EngineConfig(
         model=args.model, page_size=args.page_size, max_running=max_running,
         max_prefill_tokens=max(args.prefix, args.page_size), max_model_len=args.prefix + args.suffix + 512,
-        bucket_growth=2, num_slots=3 * max_running + 8, **kw)
+        bucket_growth=2, num_slots=3 * max_running + 8, backend=args.backend, **kw)
 
 
 def _median_ms(times) -> float:
@@ -98,6 +109,7 @@ def bare_decode_ms(engine: Engine, reps: int) -> float:
     """The jitted decode at the engine's current decode shapes, arguments prebuilt on the device."""
     from serving.runner import Row, fit
 
+    engine.sync()  # overlap scheduling: the step in flight first, so every row's newest token is known
     reqs = [r for r in engine.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
     rows = [Row(r.slot, r.pages, r.num_computed_tokens, [r.last_token]) for r in reqs]
     run = engine.runner
@@ -130,23 +142,56 @@ def timed_steps(engine: Engine, steps: int) -> tuple[float, int]:
     return _median_ms(times[2:]), int(np.median(tokens[2:]))
 
 
-def bench_batches(engine: Engine, batches: list[int], args, bare: bool = True) -> list[dict]:
+def set_overlap(engine: Engine, on: bool) -> None:
+    """Switches overlap scheduling on a running engine (benchmark only): the step in flight is processed first."""
+    engine.sync()
+    engine.ecfg = dataclasses.replace(engine.ecfg, overlap_schedule=on)
+
+
+def bench_batches(engine: Engine, batches: list[int], args, bare: bool = True, floor=None) -> list[dict]:
+    """Per batch size (and per --overlap mode): the median Engine.step() time; `floor(batch, context)`, if given,
+    is the decode floor in ms."""
     rows = []
     live = [r.request_id for r in engine.scheduler.running]
+    modes = [bool(int(x)) for x in args.overlap.split(",")] if not engine.runner.k else [False]
     for b in batches:
+        engine.sync()
         for rid in live[b:]:
             engine.abort(rid)
         live = live[:b]
-        step_ms, per_step = timed_steps(engine, args.steps)
-        row = {"batch": b, "step_ms": step_ms, "tokens_per_step": per_step, "tok_s": per_step / step_ms * 1e3,
-               "context": int(np.mean([engine.requests[r].num_computed_tokens for r in live])),
-               "host_only_fraction": engine.last_host_fraction}
+        for overlap in modes:
+            set_overlap(engine, overlap)
+            step_ms, per_step = timed_steps(engine, args.steps)
+            row = {"batch": b, "overlap": overlap, "step_ms": step_ms, "tokens_per_step": per_step,
+                   "tok_s": per_step / step_ms * 1e3,
+                   "context": int(np.mean([engine.requests[r].num_computed_tokens for r in live])),
+                   "host_only_fraction": engine.last_host_fraction}
+            if floor is not None:
+                row["floor_ms"] = floor(b, row["context"])
+                row["step_over_floor"] = step_ms / row["floor_ms"]
+            rows.append(row)
         if bare:
-            row["bare_decode_ms"] = bare_decode_ms(engine, args.steps)
-            row["host_overhead"] = 1 - row["bare_decode_ms"] / step_ms
-        rows.append(row)
-        log(f"  batch {b}: {row}")
+            bare_ms = bare_decode_ms(engine, args.steps)
+            for row in rows[-len(modes):]:
+                row["bare_decode_ms"] = bare_ms
+                row["host_overhead"] = 1 - bare_ms / row["step_ms"]
+        for row in rows[-len(modes):]:
+            log(f"  batch {b}: {row}")
     return rows
+
+
+def roofline(params, cfg, sizes_mib=(1024, 2048, 4096), repeats: int = 2):
+    """(floor(batch, context) in ms, bandwidth, probes): model_forward's decode byte count over the best copy
+    bandwidth measured now. The probe (median of 10 elementwise passes) has read 2.95-4.1 TB/s on the same H200
+    across runs, so it runs at several sizes, twice each, and the floor uses the highest: the strictest floor."""
+    from k3jax.testing import load_benchmark_script
+
+    mf = load_benchmark_script("model_forward")
+    probes = {f"{mib}MiB_{i}": mf.copy_bandwidth(mib) for mib in sizes_mib for i in range(repeats)}
+    bandwidth = max(probes.values())
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (best of {', '.join(f'{v / 1e12:.2f}' for v in probes.values())})")
+    return (lambda batch, context: 1e3 * mf.decode_bytes(params, cfg, batch, context)["total"] / bandwidth,
+            bandwidth, probes)
 
 
 def main(argv=None) -> dict:
@@ -170,7 +215,11 @@ def main(argv=None) -> dict:
                                         if k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use")}}
     log(f"engine pools: {result['pools']}")
     fill(engine, make_prompts(cfg, max(batches), args.prefix, args.suffix), max_tokens)
-    result["decode"] = bench_batches(engine, batches, args)
+    floor = None
+    if args.roofline:
+        floor, result["copy_bandwidth_Bps"], result["copy_probes_Bps"] = roofline(
+            engine.runner.params, cfg, [int(x) for x in args.copy_mib.split(",")])
+    result["decode"] = bench_batches(engine, batches, args, floor=floor)
     del engine
     _save(result, args.out)
 
@@ -205,12 +254,15 @@ def _save(result: dict, path: str | None) -> None:
 
 def print_table(result: dict) -> None:
     print(f"\nengine decode, {result['model']} on {result['device']}")
-    print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'bare ms':>9} {'tok/s':>10} {'1-bare/step':>12} {'host-only':>10}")
+    print(f"{'batch':>6} {'overlap':>8} {'context':>8} {'step ms':>9} {'bare ms':>9} {'tok/s':>10} {'1-bare/step':>12} "
+          f"{'host-only':>10} {'floor ms':>9} {'step/floor':>11}")
     for r in result["decode"]:
-        print(f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>9.2f} {r['bare_decode_ms']:>9.2f} {r['tok_s']:>10.1f} "
-              f"{100 * r['host_overhead']:>11.1f}% {100 * r.get('host_only_fraction', float('nan')):>9.1f}%")
+        print(f"{r['batch']:>6} {str(r.get('overlap', '-')):>8} {r['context']:>8} {r['step_ms']:>9.2f} "
+              f"{r['bare_decode_ms']:>9.2f} {r['tok_s']:>10.1f} {100 * r['host_overhead']:>11.1f}% "
+              f"{100 * r.get('host_only_fraction', float('nan')):>9.1f}% {r.get('floor_ms', float('nan')):>9.2f} "
+              f"{r.get('step_over_floor', float('nan')):>10.2f}x")
     if result["speculative"]:
-        print(f"\nspeculative decoding (fixed = BENCHMARK-ONLY forced acceptance; outputs are not the model's)")
+        print("\nspeculative decoding (fixed = BENCHMARK-ONLY forced acceptance; outputs are not the model's)")
         print(f"{'batch':>6} {'k':>3} {'fixed':>6} {'accept len':>11} {'step ms':>9} {'tok/s':>10} {'vs plain':>9}")
         for r in result["speculative"]:
             sp = f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] else "-"

@@ -535,8 +535,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     state_bytes = b * h * D * D * 4
     ours_bytes = state_bytes * (1 + t) if verify else state_bytes * 2  # verify writes every position's state
 
-    def time_ours(block_v, num_warps, loop_v=False):
-        tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v)
+    def time_ours(block_v, num_warps, loop_v=False, **extra):
+        tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v, **extra)
         if verify:
             f = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, all_states=True,
                                                   **kw, **tiling))
@@ -553,16 +553,18 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
 
     # warps outer: the first listed warp count covers every V-block before the next one starts, so a sweep
     # cut by the case limit loses the least likely tilings (put them last on the command line)
-    combos = [(bv, nw, loop) for nw in args.decode_warps
+    combos = [(bv, nw, loop, {}) for nw in args.decode_warps
               for bv, loop in [(v, False) for v in args.decode_block_v] + [(v, True) for v in args.decode_loop_v]
               if bv <= D]
-    for i, (bv, nw, loop) in enumerate(combos):
+    combos += [decode_variant(name) for name in args.decode_variants]
+    for i, (bv, nw, loop, extra) in enumerate(combos):
         if i and time.monotonic() > deadline - 5:
             row["sweep_cut"] = True
             break
-        key = f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}"
+        key = f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}" + "".join(
+            f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items())
         try:
-            row[key + "_ms"], step = time_ours(bv, nw, loop)
+            row[key + "_ms"], step = time_ours(bv, nw, loop, **extra)
         except CaseTimeout:
             raise
         except Exception as e:  # noqa: BLE001 -- an unsupported tiling: keep the others
@@ -594,6 +596,20 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
         row["error"] = "no decode tiling ran: " + "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
     else:
         print(f"decode B{b} T{t} H{h}: best tiling {row['ours_best']} ({row['ours_ms']:.3f} ms)", file=sys.stderr)
+
+
+def decode_variant(name):
+    """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold]",
+    e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True)."""
+    m = re.fullmatch(r"(loop|bv)(\d+)_w(\d+)((?:_pf\d+)?)((?:_fold)?)", name)
+    if m is None:
+        raise ValueError(f"decode variant {name!r}: expected {{loop|bv}}<rows>_w<warps>[_pf<n>][_fold]")
+    extra = {}
+    if m.group(4):
+        extra["prefetch"] = int(m.group(4)[3:])
+    if m.group(5):
+        extra["fold_v"] = True
+    return int(m.group(2)), int(m.group(3)), m.group(1) == "loop", extra
 
 
 def count_pool_copies(step, conv, state):
@@ -678,6 +694,8 @@ def main(argv=None):
     p.add_argument("--decode-loop-v", type=ints, default=[],
                    help="kda_decode loop_v=True (one program per head walking V-blocks of this size; ours_loop{V}_w{W}),"
                         " crossed with --decode-warps after the --decode-block-v tilings")
+    p.add_argument("--decode-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
+                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold] (see decode_variant)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],

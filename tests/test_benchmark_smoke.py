@@ -137,17 +137,21 @@ def test_model_forward_backend_options():
 
 
 def test_engine_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/engine.py end to end on k3-tiny: every batch size is measured at one token per row per
-    step, the host-only fraction is a fraction, the JSON matches what was returned."""
+    """benchmarks/engine.py end to end on k3-tiny: every batch size is measured in both scheduling modes at one
+    token per row per step, the host-only fraction is a fraction, the floor is the byte count over the best
+    probe, the JSON matches what was returned."""
     module = load_benchmark_script("engine")
     out = tmp_path / "engine.json"
     result = module.main(["--model", "k3-tiny", "--batches", "3,1", "--prefix", "40", "--suffix", "5",
-                          "--page-size", "8", "--steps", "2", "--spec-deadline-s", "0", "--out", str(out)])
+                          "--page-size", "8", "--steps", "2", "--spec-deadline-s", "0", "--overlap", "1,0",
+                          "--roofline", "--copy-mib", "4,8", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert [r["batch"] for r in result["decode"]] == [3, 1]
+    assert [(r["batch"], r["overlap"]) for r in result["decode"]] == [(3, True), (3, False), (1, True), (1, False)]
+    assert result["copy_bandwidth_Bps"] == max(result["copy_probes_Bps"].values()) and len(result["copy_probes_Bps"]) == 4
     for r in result["decode"]:
         assert r["tokens_per_step"] == r["batch"] and r["tok_s"] > 0 and r["step_ms"] > 0
         assert 0 <= r["host_only_fraction"] < 1
+        assert r["floor_ms"] > 0 and r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
     assert "engine decode" in capsys.readouterr().out
 
 
