@@ -291,9 +291,12 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
     return y, new_conv, new_rec
 
 
-# The model's chunked-prefill stage 1 (pallas_kernels/kda_chunk.py): "v2" took 6.66 ms against 7.72 ms for the
-# first XLA stage at B1 T32768 H32 on the H200 (2026-11-30, docs/benchmarks.md), outputs within 1.1e-4 of it.
-KDA_STAGE1 = "v2"
+# The model's chunked-prefill stage 1 (pallas_kernels/kda_chunk.py). On the GPU "pallas" (kda_intra, 8 warps,
+# 16x16-block inverse): 2.93 ms against 5.09 ms for the XLA "v2" stage at B1 T32768 H32 on the H200 (2026-11-30,
+# docs/benchmarks.md). The CPU interpret backend keeps "v2": the one-kernel stage in interpret mode would add
+# minutes to CI's model tests, and tests/kernels/test_kda_intra.py checks that kernel against v2 on its own.
+KDA_STAGE1 = "pallas"
+KDA_STAGE1_INTERPRET = "v2"
 
 
 def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound,
@@ -318,15 +321,17 @@ def _register_pallas() -> None:
 
     for name, interpret in (("pallas", False), ("interpret", True)):
 
-        def chunked(q, k, v, g, beta, state, *, interpret=interpret):
+        stage1 = KDA_STAGE1_INTERPRET if interpret else KDA_STAGE1
+
+        def chunked(q, k, v, g, beta, state, *, interpret=interpret, stage1=stage1):
             b, t, h, dk = q.shape
             cu = jnp.arange(b + 1, dtype=jnp.int32) * t
             flat = lambda a: a.reshape(b * t, *a.shape[2:])
-            o, final, _ = kda_chunk(flat(q), flat(k), flat(v), flat(g), flat(beta), state, cu, stage1=KDA_STAGE1,
+            o, final, _ = kda_chunk(flat(q), flat(k), flat(v), flat(g), flat(beta), state, cu, stage1=stage1,
                                     interpret=interpret)
             return o.reshape(b, t, h, -1), final
 
-        chunked_fused = functools.partial(_packed_fused_chunk, kda_chunk, stage1=KDA_STAGE1, interpret=interpret)
+        chunked_fused = functools.partial(_packed_fused_chunk, kda_chunk, stage1=stage1, interpret=interpret)
 
         backend.register("kda_chunked", name)(chunked)
         backend.register("kda_chunked_fused", name)(chunked_fused)

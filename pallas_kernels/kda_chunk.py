@@ -31,16 +31,16 @@ Stages (the split of fla's `chunk_kda` forward: gate cumsum / intra / state pass
    [T, H] scalars. CPU traffic proxy at B1 T32768 H32 (XLA cost_analysis bytes accessed of the compiled
    stage): 38.0 GB -> 29.7 GB, buffers written 12.5 -> 9.2 GB (benchmarks/kda.py --stage1-hlo-only);
    On the H200 (2026-11-30, benchmarks/kda.py --stage1 default,v2) 6.66 ms against 7.72 ms for the first
-   stage at B1 T32768 H32, output within 1.1e-4 of it: the model passes stage1="v2" (k3jax.kda.KDA_STAGE1);
+   stage at B1 T32768 H32, output within 1.1e-4 of it: the model passed stage1="v2" until "pallas" beat it (k3jax.kda.KDA_STAGE1);
    this function's default stays the first stage, the one the GPU tests and the earlier figures cover.
    Opt-in `stage1="pallas"` (`kda_intra.py`, same outputs): the whole stage as ONE Pallas kernel per chunk
    and head, reading the packed inputs through the chunk table (no gathered copies), L / Aqk as 8 full-tile
    [64, K] x [K, 64] dots, the inverse by masked 16x16 blocks and halves in 64x64 dots at tf32x3, W / U as 2 dots;
    bounded gate only (an unbounded gate takes "v2"). On the H200 (2026-11-30) 8.26 ms against v2's 5.09 ms at
    B1 T32768 H32 (register spills: `kda_intra`'s docstring), so it stays opt-in. An H200 ablation put ~3 ms of
-   that in its masked 64x64 tf32x3 inverse (the rest at 8 warps: 2.29 ms), hence two cheaper inverses, neither
-   timed yet: `kda_intra`'s stage1_inverse="blocks" (16x16-block substitution, benchmark variant
-   pallas_w8_blocks) and opt-in `stage1="pallas2"` (`_intra_stage_pallas2`: `kda_intra_lk` walks each chunk in
+   that in its masked 64x64 tf32x3 inverse (the rest at 8 warps: 2.29 ms), hence two cheaper inverses:
+   `kda_intra`'s stage1_inverse="blocks" (16x16-block substitution; at 8 warps 2.93 ms, now "pallas"'s default
+   and the model's stage on the GPU, k3jax.kda.KDA_STAGE1) and opt-in `stage1="pallas2"` (3.80 ms) (`_intra_stage_pallas2`: `kda_intra_lk` walks each chunk in
    16-row blocks for the elementwise outputs, Aqk and A diag(beta) -- only needed blocks, the inverse by 16x16
    block substitution -- then `kda_intra_wu` forms W, U as two [64, 64] x [64, D] dots; bounded gate only).
 2. The state pass (Pallas, grid = sequences x heads x V-blocks) walks a sequence's chunks in order with
@@ -432,8 +432,9 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         inputs; bounded gate only: an unbounded one takes "v2"; solve must be "xla"; slower than v2 on the H200
         with its default tf32x3 inverse) or "pallas2" (`_intra_stage_pallas2`: `kda_intra_lk` by 16-row blocks,
         then `kda_intra_wu`; bounded gate only, as "pallas"; not yet timed on a GPU).
-      stage1_num_warps, stage1_inverse: stage1="pallas"'s Triton warps (default 4) and its inverse (default
-        "tf32x3"; "blocks" for the 16x16-block substitution; see `kda_intra`), or stage1="pallas2"'s
+      stage1_num_warps, stage1_inverse: stage1="pallas"'s Triton warps (default 8) and its inverse (default
+        "blocks", the 16x16-block substitution: 2.93 ms on the H200 at B1 T32768 H32 against 8.24 ms at 4 warps
+        with "tf32x3" and 5.09 ms for v2, 2026-11-30; see `kda_intra`), or stage1="pallas2"'s
         `kda_intra_lk` warps (default 8) and inverse dot precision (default "ieee"; or "tf32x3").
 
     Returns:
@@ -464,8 +465,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     if stage1 == "pallas" and bounded:
         w, u, qg, kg, aqk, gc = kda_intra(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
                                           lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-                                          scale=scale, stored=stored, num_warps=stage1_num_warps or 4,
-                                          inverse_precision=stage1_inverse or "tf32x3", interpret=interpret)
+                                          scale=scale, stored=stored, num_warps=stage1_num_warps or 8,
+                                          inverse_precision=stage1_inverse or "blocks", interpret=interpret)
     elif stage1 == "pallas2" and bounded:
         w, u, qg, kg, aqk, gc = _intra_stage_pallas2(
             tok_start, length, q, k, v, g, beta, a, b, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
