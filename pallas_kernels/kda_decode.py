@@ -54,7 +54,8 @@ o are kept, [T, V] in all): one launch per layer instead of three, and 0.262 / 1
 Code layout (2026-11-30, eighth session): both kernels run one body, `_kda_rows` (a program's rows of one head walked
 in V-blocks), built from one copy of the per-segment pieces (`_conv_operands` / `_short_conv`, `_qk_norm`,
 `_decay_beta`, `_delta_step`, `_gated_rms_norm`); `_blocked_kernel` and `_looped_kernel` differ only in their grid
-walk (bit-identical results to the two earlier kernels in interpret mode). Two looped-kernel options, both untimed:
+walk (bit-identical results to the two earlier kernels in interpret mode). Two looped-kernel options, timed on the H200
+without a gain (DEFAULT_PREFETCH's comment):
 `prefetch` issues each V-block's loads (state rows, v conv inputs) that many blocks ahead of its compute, since
 Triton keeps program order and the aliased pool stops any hoisting of block j+1's load above block j's store; and
 `fold_v` convolves the head's v once with q and k and picks each block's v inside its S k reduction. Why fold_v:
@@ -88,17 +89,19 @@ DEFAULT_BLOCK_V = 32
 DEFAULT_VERIFY_BLOCK_V = 64
 DEFAULT_BLOCKED_WARPS = 4
 # loop_v=None's choice for decode (read at trace time): one program per head walking its V-blocks (True: one launch
-# per layer instead of three) or the V-blocked grid. Verify keeps the V-blocked grid (its looped form is untimed).
+# per layer instead of three) or the V-blocked grid. Verify keeps the V-blocked grid (its looped form: 3x slower, below).
 # H200, 2026-11-30 (benchmarks/kda.py --decode-loop-v, docs/results/kda_decode_h200_2026-11-30f.json), H96, 4 warps:
 # looped 64-row blocks 0.262 ms at B64 (V-blocked 32: 0.269, fla 0.286) and 1.010 ms at B256 (1.014, fla 1.166);
 # looped 16- and 32-row blocks were slower (0.36 / 0.30 ms at B64).
 DEFAULT_LOOP_V = True
 DEFAULT_LOOP_BLOCK_V = 64
-# prefetch=None's choice: how many V-blocks ahead the looped kernel issues its state loads (0: each block's load
-# waits for the previous block's compute and store, the kernel timed above). Untimed on the H200 as of 2026-11-30
-# (eighth session): 0 until it is.
+# prefetch=None / fold_v=None's choices. H200, 2026-11-30, eighth session (benchmarks/kda.py --decode-variants,
+# docs/results/kda_decode_h200_2026-11-30g.json), T1 H96, B64 / B256 ms: default (looped 64, 4 warps) 0.265 / 1.021;
+# looped 32 0.323 / 1.236, with fold_v 0.271 / 1.043, prefetch 1 0.281 / 1.078, both 0.273 / 1.044; looped 16 with
+# prefetch 1 and fold_v 0.268 / 1.015; looped 64 at 8 warps 0.279 / 1.083. fold_v repairs the small blocks but nothing
+# beats the default by more than noise, so both stay off. Looped verify (T4, B64): 2.0-2.4 ms against 0.67 for the
+# V-blocked default (fla 0.567).
 DEFAULT_PREFETCH = 0
-# fold_v=None's choice (see `kda_decode`): untimed as of 2026-11-30 (eighth session), off until it is.
 DEFAULT_FOLD_V = False
 _L2_EPS = 1e-6
 

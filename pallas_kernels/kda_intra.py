@@ -42,9 +42,10 @@ tensors do not fit this kernel's whole-tile design: `kda_chunk` routes those to 
 
 Measured on the H200 (2026-11-30, benchmarks/kda.py --stage1 v2,pallas,pallas_w8; docs/results/
 kda_intra_h200_2026-11-30f.json), B1 T32768 H32 D128 bf16: 8.26 ms at 4 warps, 10.63 ms at 8, against 5.09 ms for
-the XLA `_intra_stage_v2` it would replace -- slower, so the model keeps v2. Its GPU test against v2
-(tests/gpu/test_kda_gpu.py -k intra) has not completed on a GPU yet (cut by a call's time limit); the benchmark's
-whole prefill with it landed within 4.8e-4 of the default stage's output. Why it is slow
+the XLA `_intra_stage_v2` it would replace -- slower. The benchmark's whole prefill with it landed within 4.8e-4 of
+the default stage's output. With inverse_precision="blocks" at 8 warps (eighth session, below) it takes 2.93 ms and is
+the model's GPU stage (k3jax.kda.KDA_STAGE1; whole prefill 4.57 vs 6.63 ms with v2; GPU test vs v2 passed,
+tests/gpu/test_kda_gpu.py -k pallas2_and_block_inverse; docs/results/kda_stage1_h200_2026-11-30g.json). Why it is slow
 (docs/results/kda_intra_ptxas_sm90a_2026-11-30f.json, `ptxas -v` of its Triton PTX for sm_90a): 255 registers and
 ~1.5 KB of spill stores per thread at 4 warps (every [64, 128] fp32 tile is 64 registers per thread, and q, k, g, G
 and the factors are live together), 2 programs per SM. The H200 ablation (docs/results, 2026-11-30 call 1) then
