@@ -36,7 +36,8 @@ from pallas_kernels.kda_common import (
 
 
 def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
-                  s0_ref, o_ref, final_ref, ckpt_ref, *, block_v, has_ckpt):
+                  s0_ref, o_ref, final_ref, ckpt_ref, *, block_v, has_ckpt, k_first, output_order,
+                  checkpoint_branch):
     # first_ref: [N+1] int32 first chunk of each sequence; start_ref, len_ref, ckpt_idx_ref: [NC] int32
     # w_ref, qg_ref, kg_ref: [H, NC, C, K]; u_ref: [H, NC, C, V]; aqk_ref: [H, NC, C, C]; gc_ref: [H, NC, K] fp32
     # s0_ref: [BV, K] (block of [N, H, V, K]); o_ref: [T, H, V]; final_ref: [BV, K]; ckpt_ref: [NCK, H, V, K]
@@ -45,29 +46,54 @@ def _state_kernel(first_ref, start_ref, len_ref, ckpt_idx_ref, w_ref, u_ref, qg_
     stored = w_ref.dtype
     prec = HIGHEST if stored == jnp.float32 else None
     rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    # k_first keeps the state as S^T [K, BV]: then W S^T and e^G Q S^T take it as their B operand as is, and
+    # the update Kg^T V' has M = K = 128 rows (a Hopper wgmma), where V'^T Kg has M = BV = 16/32 (mma.sync).
+    v_first = lambda s: s.T if k_first else s  # walk's state <-> the refs' [BV, K] block (either way)
 
-    def chunk(c, s):  # s: [BV, K] fp32, the state before chunk c
+    def chunk(c, s):  # s: [BV, K] fp32 ([K, BV] if k_first), the state before chunk c
         w, qg, kg = w_ref[h, c], qg_ref[h, c], kg_ref[h, c]  # [C, K]
         u = u_ref[h, c, :, vs].astype(jnp.float32)  # [C, BV]
         aqk = aqk_ref[h, c]  # [C, C]
         gc = gc_ref[h, c]  # [K]
         sd = s.astype(stored)
-        v_new = u - dot(w, sd, tb=True, precision=prec)  # [C, BV]
+        v_new = u - dot(w, sd, tb=not k_first, precision=prec)  # [C, BV]
         vd = v_new.astype(stored)
-        o = dot(qg, sd, tb=True, precision=prec) + dot(aqk, vd, precision=prec)
-        s = s * gc[None, :] + dot(vd, kg, ta=True, precision=prec)
-        plt.store(o_ref.at[pl.ds(start_ref[c], CHUNK), h, vs], o.astype(o_ref.dtype),
-                  mask=(rows < len_ref[c])[:, None])
+
+        def output_dots():  # O of chunk c from the state before it (sd) and V': no part of the state's chain
+            return dot(qg, sd, tb=not k_first, precision=prec) + dot(aqk, vd, precision=prec)  # [C, BV]
+
+        def store_output(o):
+            plt.store(o_ref.at[pl.ds(start_ref[c], CHUNK), h, vs], o.astype(o_ref.dtype),
+                      mask=(rows < len_ref[c])[:, None])
+
+        if output_order != "last":
+            o = output_dots()
+            if output_order == "first":
+                store_output(o)
+        if k_first:
+            s = s * gc[:, None] + dot(kg, vd, ta=True, precision=prec)  # [K, BV]
+        else:
+            s = s * gc[None, :] + dot(vd, kg, ta=True, precision=prec)  # [BV, K]
+        if output_order == "last":
+            o = output_dots()
+        if output_order != "first":
+            store_output(o)
         if has_ckpt:
-            store_checkpoint(ckpt_ref, ckpt_idx_ref[c], h, vs, s)
+            idx = ckpt_idx_ref[c]
+            if checkpoint_branch:  # only chunks that end on a page pay for the (transposed) state store
+                @pl.when(idx >= 0)
+                def _():
+                    ckpt_ref[idx, h, vs, :] = v_first(s)
+            else:
+                store_checkpoint(ckpt_ref, idx, h, vs, v_first(s))
         return s
 
-    s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, s0_ref[...].astype(jnp.float32))
-    final_ref[...] = s
+    s = lax.fori_loop(first_ref[n], first_ref[n + 1], chunk, v_first(s0_ref[...].astype(jnp.float32)))
+    final_ref[...] = v_first(s)
 
 
 def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, *, t, n, page, block_v,
-                out_dtype, interpret, num_warps):
+                out_dtype, interpret, num_warps, num_stages, k_first, output_order, checkpoint_branch):
     """pallas_call wrapper: grid = sequences x heads x V-blocks, whole-array blocks for the chunk tensors
     (the kernel indexes chunks itself) and one [BV, K] state block per program."""
     h, num_chunks, _, dk = w.shape
@@ -76,9 +102,11 @@ def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initi
     block_v = pick_block_v(n, h, dv, block_v)
     num_ckpt = t // page + n if page else 1
     state_block = pl.BlockSpec((None, None, block_v, dk), lambda nn, hh, vv: (nn, hh, vv, 0))
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2))
+    params = {} if interpret else dict(
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
     o, final, ckpt = pl.pallas_call(
-        functools.partial(_state_kernel, block_v=block_v, has_ckpt=bool(page)),
+        functools.partial(_state_kernel, block_v=block_v, has_ckpt=bool(page), k_first=k_first,
+                          output_order=output_order, checkpoint_branch=checkpoint_branch),
         grid=(n, h, dv // block_v),
         in_specs=[full_block((n + 1,)), full_block((num_chunks,)), full_block((num_chunks,)),
                   full_block((num_chunks,)), full_block(w.shape), full_block(u.shape), full_block(qg.shape),
@@ -92,7 +120,8 @@ def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initi
 
 
 def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last, initial_state, *,
-                   num_tokens, checkpoint_page_size=0, block_v=None, out_dtype=None, num_warps=4, interpret=False):
+                   num_tokens, checkpoint_page_size=0, block_v=None, out_dtype=None, num_warps=4, num_stages=2,
+                   state_layout="v_first", output_order="between", checkpoint_branch=False, interpret=False):
     """Fused KDA state pass over packed sequences (one Pallas kernel): walks each sequence's chunks.
 
     Args:
@@ -106,6 +135,16 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
         a multiple of 64: sizes the checkpoint output as T // page + N rows.
       block_v, num_warps: V-block (None: picked from N x H) and Triton warps; out_dtype: O's dtype
         (default the stored dtype); interpret: Pallas interpret mode (CPU tests).
+      num_stages: Triton's software-pipeline depth over the chunk loop. At 2 the next chunk's loads are
+        issued at the end of a step and waited for at the top of the next, so their latency is not hidden;
+        3 keeps one chunk's loads in flight through a whole step (offline TTGIR/ptxas, see the module doc).
+      state_layout: "v_first" (the state block as [BV, K], today's measured default) or "k_first" (kept
+        as S^T [K, BV] in the walk, transposed only at the ends: all four dots become Hopper wgmma).
+      output_order: where O's two dots and its store sit in a chunk step: "between" (today's: dots, then the
+        state update, then the store), "first" (dots and store, then the update: O dies early) or "last"
+        (the chain V' -> S first, then O's dots and store).
+      checkpoint_branch: store checkpoints under a branch on the chunk's index instead of a masked store
+        that every chunk pays for. All four are opt-in variants with the same results up to rounding order.
 
     Returns:
       o: [T, H, V] (rows in no chunk are left unwritten), final_state: [N, H, V, K] fp32, checkpoints:
@@ -114,9 +153,17 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
     page = checkpoint_page_size or 0
     check_state_pass_args(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last,
                           initial_state, num_tokens, page)
+    if state_layout not in ("v_first", "k_first"):
+        raise ValueError(f"state_layout must be 'v_first' or 'k_first'; got {state_layout!r}")
+    if output_order not in ("between", "first", "last"):
+        raise ValueError(f"output_order must be 'between', 'first' or 'last'; got {output_order!r}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1; got {num_stages}")
     return _state_call(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last, initial_state,
                        t=num_tokens, n=first.shape[0] - 1, page=page, block_v=block_v,
-                       out_dtype=out_dtype or w.dtype, interpret=interpret, num_warps=num_warps)
+                       out_dtype=out_dtype or w.dtype, interpret=interpret, num_warps=num_warps,
+                       num_stages=num_stages, k_first=state_layout == "k_first",
+                       output_order=output_order, checkpoint_branch=checkpoint_branch)
 
 
 def kda_state_pass_reference(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda_chunk import checkpoint_offsets, chunk_table
+from pallas_kernels.kda_chunk import checkpoint_offsets, chunk_table, kda_chunk
 from pallas_kernels.kda_common import CHUNK
 from pallas_kernels.kda_state_pass import kda_state_pass, kda_state_pass_reference
 from pallas_kernels.kda_state_pass_split import kda_state_pass_split, kda_state_pass_split_reference
@@ -88,6 +88,39 @@ def test_state_pass_bf16_no_checkpoints():
     assert rel(outs["fused"][0], outs["split"][0]) < 2e-2
 
 
+# The fused pass's opt-in variants (kda_state_pass keywords), each with the dtype and page it is checked at.
+# num_stages only changes Triton's pipelining (ignored in interpret mode): it rides along to show it is accepted.
+VARIANTS = [
+    (dict(state_layout="k_first"), jnp.float32, 128),
+    (dict(state_layout="k_first", output_order="last", checkpoint_branch=True, num_stages=3), jnp.bfloat16, 64),
+    (dict(output_order="first", checkpoint_branch=True), jnp.float32, 64),
+    (dict(output_order="last", num_stages=3), jnp.bfloat16, 128),
+]
+
+
+@pytest.mark.parametrize("variant,dtype,page", VARIANTS,
+                         ids=["k_first-f32", "k_first_last_branch_s3-bf16", "first_branch-f32", "last_s3-bf16"])
+def test_state_pass_variants(variant, dtype, page):
+    """Each opt-in variant of the fused pass against the reference: ragged lengths around the chunk size
+    (1, 63, 64, 65, 300), non-zero initial states, checkpoints; tolerances as the module doc (fp32 1e-5,
+    bf16 2e-2: the variants reorder dots and transpose the state, they round the same values to bf16)."""
+    lens, starts = [1, 63, 64, 65, 300], [0, 70, 64, 100, 37]
+    args, cu, t = stage_inputs(21, lens, starts, page, h=2, dk=16, dv=32, dtype=dtype)
+    kw = dict(num_tokens=t, checkpoint_page_size=page)
+    o, final, ckpt = jax.jit(functools.partial(kda_state_pass, block_v=16, interpret=True, **kw, **variant))(*args)
+    ro, rfinal, rckpt = kda_state_pass_reference(*args, **kw)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert o.dtype == dtype and float(jnp.linalg.norm(args[-1].astype(jnp.float32))) > 0
+    for i in range(len(lens)):
+        seg = slice(int(cu[i]), int(cu[i + 1]))
+        assert rel(o[seg], ro[seg]) < tol, i
+        assert rel(final[i], rfinal[i]) < tol, i
+    off = np.asarray(checkpoint_offsets(cu, jnp.asarray(starts, jnp.int32), page))
+    assert off[-1] >= 4  # several checkpoint rows, from several sequences
+    for r in range(off[-1]):
+        assert rel(ckpt[r], rckpt[r]) < tol, r
+
+
 def test_state_pass_bad_arguments_raise():
     args, _, t = stage_inputs(13, [70], [0], 0, h=1, dk=16, dv=16, dtype=jnp.float32)
     first, tok, length, ckpt_idx, w, u, qg, kg, aqk, gate_last, s0 = args
@@ -103,3 +136,33 @@ def test_state_pass_bad_arguments_raise():
             kernel(*args[:9], gate_last[..., :8], s0, num_tokens=t, interpret=True)
         with pytest.raises(ValueError, match="block_v"):
             kernel(*args, num_tokens=t, block_v=12, interpret=True)
+    for bad in (dict(state_layout="kv"), dict(output_order="late"), dict(num_stages=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            kda_state_pass(*args, num_tokens=t, interpret=True, **bad)
+
+
+def test_kda_chunk_passes_the_variant_keywords(monkeypatch):
+    """kda_chunk hands the fused pass's variant keywords to kda_state_pass (caught at trace time: the variants'
+    numerics are the tests above) and refuses them with the split pass, which has no such variants."""
+    import pallas_kernels.kda_chunk as kda_chunk_module
+
+    class Seen(Exception):
+        pass
+
+    def spy(*args, **kw):
+        raise Seen(kw)
+
+    monkeypatch.setattr(kda_chunk_module, "kda_state_pass", spy)
+    rng = np.random.default_rng(22)
+    t, h, d = 70, 1, 16
+    q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)).astype(np.float32)) for _ in range(3))
+    g = -jnp.abs(jnp.asarray(rng.standard_normal((t, h, d)).astype(np.float32)))  # gate="none": log decay <= 0
+    beta = jnp.full((t, h), 0.5, jnp.float32)
+    s0 = jnp.ones((1, h, d, d), jnp.float32)
+    cu = jnp.asarray([0, t], jnp.int32)
+    variant = dict(num_stages=3, state_layout="k_first", output_order="last", checkpoint_branch=True)
+    with pytest.raises(Seen) as seen:
+        kda_chunk(q, k, v, g, beta, s0, cu, interpret=True, **variant)
+    assert {name: seen.value.args[0][name] for name in variant} == variant
+    with pytest.raises(ValueError, match="fused state pass"):
+        kda_chunk(q, k, v, g, beta, s0, cu, interpret=True, state_pass="split", state_layout="k_first")
