@@ -397,11 +397,13 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
 
 @functools.partial(jax.jit, static_argnames=(
     "gate", "lower_bound", "beta_sigmoid", "qk_l2norm", "scale", "checkpoint_page_size", "interpret",
-    "block_v", "num_warps", "state_pass", "solve", "stage1", "stage1_num_warps", "stage1_inverse"))
+    "block_v", "num_warps", "state_pass", "solve", "stage1", "stage1_num_warps", "stage1_inverse", "num_stages",
+    "state_layout", "output_order", "checkpoint_branch"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
               seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4,
-              state_pass="fused", solve="xla", stage1="default", stage1_num_warps=None, stage1_inverse=None):
+              state_pass="fused", solve="xla", stage1="default", stage1_num_warps=None, stage1_inverse=None,
+              num_stages=2, state_layout="v_first", output_order="between", checkpoint_branch=False):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -436,6 +438,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         "blocks", the 16x16-block substitution: 2.93 ms on the H200 at B1 T32768 H32 against 8.24 ms at 4 warps
         with "tf32x3" and 5.09 ms for v2, 2026-11-30; see `kda_intra`), or stage1="pallas2"'s
         `kda_intra_lk` warps (default 8) and inverse dot precision (default "ieee"; or "tf32x3").
+      num_stages, state_layout, output_order, checkpoint_branch: the fused state pass's opt-in variants,
+        passed through to `kda_state_pass` (state_pass="fused" only; the defaults are today's kernel).
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
@@ -444,6 +448,12 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     _check(q, k, v, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, checkpoint_page_size)
     if state_pass not in ("fused", "split"):
         raise ValueError(f"state_pass must be 'fused' or 'split'; got {state_pass!r}")
+    fused_kw = dict(num_stages=num_stages, state_layout=state_layout, output_order=output_order,
+                    checkpoint_branch=checkpoint_branch)
+    if state_pass == "split" and fused_kw != dict(num_stages=2, state_layout="v_first", output_order="between",
+                                                  checkpoint_branch=False):
+        raise ValueError(f"num_stages / state_layout / output_order / checkpoint_branch are the fused state "
+                         f"pass's; got {fused_kw} with state_pass='split'")
     if solve not in ("xla", "pallas"):
         raise ValueError(f"solve must be 'xla' or 'pallas'; got {solve!r}")
     if stage1 not in ("default", "v2", "pallas", "pallas2"):
@@ -477,10 +487,11 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     else:
         w, u, qg, kg, aqk, gc = _intra_stage(tok_start, length, q, k, v, g, beta, a, b, solve=solve,
                                              interpret=interpret, **stage_kw)
+    extra = fused_kw if state_pass == "fused" else {}
     state_pass = {"fused": kda_state_pass, "split": kda_state_pass_split}[state_pass]
     return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, num_tokens=t,
                       checkpoint_page_size=page, block_v=block_v, out_dtype=v.dtype, num_warps=num_warps,
-                      interpret=interpret)
+                      interpret=interpret, **extra)
 
 
 def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
