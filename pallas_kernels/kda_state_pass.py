@@ -16,6 +16,22 @@ checkpoint stores would otherwise be a lax.scan of one small XLA step per chunk.
 1.80 ms (default V-block 16, 4 warps); the whole prefill with it 7.84 ms vs 8.15 ms with the split pass
 (`kda_state_pass_split`), so it is `kda_chunk`'s default. Mosaic GPU was not tried.
 
+Opt-in variants for the H200 (keywords of `kda_state_pass` and `kda_chunk`; the defaults are the measured
+kernel, lowered to byte-identical TTIR). Offline evidence only so far (pip triton 3.6 TTGIR/PTX + ptxas
+sm_90a, docs/results/kda_state_pass_ptxas_sm90a_2026-12-01.json), not yet timed:
+- num_stages: at 2 Triton issues chunk c+1's copies (W, Qg, Kg, U, Aqk) at the end of step c and waits for
+  them (cp.async.wait_group 0) at the top of step c+1, so the load latency is paid every chunk; at 3 the loop
+  top waits with one chunk's copies still in flight. +60 KB shared memory per CTA.
+- state_layout="k_first": the walk keeps S^T [K, BV], so W S^T and e^G Q S^T read it as their B operand as
+  is and the update Kg^T V' has M = 128 rows: four wgmma dots, no mma.sync, fewer registers (bv32 4 warps
+  177 -> 156; bv64 4 warps no longer spills). Transposed once at each end and at checkpoints.
+- output_order: O's dots and store before ("first"), around ("between") or after ("last") the update. Every
+  wgmma wait is 0 in this lowering (no dot has a loop-carried accumulator with pipelined operands), so the
+  order moves registers (bv32: 177 / 167 / 141) but does not overlap O's dots with the chain.
+- checkpoint_branch: a pl.when around the checkpoint store instead of a masked store on every chunk.
+Two [BV, 64] K-halves as fla were not built: with k_first the [128, BV] update is already two m64 wgmma
+behind one wait; halves would add waits, not shorten the chain.
+
 Precision: operands in the stored dtype (bf16: tensor cores, fp32 accumulation; fp32: IEEE, HIGHEST),
 the state itself always fp32.
 """
