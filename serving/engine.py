@@ -35,7 +35,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import k3jax
@@ -290,7 +289,7 @@ class Engine:
     def _finish_prefill(self, plan: StepPlan, logits: jax.Array) -> dict[str, list[int]]:
         """Samples rows whose prompt is done; when speculating, the drafter catches up on the chunk."""
         done = [i for i, (req, _) in enumerate(plan.prefill) if req.num_computed_tokens == req.num_tokens]
-        sampled = self._sample(logits[jnp.asarray(done)], [plan.prefill[i][0] for i in done]) if done else {}
+        sampled = self._sample(self.runner.take_rows(logits, done), [plan.prefill[i][0] for i in done]) if done else {}
         if self.runner.k:
             nxt, park = [], []
             for req, n in plan.prefill:

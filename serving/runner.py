@@ -66,6 +66,11 @@ def _gather_tokens(previous: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(index >= 0, previous[jnp.maximum(index, 0)], 0).astype(jnp.int32)
 
 
+@jax.jit
+def _take_rows(logits: jax.Array, index: jax.Array) -> jax.Array:
+    return logits[index]
+
+
 @partial(jax.jit, donate_argnums=0)
 def _write_pages(state: DecodeState, pages: jax.Array, latents: jax.Array) -> DecodeState:
     return state.replace(kv_pages=state.kv_pages.at[:, pages].set(latents.astype(state.kv_pages.dtype)))
@@ -229,6 +234,13 @@ class ModelRunner:
         padded[: len(index)] = index
         return _gather_tokens(previous, padded)
 
+    def take_rows(self, logits: jax.Array, index: list[int]) -> jax.Array:
+        """logits[index] padded to index's row bucket (the padding repeats row index[0]), so the gather and the
+        sampler after it see one shape per bucket instead of one per count of rows (no steady-state compiles)."""
+        padded = np.full(fit(len(index), self.row_buckets), index[0], np.int32)
+        padded[: len(index)] = index
+        return _take_rows(logits, padded)
+
     # --- speculative decoding ----------------------------------------------------------------
     def draft_extend(self, next_tokens: list[list[int]], pending_last: list[bool]) -> None:
         """After `prefill`: the drafter catches up on the prefilled positions. next_tokens[i] is, per
@@ -373,6 +385,10 @@ class ModelRunner:
                     count += 1
             if not self.k:
                 _warm_sampler(b, self.cfg.vocab_size)
+            if prefill and b <= prefill_rows:  # the engine's pick of finished prompts from prefill logits
+                logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
+                for rows in (n for n in self.row_buckets if n <= b):
+                    self.take_rows(logits, list(range(rows)))
         return count
 
     def _warm_speculate(self, b: int, meta: StepMeta) -> None:

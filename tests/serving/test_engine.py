@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import k3jax
+import serving.runner as runner_module
+from k3jax.sampling import sample
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
@@ -194,7 +196,11 @@ def test_steady_state_never_recompiles(make_engine):
     engine = make_engine()
     assert engine.runner.warmup() == len(engine.runner.row_buckets) * len(engine.runner.page_buckets) * (
         1 + len(engine.runner.token_buckets))
-    sizes = (k3jax.prefill._cache_size(), k3jax.decode._cache_size())
+    programs = lambda: (k3jax.prefill._cache_size(), k3jax.decode._cache_size(), sample._cache_size(),
+                        runner_module._take_rows._cache_size())
+    sizes = programs()
     engine.generate(prompts(12, 7, 2, 60), SamplingParams(max_tokens=5, ignore_eos=True))
     engine.generate(prompts(13, 2, 2, 10), SamplingParams(max_tokens=3, temperature=0.9, seed=3))
-    assert (k3jax.prefill._cache_size(), k3jax.decode._cache_size()) == sizes
+    # 1, 2 and 3 prompts finish in one step (3: a padded bucket): the sampler sees row buckets, never a count of prompts
+    engine.generate(prompts(14, 11, 3, 9), SamplingParams(max_tokens=2, temperature=0.7, top_p=0.9, seed=4))
+    assert programs() == sizes
