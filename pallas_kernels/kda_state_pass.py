@@ -153,7 +153,8 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
         (default the stored dtype); interpret: Pallas interpret mode (CPU tests).
       num_stages: Triton's software-pipeline depth over the chunk loop. At 2 the next chunk's loads are
         issued at the end of a step and waited for at the top of the next, so their latency is not hidden;
-        3 keeps one chunk's loads in flight through a whole step (offline TTGIR/ptxas, see the module doc).
+        3 keeps one chunk's loads in flight through a whole step (offline TTGIR/ptxas, see the module doc);
+        bf16 only: the fp32 stored dtype at 3 stages needs 256 KB of shared memory.
       state_layout: "v_first" (the state block as [BV, K], today's measured default) or "k_first" (kept
         as S^T [K, BV] in the walk, transposed only at the ends: all four dots become Hopper wgmma).
       output_order: where O's two dots and its store sit in a chunk step: "between" (today's: dots, then the
