@@ -328,7 +328,7 @@ def pallas_stage1_knobs(variant):
     [_<k_walk>][_skip-<part>[+<part>...]]", knobs in any order: warps (default 4), Triton num_stages (default 1),
     the inverse's dot precision (ieee, tf32, tf32x3, or blocks: the 16x16-block substitution with IEEE dots;
     default tf32x3), the head-dim slices (k_split, default 1: today's body) and how they are walked
-    (kda_intra.K_WALKS: keep, unroll, loop, loop2; default loop2; only with ks2 / ks4) and the benchmark-only
+    (kda_intra.K_WALKS: keep, unroll, loop, loop2; default loop2; with ks2 / ks4 / ks8) and the benchmark-only
     ablation parts (kda_intra.SKIPPABLE: load, exp, scan, lk, inverse, wu; wrong outputs, cost by difference).
     E.g. "pallas_w2", "pallas_w8_blocks", "pallas_w8_blocks_ks4", "pallas_w4_blocks_ks4_loop2",
     "pallas_w4_skip-inverse", "pallas_w8_skip-lk+inverse+wu"."""

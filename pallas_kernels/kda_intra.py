@@ -55,6 +55,16 @@ diagonal blocks by the nilpotent product and the others by block forward substit
 joined back; ~1/13 of the FLOPs; 112 B of spills at 8 warps offline, docs/results/
 kda_intra2_ptxas_sm90a_2026-11-30g.json), not yet timed (benchmarks/kda.py --stage1 pallas_w8_blocks).
 `kda_intra_lk` + `kda_intra_wu` (stage1="pallas2") split the stage in two kernels by 16-row blocks instead.
+
+Opt-in k_split = 2 / 4 / 8 (ninth session, `_intra_kernel_k_split`; benchmark names pallas_..._ks<n>[_<k_walk>]):
+the same math with the head dims walked in slices of K / k_split, so that only [C, K / k_split] tiles are live
+(the L2 norms and L / Aqk summed over the slices). Offline ptxas (docs/results/kda_intra3_ptxas_sm90a_2026-12-01.json,
+"blocks" inverse): unrolled slices do not help (ptxas interleaves them: 255 regs, more spills under a cap than the
+default); a real loop over the slices does, most with Aqk's and L's dots in two loops (k_walk="loop2", default):
+8 warps ks8 141 regs / ks4 176 regs, no spills (default body: 255 and 112 B), 12 / 24 B of spills when capped at
+128 (2 CTAs per SM; the cap is not reachable from Pallas, only process-wide via XLA's
+--xla_gpu_asm_extra_flags=-minnctapersm=2); 4 warps ks8 240 / ks4 255 regs, no spills (2 CTAs per SM uncapped).
+Price: 2x the default's [C, K] exps (loop2), 3 chunk cumsums instead of 1, k / z reloaded per walk. Not timed yet.
 """
 
 from __future__ import annotations
@@ -85,7 +95,7 @@ _DOUBLINGS = 3  # (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) for D strictly
 #   inverse: A = I - L (one elementwise op) instead of the 10 inverse dots (L stays live)
 #   wu:      W / U dots replaced by e^G K and V scaled by the row sums of A diag(beta)
 SKIPPABLE = ("load", "exp", "scan", "lk", "inverse", "wu")
-K_SPLITS = (1, 2, 4)  # kda_intra(k_split=...): head-dim slices walked one at a time (see _intra_kernel_k_split)
+K_SPLITS = (1, 2, 4, 8)  # kda_intra(k_split=...): head-dim slices walked one at a time (see _intra_kernel_k_split)
 K_WALKS = ("keep", "unroll", "loop", "loop2")  # kda_intra(k_walk=...): how the k_split > 1 body walks its slices
 
 
@@ -455,7 +465,7 @@ def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lo
         accuracy on the CPU, see tests/gpu/test_kda_gpu.py) or "blocks" (16x16-block substitution with IEEE
         fp32 dots, `_block_inverse`); interpret: Pallas interpret mode (CPU tests; always IEEE there, "blocks"
         keeps its block form).
-      k_split: 1 (default: today's body) or 2 / 4: the head dims walked in k_split slices of K / k_split
+      k_split: 1 (default: today's body) or 2 / 4 / 8: the head dims walked in k_split slices of K / k_split
         (`_intra_kernel_k_split`: only [C, K / k_split] fp32 tiles live, for register pressure; same outputs up
         to summation order); both K / k_split and V / k_split must stay powers of two >= 16.
       k_walk: with k_split > 1, how the slices are walked (K_WALKS, see `_intra_kernel_k_split`): "keep" (Python-

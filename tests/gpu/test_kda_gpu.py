@@ -344,11 +344,11 @@ def test_intra_pallas2_and_block_inverse_match_v2():
 
 
 def test_intra_k_split_matches_default():
-    """kda_intra with the head dims walked in slices (k_split=4, k_walk="loop2": benchmark variant
-    pallas_w8_blocks_ks4; the register-pressure form, docs/results/kda_intra3_ptxas_sm90a_2026-12-01.json)
+    """kda_intra with the head dims walked in slices (k_split=8, k_walk="loop2": benchmark variant
+    pallas_w8_blocks_ks8; the lowest-register form, docs/results/kda_intra3_ptxas_sm90a_2026-12-01.json)
     against the default body (pallas_w8_blocks) at B1 T4096 H4 D128 bf16, the previous test's inputs (ragged
     lengths, correlated keys, heads 2-3 at weak decay). Same math up to fp32 summation order (L2 norms and
-    L / Aqk summed slice by slice, wgmma K of 32 instead of 128), then one bf16 rounding of each stored value
+    L / Aqk summed slice by slice, wgmma K of 16 instead of 128), then one bf16 rounding of each stored value
     (a flipped rounding is 2^-8 of that element; 7e-5 in norm on the CPU): 2e-3 against the default, and the
     default's own 1e-2 against `_intra_stage_v2`."""
     from pallas_kernels import kda_chunk as kc
@@ -367,7 +367,7 @@ def test_intra_k_split_matches_default():
     v2 = kc._intra_stage_v2(*args, gate="lower_bound", bounded=True,
                             **{k: v for k, v in kw.items() if k not in ("num_warps", "inverse_precision")})
     base = jax.jit(lambda *a: kda_intra(*a, **kw))(*args)
-    got = jax.jit(lambda *a: kda_intra(*a, **kw, k_split=4, k_walk="loop2"))(*args)
+    got = jax.jit(lambda *a: kda_intra(*a, **kw, k_split=8, k_walk="loop2"))(*args)
     for name, g_, b_, w_ in zip(("w", "u", "qg", "kg", "aqk", "gate_last"), got, base, v2):
         g32 = np.asarray(jnp.asarray(g_, jnp.float32))
         assert g_.dtype == b_.dtype and g_.shape == b_.shape and np.isfinite(g32).all(), name

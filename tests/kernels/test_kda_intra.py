@@ -224,7 +224,7 @@ def test_lowers_to_triton_for_an_h200(dtype):
             + (spec((t, h), jnp.float32), spec((h,), jnp.float32), spec((h, d), jnp.float32)))
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     variants = [dict(inverse_precision="tf32x3"), dict(inverse_precision="ieee"),  # + the k_split walks (loops)
-                dict(inverse_precision="blocks", k_split=4), dict(inverse_precision="blocks", k_split=2, k_walk="keep")]
+                dict(inverse_precision="blocks", k_split=8), dict(inverse_precision="blocks", k_split=2, k_walk="keep")]
     for knobs in variants:
         with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
             lowered = jax.jit(lambda *a, kw=knobs: kda_intra(*a, **kw, num_warps=8)).trace(
