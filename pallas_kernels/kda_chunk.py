@@ -401,9 +401,9 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
     "state_layout", "output_order", "checkpoint_branch"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
-              seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=4,
+              seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=None,
               state_pass="fused", solve="xla", stage1="default", stage1_num_warps=None, stage1_inverse=None,
-              num_stages=2, state_layout="v_first", output_order="between", checkpoint_branch=False):
+              num_stages=None, state_layout=None, output_order="between", checkpoint_branch=False):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -422,7 +422,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
       start_positions: [N] absolute position of each sequence's first token (default 0): chunks align to
         multiples of 64 of it, and checkpoints fall on multiples of checkpoint_page_size of it.
       checkpoint_page_size: emit the state after every absolute position p*page (start < p*page <= end).
-      block_v, num_warps: the state pass's V-block and warps (None: picked from N x H);
+      block_v, num_warps: the state pass's V-block and warps (None: the fused pass picks them with
+        `kda_common.pick_state_tiling`, the split pass from N x H and 4 warps);
       state_pass: "fused" (the sequential walk also writes O) or "split" (it stores every chunk's state,
         O follows as one parallel einsum); same results up to rounding.
       solve: "xla" (default, measured) or "pallas": L / Aqk and the block inverse in one Pallas kernel per
@@ -438,8 +439,9 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         "blocks", the 16x16-block substitution: 2.93 ms on the H200 at B1 T32768 H32 against 8.24 ms at 4 warps
         with "tf32x3" and 5.09 ms for v2, 2026-11-30; see `kda_intra`), or stage1="pallas2"'s
         `kda_intra_lk` warps (default 8) and inverse dot precision (default "ieee"; or "tf32x3").
-      num_stages, state_layout, output_order, checkpoint_branch: the fused state pass's opt-in variants,
-        passed through to `kda_state_pass` (state_pass="fused" only; the defaults are today's kernel).
+      num_stages, state_layout, output_order, checkpoint_branch: the fused state pass's variants, passed
+        through to `kda_state_pass` (state_pass="fused" only; num_stages / state_layout None: picked with the
+        V-block, `kda_common.pick_state_tiling`).
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
@@ -450,7 +452,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         raise ValueError(f"state_pass must be 'fused' or 'split'; got {state_pass!r}")
     fused_kw = dict(num_stages=num_stages, state_layout=state_layout, output_order=output_order,
                     checkpoint_branch=checkpoint_branch)
-    if state_pass == "split" and fused_kw != dict(num_stages=2, state_layout="v_first", output_order="between",
+    if state_pass == "split" and fused_kw != dict(num_stages=None, state_layout=None, output_order="between",
                                                   checkpoint_branch=False):
         raise ValueError(f"num_stages / state_layout / output_order / checkpoint_branch are the fused state "
                          f"pass's; got {fused_kw} with state_pass='split'")
@@ -490,8 +492,9 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     extra = fused_kw if state_pass == "fused" else {}
     state_pass = {"fused": kda_state_pass, "split": kda_state_pass_split}[state_pass]
     return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, num_tokens=t,
-                      checkpoint_page_size=page, block_v=block_v, out_dtype=v.dtype, num_warps=num_warps,
-                      interpret=interpret, **extra)
+                      checkpoint_page_size=page, block_v=block_v, out_dtype=v.dtype,
+                      num_warps=num_warps if state_pass is kda_state_pass else num_warps or 4, interpret=interpret,
+                      **extra)
 
 
 def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",

@@ -88,6 +88,33 @@ def check_state_pass_args(first, token_start, length, checkpoint_index, w, u, qg
                          f"got {checkpoint_page_size}")
 
 
+def pick_state_tiling(n, h, dv, stored, block_v=None, num_warps=None, num_stages=None, state_layout=None):
+    """The fused state pass's (block_v, num_warps, num_stages, state_layout): given values are kept, the
+    others follow the whole-prefill sweep on the H200 (2026-12-01, docs/benchmarks.md, kda_chunk with the Pallas
+    stage 1; programs = sequences x heads x V-blocks):
+    - >= 2 x 132 programs at V-block 64 (B8 T4096 H32 / H96): 64, 4 warps, 2 stages, V-first (3.97 / 11.62 ms;
+      3-stage K-first at 8 warps 4.01 / 11.99, V-block 32 4.16 / 12.39);
+    - else >= 128 programs at V-block 32 (B1 T32768 H32: 128, H96: 384): 32, 4 warps, 3 stages, K-first
+      (3.70 ms against 4.29 with 2 stages V-first and 4.47 at V-block 16, B1 H32; 11.87 against 12.11, B1 H96).
+      3 stages keep the next chunk's loads in flight through a whole step, which matters most when one program
+      per SM walks its chain alone; fp32 stored operands keep 2 stages (3 need 256 KB of shared memory);
+    - else 16, 4 warps, 3 stages, K-first (below one wave at 32; at B1 H32 this form took 4.35 ms against 4.47
+      for V-block 16 with 2 stages V-first, the previous default).
+    Given a V-block of 16 or 32, bf16 gets 3 stages and K-first too (at 32 never slower: B8 H32 4.17 vs 4.16 ms,
+    B8 H96 12.43 vs 12.39); at 64, 2 stages V-first (3 stages K-first at 8 warps was slower at every shape)."""
+    programs = lambda bv: n * h * (dv // bv) if dv % bv == 0 else 0
+    if block_v is None:
+        block_v = 64 if programs(64) >= 2 * 132 else 32 if programs(32) >= 128 else 16
+        block_v = min(block_v, dv)
+    wide_pipeline = block_v <= 32 and stored == jnp.bfloat16
+    num_warps = 4 if num_warps is None else num_warps
+    num_stages = (3 if wide_pipeline else 2) if num_stages is None else num_stages
+    state_layout = ("k_first" if wide_pipeline else "v_first") if state_layout is None else state_layout
+    if dv % block_v:
+        raise ValueError(f"block_v={block_v} must divide V={dv}")
+    return block_v, num_warps, num_stages, state_layout
+
+
 def pick_block_v(n, h, dv, block_v):
     """The state passes' V-block: given, or the largest of 64/32/16 that still gives sequences x heads x
     V-blocks >= 2 x 132 programs (the H200's SMs twice) when sequences x heads are few."""

@@ -16,9 +16,11 @@ checkpoint stores would otherwise be a lax.scan of one small XLA step per chunk.
 1.80 ms (default V-block 16, 4 warps); the whole prefill with it 7.84 ms vs 8.15 ms with the split pass
 (`kda_state_pass_split`), so it is `kda_chunk`'s default. Mosaic GPU was not tried.
 
-Opt-in variants for the H200 (keywords of `kda_state_pass` and `kda_chunk`; the defaults are the measured
-kernel, lowered to byte-identical TTIR). Offline evidence only so far (pip triton 3.6 TTGIR/PTX + ptxas
-sm_90a, docs/results/kda_state_pass_ptxas_sm90a_2026-12-01.json), not yet timed:
+Variants (keywords of `kda_state_pass` and `kda_chunk`), with the offline evidence that led to them (pip
+triton 3.6 TTGIR/PTX + ptxas sm_90a, docs/results/kda_state_pass_ptxas_sm90a_2026-12-01.json). Timed on the
+H200 on 2026-12-01 (whole prefill with the Pallas stage 1; docs/benchmarks.md): 3 stages + K-first at V-block
+32 took B1 T32768 H32 from 4.29 ms (2 stages, V-first) to 3.70 ms, so V-blocks of 16 / 32 now default to it
+in bf16 (`kda_common.pick_state_tiling`, which also picks the V-block); V-block 64 keeps 2 stages V-first:
 - num_stages: at 2 Triton issues chunk c+1's copies (W, Qg, Kg, U, Aqk) at the end of step c and waits for
   them (cp.async.wait_group 0) at the top of step c+1, so the load latency is paid every chunk; at 3 the loop
   top waits with one chunk's copies still in flight. +60 KB shared memory per CTA.
@@ -47,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.kda_common import (
-    CHUNK, HIGHEST, check_state_pass_args, dot, full_block, pick_block_v, store_checkpoint,
+    CHUNK, HIGHEST, check_state_pass_args, dot, full_block, pick_state_tiling, store_checkpoint,
 )
 
 
@@ -115,7 +117,6 @@ def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initi
     h, num_chunks, _, dk = w.shape
     dv = u.shape[3]
     tp = t + CHUNK if interpret else t  # interpret mode clamps out-of-range stores instead of masking them
-    block_v = pick_block_v(n, h, dv, block_v)
     num_ckpt = t // page + n if page else 1
     state_block = pl.BlockSpec((None, None, block_v, dk), lambda nn, hh, vv: (nn, hh, vv, 0))
     params = {} if interpret else dict(
@@ -136,8 +137,8 @@ def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initi
 
 
 def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last, initial_state, *,
-                   num_tokens, checkpoint_page_size=0, block_v=None, out_dtype=None, num_warps=4, num_stages=2,
-                   state_layout="v_first", output_order="between", checkpoint_branch=False, interpret=False):
+                   num_tokens, checkpoint_page_size=0, block_v=None, out_dtype=None, num_warps=None, num_stages=None,
+                   state_layout=None, output_order="between", checkpoint_branch=False, interpret=False):
     """Fused KDA state pass over packed sequences (one Pallas kernel): walks each sequence's chunks.
 
     Args:
@@ -149,8 +150,9 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
       initial_state: [N, H, V, K] V-first state of each sequence (cast to fp32).
       num_tokens: T, the packed output's length; checkpoint_page_size: 0 (no checkpoints) or the page,
         a multiple of 64: sizes the checkpoint output as T // page + N rows.
-      block_v, num_warps: V-block (None: picked from N x H) and Triton warps; out_dtype: O's dtype
-        (default the stored dtype); interpret: Pallas interpret mode (CPU tests).
+      block_v, num_warps: V-block and Triton warps; out_dtype: O's dtype (default the stored dtype);
+        interpret: Pallas interpret mode (CPU tests). block_v, num_warps, num_stages and state_layout left None
+        are picked by `kda_common.pick_state_tiling` from N x H, V and the stored dtype (the H200's measured best).
       num_stages: Triton's software-pipeline depth over the chunk loop. At 2 the next chunk's loads are
         issued at the end of a step and waited for at the top of the next, so their latency is not hidden;
         3 keeps one chunk's loads in flight through a whole step (offline TTGIR/ptxas, see the module doc);
@@ -170,6 +172,8 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
     page = checkpoint_page_size or 0
     check_state_pass_args(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last,
                           initial_state, num_tokens, page)
+    block_v, num_warps, num_stages, state_layout = pick_state_tiling(
+        first.shape[0] - 1, w.shape[0], u.shape[3], w.dtype, block_v, num_warps, num_stages, state_layout)
     if state_layout not in ("v_first", "k_first"):
         raise ValueError(f"state_layout must be 'v_first' or 'k_first'; got {state_layout!r}")
     if output_order not in ("between", "first", "last"):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda_chunk import checkpoint_offsets, chunk_table, kda_chunk
-from pallas_kernels.kda_common import CHUNK
+from pallas_kernels.kda_common import CHUNK, pick_state_tiling
 from pallas_kernels.kda_state_pass import kda_state_pass, kda_state_pass_reference
 from pallas_kernels.kda_state_pass_split import kda_state_pass_split, kda_state_pass_split_reference
 
@@ -166,3 +166,34 @@ def test_kda_chunk_passes_the_variant_keywords(monkeypatch):
     assert {name: seen.value.args[0][name] for name in variant} == variant
     with pytest.raises(ValueError, match="fused state pass"):
         kda_chunk(q, k, v, g, beta, s0, cu, interpret=True, state_pass="split", state_layout="k_first")
+
+
+def test_state_tiling_rule():
+    """pick_state_tiling reproduces the H200 sweep's choices (kda_common's docstring) and keeps given values."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert pick_state_tiling(8, 32, 128, bf16) == (64, 4, 2, "v_first")  # B8 H32: 512 programs at 64
+    assert pick_state_tiling(8, 96, 128, bf16) == (64, 4, 2, "v_first")
+    assert pick_state_tiling(1, 32, 128, bf16) == (32, 4, 3, "k_first")  # B1 H32: 128 programs at 32
+    assert pick_state_tiling(1, 96, 128, bf16) == (32, 4, 3, "k_first")  # 192 at 64 is under two waves
+    assert pick_state_tiling(1, 16, 128, bf16) == (16, 4, 3, "k_first")  # k3-small: 64 programs at 32
+    assert pick_state_tiling(1, 32, 128, f32) == (32, 4, 2, "v_first")  # 3 fp32 stages overflow shared memory
+    assert pick_state_tiling(8, 32, 128, bf16, block_v=32) == (32, 4, 3, "k_first")
+    assert pick_state_tiling(1, 32, 128, bf16, num_stages=2, state_layout="v_first", num_warps=8) == (
+        32, 8, 2, "v_first")
+    assert pick_state_tiling(1, 2, 16, bf16) == (16, 4, 3, "k_first")  # head dims below 64 / 32
+    with pytest.raises(ValueError, match="block_v"):
+        pick_state_tiling(1, 2, 48, bf16, block_v=32)
+
+
+def test_state_tiling_benchmark_smoke(capsys):
+    """benchmarks/kda_state_tiling.py in interpret mode: a named variant agrees with the rule's pick and the
+    table prints; unknown knobs are refused before anything runs."""
+    from benchmarks import kda_state_tiling as bench
+
+    assert bench.variant_keywords("bv32_w8_s3_kf_last_br") == dict(
+        block_v=32, num_warps=8, num_stages=3, state_layout="k_first", output_order="last", checkpoint_branch=True)
+    with pytest.raises(ValueError, match="unknown knob"):
+        bench.main(["--variants", "default,bv32_x2", "--interpret"])
+    (row,) = bench.main(["--shapes", "1x65x1", "--variants", "default,bv16_w4_vf", "--trials", "1", "--interpret"])
+    assert row["bv16_w4_vf_rel"] < 1e-2 and row["default_ms"] > 0  # bf16 outputs, reordered fp32 dots
+    assert "bv16_w4_vf" in capsys.readouterr().out
