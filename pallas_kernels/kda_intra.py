@@ -53,7 +53,7 @@ put ~3 ms of the 8.24 ms in the inverse (skip-inverse: 5.09 ms at 4 warps, 2.29 
 inverse_precision="blocks" (`_block_inverse`: the tile split into 16x16 blocks with Triton's split, the
 diagonal blocks by the nilpotent product and the others by block forward substitution in IEEE fp32 FMAs,
 joined back; ~1/13 of the FLOPs; 112 B of spills at 8 warps offline, docs/results/
-kda_intra2_ptxas_sm90a_2026-11-30g.json), not yet timed (benchmarks/kda.py --stage1 pallas_w8_blocks).
+kda_intra2_ptxas_sm90a_2026-11-30g.json); timed since: 2.93 ms, above.
 `kda_intra_lk` + `kda_intra_wu` (stage1="pallas2") split the stage in two kernels by 16-row blocks instead.
 
 Opt-in k_split = 2 / 4 / 8 (ninth session, `_intra_kernel_k_split`; benchmark names pallas_..._ks<n>[_<k_walk>]):
@@ -64,7 +64,10 @@ default); a real loop over the slices does, most with Aqk's and L's dots in two 
 8 warps ks8 141 regs / ks4 176 regs, no spills (default body: 255 and 112 B), 12 / 24 B of spills when capped at
 128 (2 CTAs per SM; the cap is not reachable from Pallas, only process-wide via XLA's
 --xla_gpu_asm_extra_flags=-minnctapersm=2); 4 warps ks8 240 / ks4 255 regs, no spills (2 CTAs per SM uncapped).
-Price: 2x the default's [C, K] exps (loop2), 3 chunk cumsums instead of 1, k / z reloaded per walk. Not timed yet.
+Price: 2x the default's [C, K] exps (loop2), 3 chunk cumsums instead of 1, k / z reloaded per walk. Timed on the
+H200 (2026-12-01, docs/results/kda_intra_ksplit_h200_2026-12-01.json), B1 T32768 H32 stage 1 alone: default 2.90 ms,
+8 warps ks8 8.96 / ks4 7.27, 4 warps ks8 5.40; whole prefill 0.38-0.47x of the default at all four benchmark shapes.
+Fewer registers did not pay for the serialized slice loop, so k_split stays opt-in at 1.
 """
 
 from __future__ import annotations
