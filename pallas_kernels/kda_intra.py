@@ -507,6 +507,21 @@ def kda_intra_reference(token_start, length, q, k, v, z, beta, a_log, dt_bias, *
     stored = (jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32) if stored is None else stored
     _check(token_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_bound, stored, "ieee")
     scale = q.shape[2] ** -0.5 if scale is None else scale
+    t = reference_chunk_terms(token_start, length, q, k, z, beta, a_log, dt_bias, lower_bound=lower_bound,
+                              beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm, scale=scale, values=v)
+    ein = functools.partial(jnp.einsum, precision=HIGHEST)
+    w = ein("hnij,hnjk->hnik", t["a_beta"], t["kc"] * t["e_cum"])
+    u = ein("hnij,hnjv->hniv", t["a_beta"], t["vc"])
+    return tuple(x.astype(stored) for x in (w, u, t["qc"] * t["e_cum"], t["kg"], t["aqk"])) + (t["gate_last"],)
+
+
+def reference_chunk_terms(token_start, length, q, k, z, beta, a_log, dt_bias, *, lower_bound, beta_sigmoid, qk_l2norm,
+                          scale, values=None):
+    """The fp32 HIGHEST-precision chunk terms that `kda_intra_reference` and `kda_intra_lk_reference` share:
+    the packed inputs gathered to [H, NC, C, ...] chunks (zeros past each chunk's length), the bounded gate and
+    its cumsum G, beta, the L2 norms (q also scaled), A = (I + L)^-1 by a triangular solve (pairwise decays
+    e^(G_i - G_j) of masked, non-positive differences) and Aqk. Returns a dict: qc, kc, vc (the gathered
+    `values`, or None), a_beta = A diag(beta), e_cum = e^G, kg = e^(G_C - G) K, aqk, gate_last = e^(G_C)."""
     f32 = jnp.float32
     rows = jnp.arange(CHUNK, dtype=jnp.int32)
     valid = rows[None, :] < length[:, None]  # [NC, C]
@@ -516,7 +531,7 @@ def kda_intra_reference(token_start, length, q, k, v, z, beta, a_log, dt_bias, *
         y = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[idx].astype(f32), 0.0)
         return jnp.moveaxis(y, 2, 0)
 
-    qc, kc, vc, zc, bc = map(chunks, (q, k, v, z, beta))
+    qc, kc, zc, bc = map(chunks, (q, k, z, beta))
     gl = _gate_lower_bound(zc, a_log.astype(f32)[:, None, None, None], dt_bias.astype(f32)[:, None, None, :],
                            lower_bound)
     gl = jnp.where(valid[None, :, :, None], gl, 0.0)
@@ -525,20 +540,14 @@ def kda_intra_reference(token_start, length, q, k, v, z, beta, a_log, dt_bias, *
         qc = qc * lax.rsqrt(jnp.sum(qc * qc, -1, keepdims=True) + _L2_EPS) * scale
         kc = kc * lax.rsqrt(jnp.sum(kc * kc, -1, keepdims=True) + _L2_EPS)
     cum = jnp.cumsum(gl, axis=2)  # [H, NC, C, K]
-    strict = rows[:, None] > rows[None, :]
-    incl = rows[:, None] >= rows[None, :]
     diff = cum[..., :, None, :] - cum[..., None, :, :]  # [H, NC, C, C, K] G_i - G_j
     decay = lambda mask: jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
     ein = functools.partial(jnp.einsum, precision=HIGHEST)
-    lower = bc[..., :, None] * ein("hnik,hnjk,hnijk->hnij", kc, kc, decay(strict))
-    aqk = ein("hnik,hnjk,hnijk->hnij", qc, kc, decay(incl))
+    lower = bc[..., :, None] * ein("hnik,hnjk,hnijk->hnij", kc, kc, decay(rows[:, None] > rows[None, :]))
+    aqk = ein("hnik,hnjk,hnijk->hnij", qc, kc, decay(rows[:, None] >= rows[None, :]))
     eye = jnp.eye(CHUNK, dtype=f32)
     a = lax.linalg.triangular_solve(eye + lower, jnp.broadcast_to(eye, lower.shape), left_side=True, lower=True,
                                     unit_diagonal=True)
-    a_beta = a * bc[..., None, :]
-    e_cum = jnp.exp(cum)
     g_last = cum[:, :, -1, :]
-    w = ein("hnij,hnjk->hnik", a_beta, kc * e_cum)
-    u = ein("hnij,hnjv->hniv", a_beta, vc)
-    kg = kc * jnp.exp(g_last[:, :, None, :] - cum)
-    return tuple(x.astype(stored) for x in (w, u, qc * e_cum, kg, aqk)) + (jnp.exp(g_last),)
+    return dict(qc=qc, kc=kc, vc=None if values is None else chunks(values), a_beta=a * bc[..., None, :],
+                e_cum=jnp.exp(cum), kg=kc * jnp.exp(g_last[:, :, None, :] - cum), aqk=aqk, gate_last=jnp.exp(g_last))

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.kda_common import CHUNK, HIGHEST, MAX_DIAG_EXPONENT, NSUB, SUB, dot, full_block, identity
-from pallas_kernels.kda_intra import _check, _gate_lower_bound
+from pallas_kernels.kda_intra import _check, _gate_lower_bound, reference_chunk_terms
 
 INVERSE_PRECISIONS = ("ieee", "tf32x3")  # the 16x16 inverse dots: fp32 FMAs, or three tf32 tensor passes
 KEEP_DTYPES = ("stored", "f32")  # the factored key blocks kept across row blocks (see kda_intra_lk)
@@ -235,33 +235,7 @@ def kda_intra_lk_reference(token_start, length, q, k, z, beta, a_log, dt_bias, *
     (non-positive) differences and a triangular solve instead of the block inverse."""
     _check(token_start, length, q, k, z, z, beta, a_log, dt_bias, gate, lower_bound, stored, "ieee")
     scale = q.shape[2] ** -0.5 if scale is None else scale
-    f32 = jnp.float32
-    rows = jnp.arange(CHUNK, dtype=jnp.int32)
-    valid = rows[None, :] < length[:, None]  # [NC, C]
-    idx = jnp.where(valid, token_start[:, None] + rows[None, :], 0)
-
-    def chunks(x):  # packed [T, H, ...] -> [H, NC, C, ...] fp32, zeros past each chunk's length
-        y = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[idx].astype(f32), 0.0)
-        return jnp.moveaxis(y, 2, 0)
-
-    qc, kc, zc, bc = map(chunks, (q, k, z, beta))
-    gl = _gate_lower_bound(zc, a_log.astype(f32)[:, None, None, None], dt_bias.astype(f32)[:, None, None, :],
-                           lower_bound)
-    gl = jnp.where(valid[None, :, :, None], gl, 0.0)
-    bc = jnp.where(valid[None], jax.nn.sigmoid(bc) if beta_sigmoid else bc, 0.0)
-    if qk_l2norm:
-        qc = qc * lax.rsqrt(jnp.sum(qc * qc, -1, keepdims=True) + _L2_EPS) * scale
-        kc = kc * lax.rsqrt(jnp.sum(kc * kc, -1, keepdims=True) + _L2_EPS)
-    cum = jnp.cumsum(gl, axis=2)  # [H, NC, C, K]
-    diff = cum[..., :, None, :] - cum[..., None, :, :]  # [H, NC, C, C, K] G_i - G_j
-    decay = lambda mask: jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
-    ein = functools.partial(jnp.einsum, precision=HIGHEST)
-    lower = bc[..., :, None] * ein("hnik,hnjk,hnijk->hnij", kc, kc, decay(rows[:, None] > rows[None, :]))
-    aqk = ein("hnik,hnjk,hnijk->hnij", qc, kc, decay(rows[:, None] >= rows[None, :]))
-    eye = jnp.eye(CHUNK, dtype=f32)
-    a = lax.linalg.triangular_solve(eye + lower, jnp.broadcast_to(eye, lower.shape), left_side=True, lower=True,
-                                    unit_diagonal=True)
-    e_cum = jnp.exp(cum)
-    g_last = cum[:, :, -1, :]
-    outs = (a * bc[..., None, :], kc * e_cum, qc * e_cum, kc * jnp.exp(g_last[:, :, None, :] - cum), aqk)
-    return tuple(x.astype(stored) for x in outs) + (jnp.exp(g_last),)
+    t = reference_chunk_terms(token_start, length, q, k, z, beta, a_log, dt_bias, lower_bound=lower_bound,
+                              beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm, scale=scale)
+    outs = (t["a_beta"], t["kc"] * t["e_cum"], t["qc"] * t["e_cum"], t["kg"], t["aqk"])
+    return tuple(x.astype(stored) for x in outs) + (t["gate_last"],)
