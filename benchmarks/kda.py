@@ -324,13 +324,11 @@ def profile_stage(fn, calls: int = 3) -> dict:
 
 
 def pallas_stage1_knobs(variant):
-    """kda_intra's settings from a stage-1 variant name "pallas[_w<warps>][_s<stages>][_<inverse>][_ks<k_split>]
-    [_<k_walk>][_skip-<part>[+<part>...]]", knobs in any order: warps (default 4), Triton num_stages (default 1),
-    the inverse's dot precision (ieee, tf32, tf32x3, or blocks: the 16x16-block substitution with IEEE dots;
-    default tf32x3), the head-dim slices (k_split, default 1: today's body) and how they are walked
-    (kda_intra.K_WALKS: keep, unroll, loop, loop2; default loop2; with ks2 / ks4 / ks8) and the benchmark-only
-    ablation parts (kda_intra.SKIPPABLE: load, exp, scan, lk, inverse, wu; wrong outputs, cost by difference).
-    E.g. "pallas_w2", "pallas_w8_blocks", "pallas_w8_blocks_ks4", "pallas_w4_blocks_ks4_loop2",
+    """kda_intra's settings from a stage-1 variant name "pallas[_w<warps>][_s<stages>][_<inverse>][_skip-<part>
+    [+<part>...]]", knobs in any order: warps (default 4), Triton num_stages (default 1), the inverse's dot
+    precision (ieee, tf32, tf32x3, or blocks: the 16x16-block substitution with IEEE dots; default tf32x3) and the
+    benchmark-only ablation parts (kda_intra.SKIPPABLE:
+    load, exp, scan, lk, inverse, wu; wrong outputs, cost by difference). E.g. "pallas_w2", "pallas_w8_blocks",
     "pallas_w4_skip-inverse", "pallas_w8_skip-lk+inverse+wu"."""
     knobs = dict(num_warps=4, num_stages=1, inverse_precision="tf32x3", _skip=frozenset())
     for knob in variant.split("_")[1:]:
@@ -340,10 +338,6 @@ def pallas_stage1_knobs(variant):
             knobs["num_stages"] = int(knob[1:])
         elif knob in kda_intra.INVERSE_PRECISIONS:
             knobs["inverse_precision"] = knob
-        elif re.fullmatch(r"ks\d+", knob):
-            knobs["k_split"] = int(knob[2:])
-        elif knob in kda_intra.K_WALKS:
-            knobs["k_walk"] = knob
         elif knob.startswith("skip-") and set(knob[5:].split("+")) <= set(kda_intra.SKIPPABLE):
             knobs["_skip"] = frozenset(knob[5:].split("+"))
         else:

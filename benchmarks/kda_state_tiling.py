@@ -9,7 +9,7 @@ and transpose the state, so bf16 results agree to rounding, ~1e-7 in practice).
 Variant names: "default" (every knob picked by the rule) or knobs joined by "_" in any order:
     bv<n> block_v   w<n> num_warps   s<n> num_stages   kf / vf state_layout k_first / v_first
     first / between / last output_order   br checkpoint_branch
-    and stage 1's (`kda_intra`): ks<n> stage1_k_split   sw<n> stage1_num_warps
+    and stage 1's (`kda_intra`) warps: sw<n> stage1_num_warps
 e.g. "bv32_w4_s3_kf", "bv64_w4", "bv32_w4_s3_kf_last".
 
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/kda_state_tiling.py \\
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from benchmarks.kda import LB, prefill_inputs, time_jax
 from pallas_kernels import kda_chunk as kc
 
-_KNOBS = {"bv": "block_v", "w": "num_warps", "s": "num_stages", "ks": "stage1_k_split", "sw": "stage1_num_warps"}
+_KNOBS = {"bv": "block_v", "w": "num_warps", "s": "num_stages", "sw": "stage1_num_warps"}
 _WORDS = {"kf": ("state_layout", "k_first"), "vf": ("state_layout", "v_first"), "br": ("checkpoint_branch", True),
           "first": ("output_order", "first"), "between": ("output_order", "between"), "last": ("output_order", "last")}
 
@@ -42,7 +42,7 @@ def variant_keywords(name: str) -> dict:
         return {}
     kw = {}
     for knob in name.split("_"):
-        m = re.fullmatch(r"(bv|w|s|ks|sw)(\d+)", knob)
+        m = re.fullmatch(r"(bv|w|s|sw)(\d+)", knob)
         if m:
             kw[_KNOBS[m.group(1)]] = int(m.group(2))
         elif knob in _WORDS:

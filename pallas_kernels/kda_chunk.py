@@ -397,13 +397,13 @@ def _preprocess_args(q, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias
 
 @functools.partial(jax.jit, static_argnames=(
     "gate", "lower_bound", "beta_sigmoid", "qk_l2norm", "scale", "checkpoint_page_size", "interpret",
-    "block_v", "num_warps", "state_pass", "solve", "stage1", "stage1_num_warps", "stage1_inverse", "stage1_k_split",
+    "block_v", "num_warps", "state_pass", "solve", "stage1", "stage1_num_warps", "stage1_inverse",
     "num_stages", "state_layout", "output_order", "checkpoint_branch"))
 def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
               seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=None,
               state_pass="fused", solve="xla", stage1="default", stage1_num_warps=None, stage1_inverse=None,
-              stage1_k_split=None, num_stages=None, state_layout=None, output_order="between", checkpoint_branch=False):
+              num_stages=None, state_layout=None, output_order="between", checkpoint_branch=False):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -439,8 +439,6 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         "blocks", the 16x16-block substitution: 2.93 ms on the H200 at B1 T32768 H32 against 8.24 ms at 4 warps
         with "tf32x3" and 5.09 ms for v2, 2026-11-30; see `kda_intra`), or stage1="pallas2"'s
         `kda_intra_lk` warps (default 8) and inverse dot precision (default "ieee"; or "tf32x3").
-      stage1_k_split: stage1="pallas"'s head-dim slices (`kda_intra(k_split=...)`, walked by its default loop;
-        None: 1, the whole head dim at once).
       num_stages, state_layout, output_order, checkpoint_branch: the fused state pass's variants, passed
         through to `kda_state_pass` (state_pass="fused" only; num_stages / state_layout None: picked with the
         V-block, `kda_common.pick_state_tiling`).
@@ -480,7 +478,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         w, u, qg, kg, aqk, gc = kda_intra(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
                                           lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
                                           scale=scale, stored=stored, num_warps=stage1_num_warps or 8,
-                                          inverse_precision=stage1_inverse or "blocks", k_split=stage1_k_split or 1,
+                                          inverse_precision=stage1_inverse or "blocks",
                                           interpret=interpret)
     elif stage1 == "pallas2" and bounded:
         w, u, qg, kg, aqk, gc = _intra_stage_pallas2(

@@ -56,18 +56,12 @@ joined back; ~1/13 of the FLOPs; 112 B of spills at 8 warps offline, docs/result
 kda_intra2_ptxas_sm90a_2026-11-30g.json); timed since: 2.93 ms, above.
 `kda_intra_lk` + `kda_intra_wu` (stage1="pallas2") split the stage in two kernels by 16-row blocks instead.
 
-Opt-in k_split = 2 / 4 / 8 (ninth session, `_intra_kernel_k_split`; benchmark names pallas_..._ks<n>[_<k_walk>]):
-the same math with the head dims walked in slices of K / k_split, so that only [C, K / k_split] tiles are live
-(the L2 norms and L / Aqk summed over the slices). Offline ptxas (docs/results/kda_intra3_ptxas_sm90a_2026-12-01.json,
-"blocks" inverse): unrolled slices do not help (ptxas interleaves them: 255 regs, more spills under a cap than the
-default); a real loop over the slices does, most with Aqk's and L's dots in two loops (k_walk="loop2", default):
-8 warps ks8 141 regs / ks4 176 regs, no spills (default body: 255 and 112 B), 12 / 24 B of spills when capped at
-128 (2 CTAs per SM; the cap is not reachable from Pallas, only process-wide via XLA's
---xla_gpu_asm_extra_flags=-minnctapersm=2); 4 warps ks8 240 / ks4 255 regs, no spills (2 CTAs per SM uncapped).
-Price: 2x the default's [C, K] exps (loop2), 3 chunk cumsums instead of 1, k / z reloaded per walk. Timed on the
-H200 (2026-12-01, docs/results/kda_intra_ksplit_h200_2026-12-01.json), B1 T32768 H32 stage 1 alone: default 2.90 ms,
-8 warps ks8 8.96 / ks4 7.27, 4 warps ks8 5.40; whole prefill 0.38-0.47x of the default at all four benchmark shapes.
-Fewer registers did not pay for the serialized slice loop, so k_split stays opt-in at 1.
+Tried and removed (ninth session, 0c3d98b / 814f09c): walking the head dims in K / k_split slices (k_split 2 / 4 / 8,
+unrolled or as a loop) to cut register pressure. Offline it worked (8 warps, k_split 8 as two loops: 141 registers,
+no spills, against 255 and 112 B; docs/results/kda_intra3_ptxas_sm90a_2026-12-01.json), but on the H200 stage 1 took
+8.96 / 7.27 ms (k_split 8 / 4, 8 warps) and 5.40 ms (k_split 8, 4 warps) against 2.90 ms for this body
+(docs/results/kda_intra_ksplit_h200_2026-12-01.json): the slice loop serialises what the unrolled body overlaps and
+doubles the exps. Fewer registers are not this kernel's lever.
 """
 
 from __future__ import annotations
@@ -98,8 +92,6 @@ _DOUBLINGS = 3  # (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) for D strictly
 #   inverse: A = I - L (one elementwise op) instead of the 10 inverse dots (L stays live)
 #   wu:      W / U dots replaced by e^G K and V scaled by the row sums of A diag(beta)
 SKIPPABLE = ("load", "exp", "scan", "lk", "inverse", "wu")
-K_SPLITS = (1, 2, 4, 8)  # kda_intra(k_split=...): head-dim slices walked one at a time (see _intra_kernel_k_split)
-K_WALKS = ("keep", "unroll", "loop", "loop2")  # kda_intra(k_walk=...): how the k_split > 1 body walks its slices
 
 
 def _gate_lower_bound(z, a_log, dt_bias, lower_bound):
@@ -188,10 +180,27 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     lkk = jnp.where(r2 > c2, beta[:, None] * lkk, 0.0)  # strictly lower L (beta applied)
     aqk_ref[...] = jnp.where(r2 >= c2, aqk, 0.0).astype(aqk_ref.dtype)
 
+    inv_prec = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "ieee": HIGHEST, "blocks": HIGHEST,
+                "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}[inverse_precision]
+    mm = lambda a, b_: dot(a, b_, precision=inv_prec)
+    same16 = r2 // SUB == c2 // SUB
+    same32 = r2 // (2 * SUB) == c2 // (2 * SUB)
     if "inverse" in skip:  # ablation: first order, no dots (L stays live)
         inv = identity(CHUNK) - lkk
+    elif inverse_precision == "blocks":
+        inv = _block_inverse(lkk, mm)
     else:
-        inv = _unit_lower_inverse(lkk, inverse_precision)
+        diag = jnp.where(same16, lkk, 0.0)  # the 4 diagonal 16x16 blocks of L
+        power = diag
+        inv = identity(CHUNK) - diag
+        for _ in range(_DOUBLINGS):  # inv = (I - D)(I + D^2)(I + D^4)(I + D^8) = (I + D)^-1 exactly (D^16 = 0)
+            power = mm(power, power)
+            inv = inv + mm(inv, power)
+        # by halves, each an exact block forward substitution [[A, 0], [M, B]]^-1 = [[A^-1, 0], [-B^-1 M A^-1,
+        # B^-1]] with the block-diagonal inverse so far (no power series: its cancellation is what made the
+        # 64x64 form fail)
+        inv = inv - mm(inv, mm(jnp.where(same32 & ~same16, lkk, 0.0), inv))  # 16x16 pairs -> 32x32 diagonal
+        inv = inv - mm(inv, mm(jnp.where(same32, 0.0, lkk), inv))  # lower-left 32x32 quadrant -> 64x64 inverse
     a_beta = (inv * beta[None, :]).astype(stored)  # A diag(beta)
     if "wu" in skip:  # ablation: row-scaled stand-ins keep A diag(beta), e^G K and V live without the dots
         row_sum = jnp.sum(a_beta.astype(f32), axis=1)[:, None]  # [C, 1]
@@ -201,151 +210,6 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     w_ref[...] = dot(a_beta, kw, precision=prec).astype(stored)
     v = load(v_ref).astype(stored)  # [C, V]
     u_ref[...] = dot(a_beta, v, precision=prec).astype(stored)
-
-
-def _intra_kernel_k_split(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_ref, bias_ref,
-                          w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref, *, lower_bound, beta_sigmoid, qk_l2norm,
-                          scale, inverse_precision, k_split, k_walk):
-    # Same refs, shapes and outputs as _intra_kernel; the head dims are walked in k_split slices of
-    # BK = K / k_split (and BV = V / k_split) so that only [C, BK] tiles are live, never [C, K] ones:
-    # start_ref, len_ref: [NC] int32; q_ref, k_ref, z_ref: [T(+C), H, K]; v_ref: [T(+C), H, V]; b_ref: [T(+C), H]
-    # alog_ref: [H] fp32; bias_ref: [H, K] fp32
-    # w_ref, qg_ref, kg_ref: [C, K]; u_ref: [C, V]; aqk_ref: [C, C] (stored dtype); gc_ref: [K] fp32
-    # Every quantity of the default body is per (row, d) except the L2 norms (sums over d: accumulated over the
-    # slices first) and L / Aqk (sums over d: accumulated over the slices' dots), so each slice runs the
-    # default's gate -> cumsum -> factors -> 8 dots on its own columns. k_walk (see K_WALKS):
-    #   "keep":   slices unrolled in Python, e^G K's stored-dtype slices kept live through the inverse for W;
-    #   "unroll": slices unrolled, e^G K rebuilt per slice after the inverse from a reload of k, z (one more
-    #             gate, cumsum and exp per slice; nothing of the slices lives through the inverse);
-    #   "loop":   as "unroll" but each walk over the slices is a real loop (scf.for), so the compiler cannot
-    #             interleave (hoist) one slice's loads and tiles into another's;
-    #   "loop2":  as "loop" with Aqk's dots in a first walk (Aqk stored at its end, with the elementwise
-    #             outputs) and L's in a second one (k, G and the column factors recomputed): one [C, C]
-    #             accumulator and one of q / k live at a time.
-    f32 = jnp.float32
-    stored = w_ref.dtype
-    prec = HIGHEST if stored == f32 else None
-    c, h = pl.program_id(0), pl.program_id(1)
-    start, count = start_ref[c], len_ref[c]
-    rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    valid = rows < count  # [C]
-    block = rows // SUB  # [C] 16-row block of each row
-    bk, bv = q_ref.shape[-1] // k_split, v_ref.shape[-1] // k_split
-
-    def walk(body, carry):  # body(s, carry) -> carry for the slices s = 0 .. k_split - 1
-        if k_walk in ("loop", "loop2"):
-            return lax.fori_loop(0, k_split, body, carry)
-        for s in range(k_split):
-            carry = body(s, carry)
-        return carry
-
-    def load(ref, s, width):  # [C, width] fp32: columns [s width, (s + 1) width) of head h's rows, 0 past the length
-        return plt.load(ref.at[pl.ds(start, CHUNK), h, pl.ds(s * width, width)],
-                        mask=jnp.broadcast_to(valid[:, None], (CHUNK, width)), other=0).astype(f32)
-
-    beta = plt.load(b_ref.at[pl.ds(start, CHUNK), h], mask=valid, other=0).astype(f32)  # [C]
-    beta = jnp.where(valid, jax.nn.sigmoid(beta) if beta_sigmoid else beta, 0.0)
-    q_scale = k_scale = jnp.ones((CHUNK, 1), f32)  # qk_l2norm=False: q, k come normalised (q scaled)
-    if qk_l2norm:  # row scales from the whole head dim, slice by slice (the slices are reloaded below)
-        sq = lambda x: jnp.sum(x * x, axis=1)
-        q_sq, k_sq = walk(lambda s, acc: (acc[0] + sq(load(q_ref, s, bk)), acc[1] + sq(load(k_ref, s, bk))),
-                          (jnp.zeros((CHUNK,), f32), jnp.zeros((CHUNK,), f32)))  # [C] each
-        q_scale = (lax.rsqrt(q_sq + _L2_EPS) * scale)[:, None]
-        k_scale = lax.rsqrt(k_sq + _L2_EPS)[:, None]
-
-    def k_and_cum(s):  # normalised k [C, BK] and the chunk cumsum G [C, BK] of the gate, slice s
-        g = _gate_lower_bound(load(z_ref, s, bk), alog_ref[h], bias_ref[h, pl.ds(s * bk, bk)][None, :], lower_bound)
-        return load(k_ref, s, bk) * k_scale, jnp.cumsum(jnp.where(valid[:, None], g, 0.0), axis=0)
-
-    kws = []  # k_walk="keep": e^G K slices [C, BK] (stored dtype)
-
-    def lk_slice(s, acc, sides=("k", "q")):
-        # elementwise outputs of slice s (with the q side), and its dots added into acc: (L, Aqk) [C, C] fp32
-        # for sides ("k", "q"), or the one of the side named
-        acc = dict(zip(sides, acc))
-        cols = pl.ds(s * bk, bk)
-        k, cum = k_and_cum(s)
-        if "q" in sides:
-            q = load(q_ref, s, bk) * q_scale
-            e_cum = jnp.exp(cum)
-            qg_ref[:, cols] = (q * e_cum).astype(stored)
-            if k_walk == "keep":
-                kws.append((k * e_cum).astype(stored))
-            g_last = jnp.sum(jnp.where((rows == CHUNK - 1)[:, None], cum, 0.0), axis=0)  # G_C [BK] (exact)
-            kg_ref[:, cols] = (k * jnp.exp(g_last[None, :] - cum)).astype(stored)
-            gc_ref[cols] = jnp.exp(g_last)
-        # decay references P_b (exact G values) and the 8 dots exactly as _intra_kernel, on this slice's columns
-        refs = [jnp.zeros((bk,), f32)] + [
-            jnp.sum(jnp.where((rows == SUB * b - 1)[:, None], cum, 0.0), axis=0) for b in range(1, NSUB)]  # [BK]
-        ref_row = refs[0][None, :]
-        for b in range(1, NSUB):
-            ref_row = jnp.where((block == b)[:, None], refs[b][None, :], ref_row)  # [C, BK]
-        row_f = jnp.exp(cum - ref_row)  # [C, BK], <= 1
-        left = {"k": (k * row_f).astype(stored)}
-        if "q" in sides:
-            left["q"] = (q * row_f).astype(stored)
-        for b in range(NSUB):
-            in_b = (block == b)[:, None]
-            upto_b = (rows < SUB * (b + 1))[:, None]
-            col = jnp.where(upto_b, k * jnp.exp(jnp.where(upto_b, refs[b][None, :] - cum, 0.0)), 0.0).astype(stored)
-            for side in sides:
-                acc[side] = acc[side] + dot(jnp.where(in_b, left[side], 0), col, tb=True, precision=prec)
-        return tuple(acc[side] for side in sides)
-
-    r2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    c2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    zeros = jnp.zeros((CHUNK, CHUNK), f32)
-    if k_walk == "loop2":
-        (aqk,) = walk(lambda s, acc: lk_slice(s, acc, ("q",)), (zeros,))
-        aqk_ref[...] = jnp.where(r2 >= c2, aqk, 0.0).astype(aqk_ref.dtype)
-        (lkk,) = walk(lambda s, acc: lk_slice(s, acc, ("k",)), (zeros,))
-    else:
-        lkk, aqk = walk(lk_slice, (zeros, zeros))
-        aqk_ref[...] = jnp.where(r2 >= c2, aqk, 0.0).astype(aqk_ref.dtype)
-    lkk = jnp.where(r2 > c2, beta[:, None] * lkk, 0.0)  # strictly lower L (beta applied)
-    a_beta = (_unit_lower_inverse(lkk, inverse_precision) * beta[None, :]).astype(stored)  # A diag(beta)
-
-    def w_slice(s, carry):
-        if k_walk == "keep":
-            kw = kws[s]
-        else:
-            k, cum = k_and_cum(s)
-            kw = (k * jnp.exp(cum)).astype(stored)
-        w_ref[:, pl.ds(s * bk, bk)] = dot(a_beta, kw, precision=prec).astype(stored)
-        return carry
-
-    def u_slice(s, carry):
-        u_ref[:, pl.ds(s * bv, bv)] = dot(a_beta, load(v_ref, s, bv).astype(stored), precision=prec).astype(stored)
-        return carry
-
-    walk(w_slice, 0)
-    walk(u_slice, 0)
-
-
-def _unit_lower_inverse(lkk, inverse_precision):
-    """(I + L)^-1 [C, C] fp32 of strictly lower L [C, C] fp32 by `inverse_precision` (see the module docstring):
-    "blocks" = `_block_inverse`; otherwise the masked 64x64 form (diagonal 16x16 blocks by the nilpotent product,
-    then two block forward substitutions) with the named dot precision."""
-    inv_prec = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "ieee": HIGHEST, "blocks": HIGHEST,
-                "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}[inverse_precision]
-    mm = lambda a, b_: dot(a, b_, precision=inv_prec)
-    if inverse_precision == "blocks":
-        return _block_inverse(lkk, mm)
-    r2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    c2 = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    same16 = r2 // SUB == c2 // SUB
-    same32 = r2 // (2 * SUB) == c2 // (2 * SUB)
-    diag = jnp.where(same16, lkk, 0.0)  # the 4 diagonal 16x16 blocks of L
-    power = diag
-    inv = identity(CHUNK) - diag
-    for _ in range(_DOUBLINGS):  # inv = (I - D)(I + D^2)(I + D^4)(I + D^8) = (I + D)^-1 exactly (D^16 = 0)
-        power = mm(power, power)
-        inv = inv + mm(inv, power)
-    # by halves, each an exact block forward substitution [[A, 0], [M, B]]^-1 = [[A^-1, 0], [-B^-1 M A^-1,
-    # B^-1]] with the block-diagonal inverse so far (no power series: its cancellation is what made the
-    # 64x64 form fail)
-    inv = inv - mm(inv, mm(jnp.where(same32 & ~same16, lkk, 0.0), inv))  # 16x16 pairs -> 32x32 diagonal
-    return inv - mm(inv, mm(jnp.where(same32, 0.0, lkk), inv))  # lower-left 32x32 quadrant -> 64x64 inverse
 
 
 def _concat2(x, y, axis):
@@ -383,8 +247,7 @@ def _block_inverse(lkk, mm):
 
 
 def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bound, beta_sigmoid, qk_l2norm,
-                scale, stored, num_warps, num_stages, inverse_precision, interpret, skip=frozenset(), k_split=1,
-                k_walk="loop2"):
+                scale, stored, num_warps, num_stages, inverse_precision, interpret, skip=frozenset()):
     """pallas_call wrapper: grid = chunks x heads, whole-array blocks for the packed inputs (the kernel loads
     its chunk's rows at the table's dynamic offset), one chunk-layout block per output."""
     t, h, dk = q.shape
@@ -399,14 +262,9 @@ def _intra_call(tok_start, length, q, k, v, z, beta, a_log, dt_bias, *, lower_bo
     out = lambda d: jax.ShapeDtypeStruct((h, num_chunks, CHUNK, d), stored)
     params = {} if interpret else dict(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-    common = dict(lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm, scale=scale,
-                  inverse_precision=inverse_precision)
-    if k_split == 1:  # today's body, unchanged
-        kernel = functools.partial(_intra_kernel, **common, skip=skip)
-    else:
-        kernel = functools.partial(_intra_kernel_k_split, **common, k_split=k_split, k_walk=k_walk)
     return pl.pallas_call(
-        kernel,
+        functools.partial(_intra_kernel, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+                          scale=scale, inverse_precision=inverse_precision, skip=skip),
         grid=(num_chunks, h),
         in_specs=[full_block((num_chunks,)), full_block((num_chunks,)), full_block(q.shape), full_block(k.shape),
                   full_block(v.shape), full_block(z.shape), full_block(beta.shape), full_block((h,)),
@@ -449,7 +307,7 @@ def _check(tok_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_boun
 
 def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lower_bound", lower_bound=-5.0,
               beta_sigmoid=True, qk_l2norm=True, scale=None, stored=None, num_warps=4, num_stages=1,
-              inverse_precision="tf32x3", k_split=1, k_walk="loop2", interpret=False, _skip=frozenset()):
+              inverse_precision="tf32x3", interpret=False, _skip=frozenset()):
     """KDA prefill stage 1 for every chunk and head (one Pallas kernel, grid = chunks x heads).
 
     Args:
@@ -468,12 +326,6 @@ def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lo
         accuracy on the CPU, see tests/gpu/test_kda_gpu.py) or "blocks" (16x16-block substitution with IEEE
         fp32 dots, `_block_inverse`); interpret: Pallas interpret mode (CPU tests; always IEEE there, "blocks"
         keeps its block form).
-      k_split: 1 (default: today's body) or 2 / 4 / 8: the head dims walked in k_split slices of K / k_split
-        (`_intra_kernel_k_split`: only [C, K / k_split] fp32 tiles live, for register pressure; same outputs up
-        to summation order); both K / k_split and V / k_split must stay powers of two >= 16.
-      k_walk: with k_split > 1, how the slices are walked (K_WALKS, see `_intra_kernel_k_split`): "keep" (Python-
-        unrolled, e^G K kept live for W), "unroll" (unrolled, e^G K rebuilt after the inverse), "loop" (a real
-        loop over the slices, e^G K rebuilt) or "loop2" (default: as "loop", Aqk's and L's dots in two walks).
       _skip: BENCHMARK-ONLY ablation (wrong outputs): parts of the kernel to replace by cheap stand-ins, a
         subset of SKIPPABLE (see its comment); timing with and without reads a part's cost by difference.
 
@@ -484,19 +336,12 @@ def kda_intra(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lo
     _check(token_start, length, q, k, v, z, beta, a_log, dt_bias, gate, lower_bound, stored, inverse_precision)
     if not set(_skip) <= set(SKIPPABLE):
         raise ValueError(f"_skip must be a subset of {SKIPPABLE}; got {sorted(_skip)}")
-    if k_split not in K_SPLITS or not all(is_pow2_at_least_16(d // k_split) for d in (q.shape[2], v.shape[2])):
-        raise ValueError(f"k_split must be one of {K_SPLITS} with K / k_split and V / k_split powers of two >= 16; "
-                         f"got {k_split} for K={q.shape[2]}, V={v.shape[2]}")
-    if k_split > 1 and _skip:
-        raise ValueError("_skip ablations exist for k_split=1 only")
-    if k_walk not in K_WALKS:
-        raise ValueError(f"k_walk must be one of {K_WALKS}; got {k_walk!r}")
     scale = q.shape[2] ** -0.5 if scale is None else scale
     return tuple(_intra_call(token_start, length, q, k, v, z, beta, a_log.astype(jnp.float32),
                              dt_bias.astype(jnp.float32), lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
                              qk_l2norm=qk_l2norm, scale=scale, stored=stored, num_warps=num_warps,
                              num_stages=num_stages, inverse_precision=inverse_precision, interpret=interpret,
-                             skip=frozenset(_skip), k_split=k_split, k_walk=k_walk))
+                             skip=frozenset(_skip)))
 
 
 def kda_intra_reference(token_start, length, q, k, v, z, beta, a_log, dt_bias, *, gate="lower_bound",

@@ -117,74 +117,6 @@ def test_kda_chunk_pallas_stage_end_to_end(gate, h):
     np.testing.assert_array_equal(final[2], s0[2])  # the empty sequence keeps its state exactly
 
 
-# k_split cases: (dtype, heads, lower bound, fused gate / norms, head dim, [(k_split, k_walk), ...]). Head dims
-# 64 (ks4: 16-wide slices) and 32 (ks2); the walks' three code paths once each ("keep": Python walk, kept e^G K;
-# "loop": scf.for, rebuilt e^G K; "loop2": also Aqk and L in separate walks; "unroll" only recombines them);
-# the weak-decay correlated-keys case (bound -0.05, unfused) in bf16, the saturated bound -5 (e^80
-# within-block factors) in fp32.
-_K_SPLIT_CASES = {
-    "f32_lb5_d64": ("f32", 2, -5.0, True, 64, [(4, "loop2"), (2, "keep")]),
-    "bf16_weak_d32": ("bf16", 3, -0.05, False, 32, [(2, "loop")]),
-}
-
-
-@pytest.mark.parametrize("case", sorted(_K_SPLIT_CASES))
-def test_k_split_matches_reference_and_default(case):
-    """kda_intra(k_split=2 / 4, every k_walk) with the block inverse: the head dims walked in slices must give
-    the default body's outputs (k_split=1) up to summation order -- the L2 norms and L / Aqk summed slice by
-    slice -- on ragged chunks (1, 63, 64, 65, 300) and unused table rows. Bars: against the default, fp32 1e-6
-    (~1e-7 measured: fp32 reassociation) and bf16 1e-3 (~7e-5 measured: a reassociated fp32 sum can flip a
-    stored bf16 rounding, 2^-8 relative in that element); against the reference as the default's own bars
-    (fp32 1e-4: the default's Aqk is 2.4e-5 from it at K64 with the -5 bound; bf16 1e-2)."""
-    dtype_name, h, lower_bound, normalise, d, splits = _K_SPLIT_CASES[case]
-    bf16 = dtype_name == "bf16"
-    dtype = jnp.bfloat16 if bf16 else jnp.float32
-    x, _, a_log, dt_bias, tok_start, length = packed(20 + h, [1, 63, 64, 65, 300], h, d, d, dtype)
-    kw = dict(lower_bound=lower_bound, beta_sigmoid=normalise, qk_l2norm=normalise)
-    if not normalise:  # the unfused form: q, k already normalised (q scaled), beta in (0, 1)
-        f = lambda a: a.astype(jnp.float32)
-        x["q"] = (f(x["q"]) * jnp.sum(f(x["q"]) ** 2, -1, keepdims=True) ** -0.5 * d**-0.5).astype(dtype)
-        x["k"] = (f(x["k"]) * jnp.sum(f(x["k"]) ** 2, -1, keepdims=True) ** -0.5).astype(dtype)
-        x["beta"] = 1 / (1 + jnp.exp(-x["beta"]))
-    args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a_log, dt_bias)
-    want = kda_intra_reference(*args, **kw)
-    base = kda_intra(*args, **kw, inverse_precision="blocks", interpret=True)
-    unused = np.asarray(length) == 0
-    assert unused.any()
-    for k_split, k_walk in splits:
-        got = kda_intra(*args, **kw, inverse_precision="blocks", k_split=k_split, k_walk=k_walk, interpret=True)
-        for name, g, w, b in zip(("w", "u", "qg", "kg", "aqk", "gate_last"), got, want, base):
-            where = (k_split, k_walk, name)
-            assert g.shape == b.shape and g.dtype == b.dtype, where
-            g32 = np.asarray(g, np.float32)
-            assert np.all(np.isfinite(g32)) and np.any(g32), where
-            assert rel(g32, np.asarray(b, np.float32)) < (1e-3 if bf16 else 1e-6), where
-            assert rel(g32, np.asarray(w, np.float32)) < (1e-2 if bf16 else 1e-4), where
-        for g in got[:5]:
-            assert not np.any(np.asarray(g, np.float32)[:, unused])
-        np.testing.assert_array_equal(np.asarray(got[5])[:, unused], 1.0)
-
-
-def test_k_split_bad_arguments_and_benchmark_knobs():
-    """k_split / k_walk argument checks, and the benchmark's stage-1 names for them parse."""
-    x, _, a_log, dt_bias, tok_start, length = packed(7, [3], 1, 32, 32, jnp.float32)
-    args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a_log, dt_bias)
-    for bad in (dict(k_split=3), dict(k_split=4), dict(k_split=2, k_walk="scan"),
-                dict(k_split=2, _skip=frozenset({"lk"}))):
-        with pytest.raises(ValueError, match="k_split|k_walk|_skip"):
-            kda_intra(*args, interpret=True, **bad)
-
-    from k3jax.testing import load_benchmark_script
-
-    knobs = load_benchmark_script("kda").pallas_stage1_knobs
-    assert knobs("pallas_w8_blocks_ks4") == dict(num_warps=8, num_stages=1, inverse_precision="blocks",
-                                                 _skip=frozenset(), k_split=4)
-    assert knobs("pallas_w4_blocks_ks2_keep") == dict(num_warps=4, num_stages=1, inverse_precision="blocks",
-                                                      _skip=frozenset(), k_split=2, k_walk="keep")
-    with pytest.raises(ValueError, match="unknown knob"):
-        knobs("pallas_w8_ksx")
-
-
 def test_bad_arguments_raise():
     x, _, a_log, dt_bias, tok_start, length = packed(7, [3], 1, 16, 16, jnp.float32)
     args = (tok_start, length, x["q"], x["k"], x["v"], x["z"], x["beta"], a_log, dt_bias)
@@ -213,7 +145,7 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_to_triton_for_an_h200(dtype):
     """The kernel lowers through Pallas's Triton path for an abstract H200 on this CPU at D128 (both inverse
-    precisions; the k_split bodies, scf.for walks included): catches unsupported primitives (cumsum, masked packed loads, the tf32x3 dot algorithm) before
+    precisions): catches unsupported primitives (cumsum, masked packed loads, the tf32x3 dot algorithm) before
     device time; Triton's own compile to PTX only happens on a GPU."""
     import jax
     from jax.sharding import AbstractDevice, AbstractMesh
@@ -223,13 +155,11 @@ def test_lowers_to_triton_for_an_h200(dtype):
     args = ((spec((nc,), jnp.int32),) * 2 + (spec((t, h, d), dtype),) * 4
             + (spec((t, h), jnp.float32), spec((h,), jnp.float32), spec((h, d), jnp.float32)))
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    variants = [dict(inverse_precision="tf32x3"), dict(inverse_precision="ieee"),  # + the k_split walks (loops)
-                dict(inverse_precision="blocks", k_split=8), dict(inverse_precision="blocks", k_split=2, k_walk="keep")]
-    for knobs in variants:
+    for inverse in ("tf32x3", "ieee", "blocks"):  # "blocks": the model's stage-1 form
         with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
-            lowered = jax.jit(lambda *a, kw=knobs: kda_intra(*a, **kw, num_warps=8)).trace(
+            lowered = jax.jit(lambda *a, i=inverse: kda_intra(*a, inverse_precision=i, num_warps=8)).trace(
                 *args).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1, knobs
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1, inverse
 
 
 # outputs (w, u, qg, kg, aqk, gate_last) each benchmark-only ablation must leave bit-identical: the parts it

@@ -192,7 +192,7 @@ def test_state_tiling_benchmark_smoke(capsys):
 
     assert bench.variant_keywords("bv32_w8_s3_kf_last_br") == dict(
         block_v=32, num_warps=8, num_stages=3, state_layout="k_first", output_order="last", checkpoint_branch=True)
-    assert bench.variant_keywords("ks8_sw4") == dict(stage1_k_split=8, stage1_num_warps=4)
+    assert bench.variant_keywords("sw4_bv16") == dict(stage1_num_warps=4, block_v=16)
     with pytest.raises(ValueError, match="unknown knob"):
         bench.main(["--variants", "default,bv32_x2", "--interpret"])
     (row,) = bench.main(["--shapes", "1x65x1", "--variants", "default,bv16_w4_vf", "--trials", "1", "--interpret"])
