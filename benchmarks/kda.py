@@ -161,7 +161,8 @@ def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
     x = prefill_inputs(b, t, h)
     kw = dict(a_log=x["a_log"], dt_bias=x["dt_bias"], gate="lower_bound", lower_bound=LB, beta_sigmoid=True,
               qk_l2norm=True, interpret=args.interpret)
-    ours = lambda **extra: kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], x["s0"], x["cu"], **kw, **extra)
+    ours = lambda **extra: kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], x["s0"], x["cu"],
+                                        **{**kw, "stage1": args.base_stage1, **extra})
     row["tokens"] = b * t
     o, final, _ = ours()
     row["ours_ms"] = 1e3 * time_jax(ours, args.trials)
@@ -722,6 +723,9 @@ def main(argv=None):
                    help="kda_chunk stage-1 variants to time at every prefill case (ours_stage1_<v>_ms; the first "
                         "case also times each stage alone, stage_intra_<v>_ms, and its compiled HLO, stage1_hlo); "
                         "kda_intra variants pallas_<knobs> (see pallas_stage1_knobs) are timed alone only")
+    p.add_argument("--base-stage1", default="default", choices=KDA_CHUNK_STAGE1,
+                   help="kda_chunk's stage1 for ours_ms and the parts built on it (split, solve_pallas, ckpt); "
+                        "'pallas' is the model's GPU stage (default: kda_chunk's own default, the XLA stage)")
     p.add_argument("--prefill-parts", type=lambda v: {x for x in v.split(",") if x},
                    default={"stages", "split", "solve_pallas", "ckpt", "sweep"},
                    help="what a prefill case times beside ours (default state pass, stage-1 variants) and fla: "
