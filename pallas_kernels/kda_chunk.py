@@ -478,8 +478,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         w, u, qg, kg, aqk, gc = kda_intra(tok_start, length, q, k, v, g, beta, a, b, gate=gate,
                                           lower_bound=lower_bound, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
                                           scale=scale, stored=stored, num_warps=stage1_num_warps or 8,
-                                          inverse_precision=stage1_inverse or "blocks",
-                                          interpret=interpret)
+                                          inverse_precision=stage1_inverse or "blocks", interpret=interpret)
     elif stage1 == "pallas2" and bounded:
         w, u, qg, kg, aqk, gc = _intra_stage_pallas2(
             tok_start, length, q, k, v, g, beta, a, b, lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
@@ -493,9 +492,8 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     extra = fused_kw if state_pass == "fused" else {}
     state_pass = {"fused": kda_state_pass, "split": kda_state_pass_split}[state_pass]
     return state_pass(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initial_state, num_tokens=t,
-                      checkpoint_page_size=page, block_v=block_v, out_dtype=v.dtype,
-                      num_warps=num_warps if state_pass is kda_state_pass else num_warps or 4, interpret=interpret,
-                      **extra)
+                      checkpoint_page_size=page, block_v=block_v, out_dtype=v.dtype, num_warps=num_warps,
+                      interpret=interpret, **extra)
 
 
 def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bias=None, gate="none",

@@ -103,12 +103,13 @@ def _state_split_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc,
 
 
 def kda_state_pass_split(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last, initial_state,
-                         *, num_tokens, checkpoint_page_size=0, block_v=None, out_dtype=None, num_warps=4,
+                         *, num_tokens, checkpoint_page_size=0, block_v=None, out_dtype=None, num_warps=None,
                          interpret=False):
     """Split KDA state pass (Pallas walk + XLA output einsum): same arguments and results as
     `kda_state_pass`, except that output rows in no chunk are 0 rather than unwritten.
 
-    Args: see `pallas_kernels.kda_state_pass.kda_state_pass`.
+    Args: see `pallas_kernels.kda_state_pass.kda_state_pass` (here num_warps None means 4, and block_v None is
+    picked by `kda_common.pick_block_v`).
     Returns: o [T, H, V], final_state [N, H, V, K] fp32, checkpoints [T // page + N, H, V, K] fp32 or None.
     """
     page = checkpoint_page_size or 0
@@ -116,7 +117,7 @@ def kda_state_pass_split(first, token_start, length, checkpoint_index, w, u, qg,
                           initial_state, num_tokens, page)
     return _state_split_call(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last,
                              initial_state, t=num_tokens, n=first.shape[0] - 1, page=page, block_v=block_v,
-                             out_dtype=out_dtype or w.dtype, interpret=interpret, num_warps=num_warps)
+                             out_dtype=out_dtype or w.dtype, interpret=interpret, num_warps=num_warps or 4)
 
 
 def kda_state_pass_split_reference(*args, **kwargs):

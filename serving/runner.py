@@ -229,17 +229,18 @@ class ModelRunner:
     def gather_tokens(self, previous: jax.Array, index: list[int]) -> jax.Array:
         """The next decode step's input tokens on the device: previous[index[i]] for its rows, padded to the
         row bucket with zeros (overlap scheduling: `previous` is the last step's sampled tokens, not read back)."""
-        b = fit(len(index), self.row_buckets)
-        padded = np.full(b, -1, np.int32)
-        padded[: len(index)] = index
-        return _gather_tokens(previous, padded)
+        return _gather_tokens(previous, self._bucket_index(index, -1))
 
     def take_rows(self, logits: jax.Array, index: list[int]) -> jax.Array:
         """logits[index] padded to index's row bucket (the padding repeats row index[0]), so the gather and the
         sampler after it see one shape per bucket instead of one per count of rows (no steady-state compiles)."""
-        padded = np.full(fit(len(index), self.row_buckets), index[0], np.int32)
+        return _take_rows(logits, self._bucket_index(index, index[0]))
+
+    def _bucket_index(self, index: list[int], fill: int) -> np.ndarray:
+        """int32 index padded with `fill` to its row bucket: one jitted shape per bucket."""
+        padded = np.full(fit(len(index), self.row_buckets), fill, np.int32)
         padded[: len(index)] = index
-        return _take_rows(logits, padded)
+        return padded
 
     # --- speculative decoding ----------------------------------------------------------------
     def draft_extend(self, next_tokens: list[list[int]], pending_last: list[bool]) -> None:
