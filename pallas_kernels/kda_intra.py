@@ -31,7 +31,7 @@ Totals per program: 20 dots (8 [64,128]x[128,64] in the stored dtype, 10 [64,64]
 2 [64,64]x[64,128] in the stored dtype) and 8 [C, K] exps (the gate's sigmoid, one row factor
 e^(G - P_row), 4 column factors, e^G, e^(G_C - G)); the inverse's tf32x3 is ~60% of the tensor work
 (three passes), hence the opt-in one-pass "tf32" (bf16 outputs). Elementwise outputs are stored early and
-v loaded late to bound the live [C, K] tiles (register pressure: try num_warps 4 and 8).
+v loaded first (its latency hidden; see the kernel's comment).
 Traffic at B1 T32768 H32 D128 bf16: reads q, k, v, z (1 GB), writes W, U, e^G Q, e^(G_C - G) K, Aqk
 (1.3 GB): ~0.6 ms at the H200's copy bandwidth.
 
@@ -62,6 +62,18 @@ no spills, against 255 and 112 B; docs/results/kda_intra3_ptxas_sm90a_2026-12-01
 8.96 / 7.27 ms (k_split 8 / 4, 8 warps) and 5.40 ms (k_split 8, 4 warps) against 2.90 ms for this body
 (docs/results/kda_intra_ksplit_h200_2026-12-01.json): the slice loop serialises what the unrolled body overlaps and
 doubles the exps. Fewer registers are not this kernel's lever.
+
+Profiled (tenth session, Nsight Compute on the H200, B1 T32768 H32, 8 warps, blocks; docs/results/
+kda_intra_ncu_h200_2026-12-01.json): 2.82 ms, 255 registers, one 8-warp program per SM (12.5 % occupancy), 0.33
+instructions issued per scheduler cycle; the ~6,650 SASS instructions run once per warp, straight line, and the
+stall samples spread over the whole body (block inverse ~28 %, L / Aqk with their column factors ~24 %, exps and the
+row reductions ~18 %, the cumsum ~11 %, loads and gate ~10 %, W / U and the stores ~9 %): latency with two warps per
+scheduler, no single hot spot. fla's stage 1 in the same profile: l2norm x2 255 us, gate cumsum 237 us, intra
+sub-chunk 608 us, inter + solve 645 us, W / U 559 us (2.35 ms). Variants timed the same day on the H200 (one
+program compiled per variant; docs/results/kda_intra_variants_h200_2026-12-01.json), stage alone, against 2.80-2.84
+ms: the block inverse's 16x16 dots on the tensor cores, tf32x3 6.26 ms / tf32 5.12 ms; G and the block references
+as 0/1-matrix tf32x3 dots instead of the scan and row reductions, 24.1 ms (both spill heavily); 4 warps 6.29 ms;
+v loaded first 2.72 ms (kept, above). The first two were removed again.
 """
 
 from __future__ import annotations
@@ -136,6 +148,10 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     exp = (lambda x: 1.0 + x) if "exp" in skip else jnp.exp  # the decay factors' exps (ablation: an FMA)
 
     q, k, z = load(q_ref).astype(f32), load(k_ref).astype(f32), load(z_ref).astype(f32)  # [C, K]
+    # v is needed only by U's dot at the end, but its load is issued here so that its latency hides behind the
+    # whole chunk's work (H200: 2.72 vs 2.82-2.84 ms for this stage at B1 T32768 H32; issued before the inverse
+    # instead: 2.86 ms). It stays in the stored dtype: 16 registers a thread at 8 warps.
+    v = load(v_ref)  # [C, V]
     beta = load_beta().astype(f32)  # [C]
     beta = jnp.where(valid, jax.nn.sigmoid(beta) if beta_sigmoid else beta, 0.0)
     g = _gate_lower_bound(z, alog_ref[h], bias_ref[h, :][None, :], lower_bound)
@@ -145,7 +161,7 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
         k = k * lax.rsqrt(jnp.sum(k * k, axis=1) + _L2_EPS)[:, None]
     cum = g if "scan" in skip else jnp.cumsum(g, axis=0)  # G [C, K], non-increasing along C
     # Order for register pressure (whole [C, K] fp32 tiles are 64 registers a thread at 4 warps): the
-    # elementwise outputs are stored first, q dies into its factored bf16 copy, v is loaded only for U.
+    # elementwise outputs are stored first, q dies into its factored bf16 copy.
     e_cum = exp(cum)
     qg_ref[...] = (q * e_cum).astype(stored)
     kw = (k * e_cum).astype(stored)  # e^G K, W's right operand
@@ -205,11 +221,10 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, z_ref, b_ref, alog_re
     if "wu" in skip:  # ablation: row-scaled stand-ins keep A diag(beta), e^G K and V live without the dots
         row_sum = jnp.sum(a_beta.astype(f32), axis=1)[:, None]  # [C, 1]
         w_ref[...] = (row_sum * kw.astype(f32)).astype(stored)
-        u_ref[...] = (row_sum * load(v_ref).astype(f32)).astype(stored)
+        u_ref[...] = (row_sum * v.astype(f32)).astype(stored)
         return
     w_ref[...] = dot(a_beta, kw, precision=prec).astype(stored)
-    v = load(v_ref).astype(stored)  # [C, V]
-    u_ref[...] = dot(a_beta, v, precision=prec).astype(stored)
+    u_ref[...] = dot(a_beta, v.astype(stored), precision=prec).astype(stored)
 
 
 def _concat2(x, y, axis):

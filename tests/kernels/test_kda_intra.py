@@ -202,3 +202,19 @@ def test_ablation_skips_run_and_leave_the_default_unchanged():
     for bad in ("pallas_x8", "pallas_w4_skip-dots", "pallas_w4_fp16"):
         with pytest.raises(ValueError, match="unknown knob"):
             knobs(bad)
+
+
+def test_variants_benchmark_smoke():
+    """benchmarks/kda_intra_variants.py in interpret mode on a tiny shape (2 sequences x 128 tokens, 1 head, D16):
+    the same settings under two names agree exactly, an ablation (skip-inverse) differs from the model's form in W
+    and U only, and the table prints."""
+    from benchmarks import kda_intra_variants as bench
+
+    names = ["pallas_w8_blocks", "pallas_w4_blocks", "pallas_w8_blocks_skip-inverse"]
+    rows = bench.main(["--shape", "2x128x1", "--head-dim", "16", "--variants", ",".join(names), "--trials", "1",
+                       "--calls", "1", "--interpret"])
+    assert [r["variant"] for r in rows] == names and all(r["finite"] and r["ms"] > 0 for r in rows)
+    assert max(rows[1]["rel_vs_first"].values()) == 0.0  # warps do not exist in interpret mode
+    ablated = rows[2]["rel_vs_first"]
+    assert ablated["w"] > 1e-3 and ablated["u"] > 1e-3
+    assert ablated["qg"] == ablated["kg"] == ablated["aqk"] == ablated["gate_last"] == 0.0
