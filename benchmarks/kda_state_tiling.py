@@ -19,6 +19,7 @@ e.g. "bv32_w4_s3_kf", "bv64_w4", "bv32_w4_s3_kf_last".
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import re
@@ -61,6 +62,12 @@ def run(shapes, variants, trials, interpret, out=None):
         call = lambda **extra: kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], x["s0"], x["cu"], **kw, **extra)
         reference = call()[0].astype(jnp.float32)
         row = dict(B=b, T=t, H=h)
+        # compile every variant at once in threads (each whole prefill compiles for ~15-30 s; the runs it also makes
+        # only warm the GPU), so the timed loop below finds them compiled; a failing one fails again there
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(variants))) as pool:
+            for future in [pool.submit(lambda e=variant_keywords(name): jax.block_until_ready(call(**e)))
+                           for name in variants]:
+                future.exception()
         rows.append(row)
         for name in variants:
             extra = variant_keywords(name)
