@@ -90,26 +90,35 @@ def check_state_pass_args(first, token_start, length, checkpoint_index, w, u, qg
 
 def pick_state_tiling(n, h, dv, stored, block_v=None, num_warps=None, num_stages=None, state_layout=None):
     """The fused state pass's (block_v, num_warps, num_stages, state_layout): given values are kept, the
-    others follow the whole-prefill sweep on the H200 (2026-12-01, docs/benchmarks.md, kda_chunk with the Pallas
-    stage 1; programs = sequences x heads x V-blocks):
-    - >= 2 x 132 programs at V-block 64 (B8 T4096 H32 / H96): 64, 4 warps, 2 stages, V-first (3.97 / 11.62 ms;
-      3-stage K-first at 8 warps 4.01 / 11.99, V-block 32 4.16 / 12.39);
-    - else >= 128 programs at V-block 32 (B1 T32768 H32: 128, H96: 384): 32, 4 warps, 3 stages, K-first
-      (3.70 ms against 4.29 with 2 stages V-first and 4.47 at V-block 16, B1 H32; 11.87 against 12.11, B1 H96).
-      3 stages keep the next chunk's loads in flight through a whole step, which matters most when one program
-      per SM walks its chain alone; fp32 stored operands keep 2 stages (3 need 256 KB of shared memory);
-    - else 16, 4 warps, 3 stages, K-first (below one wave at 32; at B1 H32 this form took 4.35 ms against 4.47
-      for V-block 16 with 2 stages V-first, the previous default).
-    Given a V-block of 16 or 32, bf16 gets 3 stages and K-first too (at 32 never slower: B8 H32 4.17 vs 4.16 ms,
-    B8 H96 12.43 vs 12.39); at 64, 2 stages V-first (3 stages K-first at 8 warps was slower at every shape)."""
+    others follow the whole-prefill sweeps on the H200 (docs/benchmarks.md; kda_chunk with the Pallas stage 1;
+    programs = sequences x heads x V-blocks).
+
+    bf16 (tenth session, 2026-12-01, benchmarks/kda_state_tiling.py): the widest V-block that still launches
+    >= 96 programs, 4 warps, K-first, 3 pipeline stages (2 at V-block 128: 3 do not fit in shared memory).
+    Every program reads its chunks' whole W, e^G Q, e^(G_C-G) K and Aqk whatever its V-block, so narrow V-blocks
+    multiply that traffic; a wide V-block pays in programs. Whole prefill, ms:
+    - B8 T4096 H32 (256 programs at 128): 128 3.42, 64 3.55 (2 stages V-first 3.87, the previous rule);
+    - B1 T32768 H96 (96 at 128): 128 10.13-10.19, 64 10.20-10.37, 32 11.54-11.61 (the previous rule);
+    - B8 T4096 H96 (768 at 128): 128 10.07, 64 10.40 (2 stages V-first 11.22, the previous rule);
+    - B2 T16384 H32 (64 at 128, 128 at 64): 64 3.28, 128 3.74, 32 3.72;
+    - B1 T32768 H32 (32 at 128, 64 at 64, 128 at 32): 32 3.59, 64 3.63, 128 4.57.
+    Below 96 programs at 32, 16 (k3-small's 16 heads at B1). 8 warps were slower at 64 and 128 (B1 H96 11.89 /
+    11.16 ms), 2 warps at 128 many times slower (spills).
+
+    fp32 stored operands (CPU tests; not re-timed): the ninth session's rule, 2 stages V-first (3 stages need
+    256 KB of shared memory), V-block 64 from 2 x 132 programs, else 32 from 128, else 16."""
     programs = lambda bv: n * h * (dv // bv) if dv % bv == 0 else 0
+    bf16 = stored == jnp.bfloat16
     if block_v is None:
-        block_v = 64 if programs(64) >= 2 * 132 else 32 if programs(32) >= 128 else 16
+        if bf16:
+            block_v = next((bv for bv in (128, 64, 32) if bv <= dv and programs(bv) >= 96), 16)
+        else:
+            block_v = 64 if programs(64) >= 2 * 132 else 32 if programs(32) >= 128 else 16
         block_v = min(block_v, dv)
-    wide_pipeline = block_v <= 32 and stored == jnp.bfloat16
     num_warps = 4 if num_warps is None else num_warps
-    num_stages = (3 if wide_pipeline else 2) if num_stages is None else num_stages
-    state_layout = ("k_first" if wide_pipeline else "v_first") if state_layout is None else state_layout
+    if num_stages is None:
+        num_stages = (2 if block_v >= 128 else 3) if bf16 else 2
+    state_layout = ("k_first" if bf16 else "v_first") if state_layout is None else state_layout
     if dv % block_v:
         raise ValueError(f"block_v={block_v} must divide V={dv}")
     return block_v, num_warps, num_stages, state_layout

@@ -20,7 +20,9 @@ Variants (keywords of `kda_state_pass` and `kda_chunk`), with the offline eviden
 triton 3.6 TTGIR/PTX + ptxas sm_90a, docs/results/kda_state_pass_ptxas_sm90a_2026-12-01.json). Timed on the
 H200 on 2026-12-01 (whole prefill with the Pallas stage 1; docs/benchmarks.md): 3 stages + K-first at V-block
 32 took B1 T32768 H32 from 4.29 ms (2 stages, V-first) to 3.70 ms, so V-blocks of 16 / 32 now default to it
-in bf16 (`kda_common.pick_state_tiling`, which also picks the V-block); V-block 64 keeps 2 stages V-first:
+in bf16 (`kda_common.pick_state_tiling`, which also picks the V-block). Since the tenth session every bf16 V-block
+runs K-first at 3 stages (2 at V-block 128), and the rule prefers the widest V-block with >= 96 programs (W, Qg, Kg
+and Aqk are read once per V-block program: at H96, V-block 128 took B1 T32768 from 11.54 to 10.13-10.19 ms):
 - num_stages: at 2 Triton issues chunk c+1's copies (W, Qg, Kg, U, Aqk) at the end of step c and waits for
   them (cp.async.wait_group 0) at the top of step c+1, so the load latency is paid every chunk; at 3 the loop
   top waits with one chunk's copies still in flight. +60 KB shared memory per CTA.

@@ -95,11 +95,13 @@ VARIANTS = [
     (dict(state_layout="k_first", output_order="last", checkpoint_branch=True, num_stages=3), jnp.bfloat16, 64),
     (dict(output_order="first", checkpoint_branch=True), jnp.float32, 64),
     (dict(output_order="last", num_stages=3), jnp.bfloat16, 128),
+    (dict(state_layout="k_first", block_v=32), jnp.bfloat16, 64),  # the whole V in one program (bf16 rule at 128)
 ]
 
 
 @pytest.mark.parametrize("variant,dtype,page", VARIANTS,
-                         ids=["k_first-f32", "k_first_last_branch_s3-bf16", "first_branch-f32", "last_s3-bf16"])
+                         ids=["k_first-f32", "k_first_last_branch_s3-bf16", "first_branch-f32", "last_s3-bf16",
+                              "k_first_whole_v-bf16"])
 def test_state_pass_variants(variant, dtype, page):
     """Each opt-in variant of the fused pass against the reference: ragged lengths around the chunk size
     (1, 63, 64, 65, 300), non-zero initial states, checkpoints; tolerances as the module doc (fp32 1e-5,
@@ -107,7 +109,8 @@ def test_state_pass_variants(variant, dtype, page):
     lens, starts = [1, 63, 64, 65, 300], [0, 70, 64, 100, 37]
     args, cu, t = stage_inputs(21, lens, starts, page, h=2, dk=16, dv=32, dtype=dtype)
     kw = dict(num_tokens=t, checkpoint_page_size=page)
-    o, final, ckpt = jax.jit(functools.partial(kda_state_pass, block_v=16, interpret=True, **kw, **variant))(*args)
+    o, final, ckpt = jax.jit(functools.partial(kda_state_pass, interpret=True, **kw, **{"block_v": 16, **variant}))(
+        *args)
     ro, rfinal, rckpt = kda_state_pass_reference(*args, **kw)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert o.dtype == dtype and float(jnp.linalg.norm(args[-1].astype(jnp.float32))) > 0
@@ -169,18 +172,21 @@ def test_kda_chunk_passes_the_variant_keywords(monkeypatch):
 
 
 def test_state_tiling_rule():
-    """pick_state_tiling reproduces the H200 sweep's choices (kda_common's docstring) and keeps given values."""
+    """pick_state_tiling reproduces the H200 sweeps' choices (kda_common's docstring) and keeps given values."""
     bf16, f32 = jnp.bfloat16, jnp.float32
-    assert pick_state_tiling(8, 32, 128, bf16) == (64, 4, 2, "v_first")  # B8 H32: 512 programs at 64
-    assert pick_state_tiling(8, 96, 128, bf16) == (64, 4, 2, "v_first")
+    assert pick_state_tiling(8, 32, 128, bf16) == (128, 4, 2, "k_first")  # B8 H32: 256 programs at 128
+    assert pick_state_tiling(8, 96, 128, bf16) == (128, 4, 2, "k_first")
+    assert pick_state_tiling(1, 96, 128, bf16) == (128, 4, 2, "k_first")  # 96 programs: the threshold
+    assert pick_state_tiling(2, 32, 128, bf16) == (64, 4, 3, "k_first")  # 64 at 128 is too few
     assert pick_state_tiling(1, 32, 128, bf16) == (32, 4, 3, "k_first")  # B1 H32: 128 programs at 32
-    assert pick_state_tiling(1, 96, 128, bf16) == (32, 4, 3, "k_first")  # 192 at 64 is under two waves
     assert pick_state_tiling(1, 16, 128, bf16) == (16, 4, 3, "k_first")  # k3-small: 64 programs at 32
     assert pick_state_tiling(1, 32, 128, f32) == (32, 4, 2, "v_first")  # 3 fp32 stages overflow shared memory
+    assert pick_state_tiling(8, 32, 128, f32) == (64, 4, 2, "v_first")
     assert pick_state_tiling(8, 32, 128, bf16, block_v=32) == (32, 4, 3, "k_first")
     assert pick_state_tiling(1, 32, 128, bf16, num_stages=2, state_layout="v_first", num_warps=8) == (
         32, 8, 2, "v_first")
     assert pick_state_tiling(1, 2, 16, bf16) == (16, 4, 3, "k_first")  # head dims below 64 / 32
+    assert pick_state_tiling(64, 2, 32, bf16) == (32, 4, 3, "k_first")  # never wider than V
     with pytest.raises(ValueError, match="block_v"):
         pick_state_tiling(1, 2, 48, bf16, block_v=32)
 
