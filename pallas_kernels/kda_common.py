@@ -88,15 +88,16 @@ def check_state_pass_args(first, token_start, length, checkpoint_index, w, u, qg
                          f"got {checkpoint_page_size}")
 
 
-def pick_state_tiling(n, h, dv, stored, block_v=None, num_warps=None, num_stages=None, state_layout=None):
+def pick_state_tiling(n, h, dv, stored, block_v=None, num_warps=None, num_stages=None, state_layout=None,
+                      checkpoints=False):
     """The fused state pass's (block_v, num_warps, num_stages, state_layout): given values are kept, the
     others follow the whole-prefill sweeps on the H200 (docs/benchmarks.md; kda_chunk with the Pallas stage 1;
     programs = sequences x heads x V-blocks).
 
-    bf16 (tenth session, 2026-12-01, benchmarks/kda_state_tiling.py): the widest V-block that still launches
-    >= 96 programs, 4 warps, K-first, 3 pipeline stages (2 at V-block 128: 3 do not fit in shared memory).
-    Every program reads its chunks' whole W, e^G Q, e^(G_C-G) K and Aqk whatever its V-block, so narrow V-blocks
-    multiply that traffic; a wide V-block pays in programs. Whole prefill, ms:
+    bf16 without checkpoints (tenth session, 2026-12-01, benchmarks/kda_state_tiling.py): the widest V-block that
+    still launches >= 96 programs, 4 warps, K-first, 3 pipeline stages (2 at V-block 128: 3 do not fit in shared
+    memory). Every program reads its chunks' whole W, e^G Q, e^(G_C-G) K and Aqk whatever its V-block, so narrow
+    V-blocks multiply that traffic; a wide V-block pays in programs. Whole prefill, ms:
     - B8 T4096 H32 (256 programs at 128): 128 3.42, 64 3.55 (2 stages V-first 3.87, the previous rule);
     - B1 T32768 H96 (96 at 128): 128 10.13-10.19, 64 10.20-10.37, 32 11.54-11.61 (the previous rule);
     - B8 T4096 H96 (768 at 128): 128 10.07, 64 10.40 (2 stages V-first 11.22, the previous rule);
@@ -105,20 +106,25 @@ def pick_state_tiling(n, h, dv, stored, block_v=None, num_warps=None, num_stages
     Below 96 programs at 32, 16 (k3-small's 16 heads at B1). 8 warps were slower at 64 and 128 (B1 H96 11.89 /
     11.16 ms), 2 warps at 128 many times slower (spills).
 
-    fp32 stored operands (CPU tests; not re-timed): the ninth session's rule, 2 stages V-first (3 stages need
-    256 KB of shared memory), V-block 64 from 2 x 132 programs, else 32 from 128, else 16."""
+    bf16 with checkpoints (the prefix cache's prefill), and fp32: the ninth session's rule. K-first transposes the
+    state for the checkpoint store after every chunk (the store is masked, the transpose is not): at V-block 128
+    that cost +28 % at page size 256 (B1 T32768 H96: 13.01 against 10.15 ms), against +5.5 % for V-block 32 K-first
+    at B1 H32. So: V-block 64 at 2 stages V-first from 2 x 132 programs, else 32 (from 128 programs) or 16 at 3
+    stages K-first; fp32 always 2 stages V-first (3 stages need 256 KB of shared memory)."""
     programs = lambda bv: n * h * (dv // bv) if dv % bv == 0 else 0
     bf16 = stored == jnp.bfloat16
+    wide_first = bf16 and not checkpoints  # the tenth session's rule
     if block_v is None:
-        if bf16:
+        if wide_first:
             block_v = next((bv for bv in (128, 64, 32) if bv <= dv and programs(bv) >= 96), 16)
         else:
             block_v = 64 if programs(64) >= 2 * 132 else 32 if programs(32) >= 128 else 16
         block_v = min(block_v, dv)
+    k_first = wide_first or (bf16 and block_v <= 32)
     num_warps = 4 if num_warps is None else num_warps
     if num_stages is None:
-        num_stages = (2 if block_v >= 128 else 3) if bf16 else 2
-    state_layout = ("k_first" if bf16 else "v_first") if state_layout is None else state_layout
+        num_stages = (2 if block_v >= 128 else 3) if k_first else 2
+    state_layout = ("k_first" if k_first else "v_first") if state_layout is None else state_layout
     if dv % block_v:
         raise ValueError(f"block_v={block_v} must divide V={dv}")
     return block_v, num_warps, num_stages, state_layout

@@ -22,7 +22,8 @@ H200 on 2026-12-01 (whole prefill with the Pallas stage 1; docs/benchmarks.md): 
 32 took B1 T32768 H32 from 4.29 ms (2 stages, V-first) to 3.70 ms, so V-blocks of 16 / 32 now default to it
 in bf16 (`kda_common.pick_state_tiling`, which also picks the V-block). Since the tenth session every bf16 V-block
 runs K-first at 3 stages (2 at V-block 128), and the rule prefers the widest V-block with >= 96 programs (W, Qg, Kg
-and Aqk are read once per V-block program: at H96, V-block 128 took B1 T32768 from 11.54 to 10.13-10.19 ms):
+and Aqk are read once per V-block program: at H96, V-block 128 took B1 T32768 from 11.54 to 10.13-10.19 ms) when no
+checkpoints are asked for; with checkpoints the earlier rule stays (K-first transposes the state at every chunk):
 - num_stages: at 2 Triton issues chunk c+1's copies (W, Qg, Kg, U, Aqk) at the end of step c and waits for
   them (cp.async.wait_group 0) at the top of step c+1, so the load latency is paid every chunk; at 3 the loop
   top waits with one chunk's copies still in flight. +60 KB shared memory per CTA.
@@ -175,7 +176,8 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
     check_state_pass_args(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last,
                           initial_state, num_tokens, page)
     block_v, num_warps, num_stages, state_layout = pick_state_tiling(
-        first.shape[0] - 1, w.shape[0], u.shape[3], w.dtype, block_v, num_warps, num_stages, state_layout)
+        first.shape[0] - 1, w.shape[0], u.shape[3], w.dtype, block_v, num_warps, num_stages, state_layout,
+        checkpoints=bool(checkpoint_page_size))
     if state_layout not in ("v_first", "k_first"):
         raise ValueError(f"state_layout must be 'v_first' or 'k_first'; got {state_layout!r}")
     if output_order not in ("between", "first", "last"):
