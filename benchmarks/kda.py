@@ -723,9 +723,10 @@ def main(argv=None):
                    help="kda_chunk stage-1 variants to time at every prefill case (ours_stage1_<v>_ms; the first "
                         "case also times each stage alone, stage_intra_<v>_ms, and its compiled HLO, stage1_hlo); "
                         "kda_intra variants pallas_<knobs> (see pallas_stage1_knobs) are timed alone only")
-    p.add_argument("--base-stage1", default="default", choices=KDA_CHUNK_STAGE1,
+    p.add_argument("--base-stage1", default="pallas", choices=KDA_CHUNK_STAGE1,
                    help="kda_chunk's stage1 for ours_ms and the parts built on it (split, solve_pallas, ckpt); "
-                        "'pallas' is the model's GPU stage (default: kda_chunk's own default, the XLA stage)")
+                        "default 'pallas', the model's GPU stage ('default' is kda_chunk's own API default, the "
+                        "XLA stage that CPU interpret runs keep)")
     p.add_argument("--prefill-parts", type=lambda v: {x for x in v.split(",") if x},
                    default={"stages", "split", "solve_pallas", "ckpt", "sweep"},
                    help="what a prefill case times beside ours (default state pass, stage-1 variants) and fla: "
