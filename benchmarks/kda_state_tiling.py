@@ -10,7 +10,8 @@ Variant names: "default" (every knob picked by the rule) or knobs joined by "_" 
     bv<n> block_v   w<n> num_warps   s<n> num_stages   kf / vf state_layout k_first / v_first
     first / between / last output_order   br checkpoint_branch
     and stage 1's (`kda_intra`) warps: sw<n> stage1_num_warps
-e.g. "bv32_w4_s3_kf", "bv64_w4", "bv32_w4_s3_kf_last".
+e.g. "bv32_w4_s3_kf", "bv64_w4", "bv32_w4_s3_kf_last". With --page P every call also emits state checkpoints every P
+tokens (the prefix cache's prefill), e.g. to time "bv128_w4_s2_kf_br" (transposes only on page-ending chunks).
 
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/kda_state_tiling.py \\
         --shapes 1x32768x32,8x4096x32,1x32768x96,8x4096x96 --variants default,bv32_w4,bv32_w4_s3_kf,bv64_w4
@@ -53,21 +54,23 @@ def variant_keywords(name: str) -> dict:
     return kw
 
 
-def run(shapes, variants, trials, interpret, out=None):
+def run(shapes, variants, trials, interpret, out=None, page=0):
     rows = []
     for b, t, h in shapes:
         x = prefill_inputs(b, t, h)
         kw = dict(a_log=x["a_log"], dt_bias=x["dt_bias"], gate="lower_bound", lower_bound=LB, beta_sigmoid=True,
-                  qk_l2norm=True, stage1="pallas", interpret=interpret)
+                  qk_l2norm=True, stage1="pallas", interpret=interpret, checkpoint_page_size=page or None)
         call = lambda **extra: kc.kda_chunk(x["q"], x["k"], x["v"], x["z"], x["beta"], x["s0"], x["cu"], **kw, **extra)
         reference = call()[0].astype(jnp.float32)
-        row = dict(B=b, T=t, H=h)
+        row = dict(B=b, T=t, H=h, page=page)
         # compile every variant at once in threads (each whole prefill compiles for ~15-30 s; the runs it also makes
-        # only warm the GPU), so the timed loop below finds them compiled; a failing one fails again there
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(variants))) as pool:
-            for future in [pool.submit(lambda e=variant_keywords(name): jax.block_until_ready(call(**e)))
-                           for name in variants]:
-                future.exception()
+        # only warm the GPU), so the timed loop below finds them compiled; a failing one fails again there.
+        # Interpret mode gains nothing from it (the runs are the cost)
+        if not interpret:
+            with concurrent.futures.ThreadPoolExecutor(max(1, len(variants))) as pool:
+                for future in [pool.submit(lambda e=variant_keywords(name): jax.block_until_ready(call(**e)))
+                               for name in variants]:
+                    future.exception()
         rows.append(row)
         for name in variants:
             extra = variant_keywords(name)
@@ -106,12 +109,14 @@ def main(argv=None):
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--interpret", action="store_true", help="CPU smoke run (Pallas interpret mode; use tiny shapes)")
     p.add_argument("--out", default=None, help="raw JSON, rewritten after every variant")
+    p.add_argument("--page", type=int, default=0,
+                   help="checkpoint page size (0: none); with checkpoints 'default' is the rule's checkpoint pick")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     for name in variants:
         variant_keywords(name)  # unknown knobs fail before anything runs
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
-    rows = run(shapes, variants, args.trials, args.interpret, args.out)
+    rows = run(shapes, variants, args.trials, args.interpret, args.out, args.page)
     print_table(rows, variants)
     return rows
 

@@ -209,3 +209,6 @@ def test_state_tiling_benchmark_smoke(capsys):
     (row,) = bench.main(["--shapes", "1x65x1", "--variants", "default,bv16_w4_vf", "--trials", "1", "--interpret"])
     assert row["bv16_w4_vf_rel"] < 1e-2 and row["default_ms"] > 0  # bf16 outputs, reordered fp32 dots
     assert "bv16_w4_vf" in capsys.readouterr().out
+    (row,) = bench.main(["--shapes", "1x65x1", "--variants", "bv16_w4_kf_br", "--page", "64", "--trials", "1",
+                         "--interpret"])  # with checkpoints every 64 tokens, transposed on page-ending chunks only
+    assert row["page"] == 64 and row["bv16_w4_kf_br_rel"] < 1e-2 and row["bv16_w4_kf_br_ms"] > 0
