@@ -3,8 +3,9 @@
 The claim it backs: `kda_intra`'s form and the model's settings (8 warps, inverse_precision="blocks") are the
 fastest measured; its docstring lists the variants that lost. Every variant is compiled first, all at once in
 threads (XLA compiles each ~6,600-instruction kernel in ~15-30 s; in parallel the whole set takes about one), then
-timed one after another on the same inputs (`calls` back-to-back calls, best of `trials`), and its six outputs
-compared with the first variant's (relative L2 error; equal settings must give 0).
+timed one after another on the same inputs with benchmarks/kda.py's `time_jax` (median of `trials`, each ~25 ms of
+back-to-back calls; the 2026-12-01 figures in docs/benchmarks.md were taken before that as the best of 3 x 20 calls),
+and its six outputs compared with the first variant's (relative L2 error; equal settings must give 0).
 
 Variant names: benchmarks/kda.py's stage-1 names (`pallas_stage1_knobs`), e.g. "pallas_w8_blocks" (the model's),
 "pallas_w4_blocks", "pallas_w8_tf32x3", "pallas_w8_blocks_skip-inverse" (ablation: wrong outputs, cost by difference).
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kda import pallas_stage1_knobs
+from benchmarks.kda import pallas_stage1_knobs, time_jax
 from pallas_kernels.kda_common import CHUNK
 from pallas_kernels.kda_intra import kda_intra
 
@@ -48,7 +49,7 @@ def stage1_inputs(b, t, h, d, seed=0):
             q, k, v, z, beta, a_log, dt_bias)
 
 
-def run(shape, variants, trials=3, calls=20, interpret=False):
+def run(shape, variants, trials=3, interpret=False):
     b, t, h, d = shape
     if t % CHUNK:
         raise ValueError(f"t must be a multiple of {CHUNK}; got {t}")
@@ -66,14 +67,7 @@ def run(shape, variants, trials=3, calls=20, interpret=False):
     for name in variants:
         fn = compiled[name]
         out = jax.block_until_ready(fn(*args))
-        best = float("inf")
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                res = fn(*args)
-            jax.block_until_ready(res)
-            best = min(best, (time.perf_counter() - t0) / calls)
-        row = dict(variant=name, B=b, T=t, H=h, D=d, ms=1e3 * best,
+        row = dict(variant=name, B=b, T=t, H=h, D=d, ms=1e3 * time_jax(lambda: fn(*args), trials),
                    finite=bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in out)))
         out = [np.asarray(x, np.float32) for x in out]
         if first is None:
@@ -99,13 +93,12 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--variants", default="pallas_w8_blocks,pallas_w4_blocks")
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--interpret", action="store_true", help="CPU smoke run (Pallas interpret mode; tiny shapes)")
     args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x")) + (args.head_dim,)
     variants = [v for v in args.variants.split(",") if v]
-    rows = run(shape, variants, args.trials, args.calls, args.interpret)
+    rows = run(shape, variants, args.trials, args.interpret)
     print_table(rows)
     if args.out:
         with open(args.out, "w") as f:
