@@ -24,7 +24,9 @@ sigmoid / q-k L2 norm fused on both sides:
                --stage1 v2,pallas2,pallas_w8_blocks,pallas2_k64,pallas2_w4,pallas2_tf32x3 --case-limit 540
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
            gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
-           (no conv, no output norm; final state only). State traffic = fp32 state bytes read + written
+           (no conv, no output norm; final state only) and fla's kernel in its pooled mode (vLLM's: states read
+           and written in place through slot indices, verify writing every position's state to its own slot;
+           fla_pooled_ms, ratio_pooled: the like-for-like verify peer). State traffic = fp32 state bytes read + written
            (decode: read + write once; verify: read once, write T times); the limit is the copy bandwidth.
            Ours runs at every --decode-block-v x --decode-warps tiling (ours_bv{V}_w{W}_ms; 128 = the
            whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
@@ -563,7 +565,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             row["sweep_cut"] = True
             break
         key = f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}" + "".join(
-            f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items())
+            f"_pf{v}" if k == "prefetch" else "_fold" if k == "fold_v" else "_ev" for k, v in extra.items())
         try:
             row[key + "_ms"], step = time_ours(bv, nw, loop, **extra)
         except CaseTimeout:
@@ -587,11 +589,15 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             row["ours_frac_of_copy"] = row["ours_state_TBps"] / copy_tbps
             if "fla_ms" in row:
                 row["ratio"] = row["fla_ms"] / row["ours_ms"]
+            if "fla_pooled_ms" in row:
+                row["ratio_pooled"] = row["fla_pooled_ms"] / row["ours_ms"]
         save()
         if i == 0 and fla is not None:
             decode_fla(row, b, t, h, args, fla, ks, z, beta, a_log, dt_bias, state_bytes)
             if "ours_ms" in row:
                 row["ratio"] = row["fla_ms"] / row["ours_ms"]
+                if "fla_pooled_ms" in row:
+                    row["ratio_pooled"] = row["fla_pooled_ms"] / row["ours_ms"]
             same_size_copy(row, state_bytes, args.trials)
             save()
     if "ours_best" not in row:
@@ -601,16 +607,19 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
 
 
 def decode_variant(name):
-    """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold]",
-    e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True)."""
-    m = re.fullmatch(r"(loop|bv)(\d+)_w(\d+)((?:_pf\d+)?)((?:_fold)?)", name)
+    """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold][_ev]",
+    e.g. "loop32_w4_pf1_fold_ev" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True,
+    stream_state=True)."""
+    m = re.fullmatch(r"(loop|bv)(\d+)_w(\d+)((?:_pf\d+)?)((?:_fold)?)((?:_ev)?)", name)
     if m is None:
-        raise ValueError(f"decode variant {name!r}: expected {{loop|bv}}<rows>_w<warps>[_pf<n>][_fold]")
+        raise ValueError(f"decode variant {name!r}: expected {{loop|bv}}<rows>_w<warps>[_pf<n>][_fold][_ev]")
     extra = {}
     if m.group(4):
         extra["prefetch"] = int(m.group(4)[3:])
     if m.group(5):
         extra["fold_v"] = True
+    if m.group(6):
+        extra["stream_state"] = True
     return int(m.group(2)), int(m.group(3)), m.group(1) == "loop", extra
 
 
@@ -654,6 +663,33 @@ def decode_fla(row, b, t, h, args, fla, ks, z, beta, a_log, dt_bias, state_bytes
     with torch.no_grad():
         row["fla_ms"] = 1e3 * time_torch(call, args.trials)
     row["fla_state_TBps"] = 2 * state_bytes / (row["fla_ms"] * 1e-3) / 1e12
+    try:
+        decode_fla_pooled(row, b, t, h, args, q, k, v, tz, tb, a_log, dt_bias, ts0, state_bytes)
+    except Exception as e:  # noqa: BLE001 -- the pooled mode is an extra: its failure must not cost the case
+        row["fla_pooled_error"] = repr(e)[:300]
+
+
+def decode_fla_pooled(row, b, t, h, args, q, k, v, tz, tb, a_log, dt_bias, ts0, state_bytes):
+    """fla's kernel in the mode vLLM serves it (continuous batching, speculative decoding): states live in a pool
+    and are read and written in place through slot indices, and verify writes the state after every position to
+    that position's own slot (ssm_state_indices [B, T]) -- the same job and bytes as our verify, where the public
+    `fused_recurrent_kda` above writes one final state. fla_pooled_ms, ratio_pooled = fla_pooled_ms / ours_ms."""
+    import torch
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    gen = torch.Generator(device="cpu").manual_seed(b * 1000 + t)
+    pool = ts0.repeat(t, 1, 1, 1) if t > 1 else ts0.clone()  # [B*T, H, V, K]: one slot per (sequence, position)
+    idx = torch.randperm(b * t, generator=gen).to(torch.int32).to(pool.device)
+    idx = idx.view(b, t) if t > 1 else idx
+    call = lambda: fused_recurrent_kda_fwd(
+        q, k, v, tz, tb, A_log=to_torch(a_log), dt_bias=to_torch(dt_bias), initial_state=pool,
+        inplace_final_state=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=LB, state_v_first=True)
+    with torch.no_grad():
+        row["fla_pooled_ms"] = 1e3 * time_torch(call, args.trials)
+    row["fla_pooled_state_TBps"] = state_bytes * (1 + t) / (row["fla_pooled_ms"] * 1e-3) / 1e12
+    if "ours_ms" in row:
+        row["ratio_pooled"] = row["fla_pooled_ms"] / row["ours_ms"]
 
 
 def _shapes(spec):
@@ -693,6 +729,9 @@ def print_table(results):
                           f"{r['copy_torch_state_size_TBps']:.2f} TB/s)")
             if "fla_state_TBps" in r:
                 extra += f" (fla {r['fla_state_TBps']:.2f} TB/s)"
+            if "fla_pooled_ms" in r:
+                extra += (f"; fla pooled in place {r['fla_pooled_ms']:.3f} ms "
+                          f"({r.get('ratio_pooled', float('nan')):.2f}x, {r['fla_pooled_state_TBps']:.2f} TB/s)")
             extra += f"; best {r['ours_best']}"
             if f"ours_bv{D}_w8_ms" in r:
                 extra += f" (whole-state bv{D}_w8 {r[f'ours_bv{D}_w8_ms']:.3f} ms)"
@@ -716,7 +755,7 @@ def main(argv=None):
                    help="kda_decode loop_v=True (one program per head walking V-blocks of this size; ours_loop{V}_w{W}),"
                         " crossed with --decode-warps after the --decode-block-v tilings")
     p.add_argument("--decode-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
-                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold] (see decode_variant)")
+                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold][_ev] (see decode_variant)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],

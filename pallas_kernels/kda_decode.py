@@ -103,6 +103,8 @@ DEFAULT_LOOP_BLOCK_V = 64
 # V-blocked default (fla 0.567).
 DEFAULT_PREFETCH = 0
 DEFAULT_FOLD_V = False
+# stream_state=None's choice: evict-first hints on the state's loads and stores (untimed: off)
+DEFAULT_STREAM_STATE = False
 _L2_EPS = 1e-6
 
 
@@ -116,9 +118,10 @@ def _gate(z, a_log, dt_bias, gate, lower_bound):
 
 # ---- the per-segment pieces both kernels use (one copy; the kernels differ only in their grid walk) ----
 
-def _pool_load(ref, from_pool):
+def _pool_load(ref, from_pool, eviction_policy=None):
     """ref's block, or zeros (of its dtype) without reading memory when `from_pool` (a scalar bool) is false."""
-    return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype))
+    return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype),
+                    eviction_policy=eviction_policy)
 
 
 def _conv_operands(conv_ref, convw_ref, x_ref, slot, b, seg, from_pool, num_tokens, act_dtype):
@@ -193,7 +196,7 @@ def _gated_rms_norm(o_blocks, weight_blocks, gate_blocks, eps):
 
 def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref,
               onw_ref, state_ref, y_ref, conv_out_ref, state_out_ref, qk_conv_out_ref, *, b, h, part, rows, block_v,
-              prefetch, fold_v, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
+              prefetch, fold_v, stream_state, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
     # slots_ref, lens_ref, fresh_ref: [B] int32 (fresh != 0: start from zero states); x_ref: [B, T, 3*H*K] raw q|k|v
     #   projections (pre-conv); conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
     # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
@@ -231,10 +234,20 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     # fold_v instead convolves the head's v channels once, with q and k, in the column layout (a few registers), and
     # each block picks its rows' v inside the S k reduction (`_delta_step`).
     pending, pending_conv = {}, {}  # V-block -> its state rows / its v conv operands, issued ahead of its turn
+    # stream_state: the state is read once and written once, so its loads and stores may tell L2 to evict their
+    # lines first, keeping the lines every program re-reads (conv weights, dt_bias, ...)
+    state_evict = "evict_first" if stream_state else None
+
+    def store_state(ref, s):
+        if stream_state:
+            plt.store(ref, s, eviction_policy=state_evict)
+        else:
+            ref[...] = s
 
     def issue_block_loads(j, conv_too=True):
         if j < num_blocks and j not in pending:
-            pending[j] = _pool_load(state_ref.at[slot, h, blocks[j], :], from_pool).astype(f32)  # [block_v, K]
+            pending[j] = _pool_load(state_ref.at[slot, h, blocks[j], :], from_pool,
+                                    state_evict).astype(f32)  # [block_v, K]
         if conv_too and j < num_blocks and j not in pending_conv:
             pending_conv[j] = None if fold_v else _conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2 + j],
                                                                  from_pool, num_tokens, act_dtype)
@@ -311,11 +324,11 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
                     write_conv_position(2 + j, t, v_window)
             s, outs[t][j] = _delta_step(s, decay, k, beta, v, q, act_dtype, v_select)
             if all_states:
-                state_out_ref[b, t, h, blocks[j], :] = s
+                store_state(state_out_ref.at[b, jnp.int32(t), h, blocks[j], :], s)  # (int32: see _conv_operands)
             if not whole_head:  # raw o (already rounded as the reference rounds it): the norm is applied outside
                 y_ref[b, t, h, blocks[j]] = outs[t][j].astype(y_ref.dtype)
         if not all_states:
-            state_out_ref[slot, h, blocks[j], :] = s
+            store_state(state_out_ref.at[slot, h, blocks[j], :], s)
             if not fold_v:
                 write_conv_kept(2 + j, v_kept)
     if not all_states:
@@ -398,10 +411,11 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
-                                             "num_warps", "loop_v", "prefetch", "fold_v"))
+                                             "num_warps", "loop_v", "prefetch", "fold_v", "stream_state"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
-               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None):
+               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None,
+               stream_state=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -432,6 +446,8 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         k, and fold each V-block's v into its S k reduction (err = sum_c (onehot_ic v_c - S_ic k_c)) instead of
         convolving each block's v in the state's row layout (replicated across a warp: many registers). The
         same terms as the reference's v - S k, summed in another order (fp32 rounding only). None: DEFAULT_FOLD_V.
+      stream_state: load and store the state rows with the evict-first cache hint (they are touched once).
+        None: DEFAULT_STREAM_STATE. Same results.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -467,7 +483,8 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
     body = dict(num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps, all_states=all_states, act_dtype=act,
-                block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v))
+                block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v),
+                stream_state=bool(DEFAULT_STREAM_STATE if stream_state is None else stream_state))
     if loop_v:
         y, conv_out, state_out = pl.pallas_call(
             functools.partial(_looped_kernel, **body),

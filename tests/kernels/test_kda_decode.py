@@ -186,6 +186,25 @@ def test_looped_prefetch_matches_reference(block_v, prefetch, t, verify, gate, f
         np.testing.assert_array_equal(got[1][untouched], pools["conv_state"][untouched])
 
 
+@pytest.mark.parametrize("t,verify,loop_v", [(1, False, True), (3, True, False), (2, False, False)])
+def test_stream_state_matches_reference(t, verify, loop_v):
+    """stream_state (evict-first hints on the state's loads and stores, which go through plt.load / plt.store
+    instead of ref indexing): looped decode, V-blocked verify and V-blocked multi-token decode, 2 heads, shuffled
+    slots, ragged lengths with an idle row: every output matches the reference, and in decode the slots outside
+    the batch are bit-identical to before."""
+    step, pools, params = decode_inputs(70 + t, bsz=3, t=t, h=2, dk=32, pool=5)
+    slots, lengths = [4, 1, 3], ([1, 0, 1] if t == 1 else [t, 0, t - 1])
+    got = call(kda_decode, step, pools, params, slots, lengths, all_states=verify, interpret=True, block_v=16,
+               loop_v=loop_v, stream_state=True)
+    want = call(kda_decode_reference, step, pools, params, slots, lengths, all_states=verify)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(np.asarray(got[0])[valid], np.asarray(want[0])[valid]) < 1e-5
+    assert rel(got[1], want[1]) < 1e-5 and rel(got[2], want[2]) < 1e-5
+    if not verify:
+        untouched = np.array([0, 1, 2])  # 1 is the idle row's slot
+        np.testing.assert_array_equal(got[2][untouched], pools["state"][untouched])
+
+
 @pytest.mark.parametrize("block_v", [8, 16])
 def test_bf16_activations(block_v):
     """bf16 activations, whole-state (16 = V) and blocked (8): the blocked kernel writes o rounded to bf16
