@@ -103,8 +103,6 @@ DEFAULT_LOOP_BLOCK_V = 64
 # V-blocked default (fla 0.567).
 DEFAULT_PREFETCH = 0
 DEFAULT_FOLD_V = False
-# stream_state=None's choice: evict-first hints on the state's loads and stores (untimed: off)
-DEFAULT_STREAM_STATE = False
 _L2_EPS = 1e-6
 
 
@@ -118,10 +116,9 @@ def _gate(z, a_log, dt_bias, gate, lower_bound):
 
 # ---- the per-segment pieces both kernels use (one copy; the kernels differ only in their grid walk) ----
 
-def _pool_load(ref, from_pool, eviction_policy=None):
+def _pool_load(ref, from_pool):
     """ref's block, or zeros (of its dtype) without reading memory when `from_pool` (a scalar bool) is false."""
-    return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype),
-                    eviction_policy=eviction_policy)
+    return plt.load(ref, mask=jnp.full(ref.shape, from_pool), other=jnp.zeros((), ref.dtype))
 
 
 def _conv_operands(conv_ref, convw_ref, x_ref, slot, b, seg, from_pool, num_tokens, act_dtype):
@@ -196,7 +193,7 @@ def _gated_rms_norm(o_blocks, weight_blocks, gate_blocks, eps):
 
 def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref,
               onw_ref, state_ref, y_ref, conv_out_ref, state_out_ref, qk_conv_out_ref, *, b, h, part, rows, block_v,
-              prefetch, fold_v, stream_state, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
+              prefetch, fold_v, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
     # slots_ref, lens_ref, fresh_ref: [B] int32 (fresh != 0: start from zero states); x_ref: [B, T, 3*H*K] raw q|k|v
     #   projections (pre-conv); conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
     # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
@@ -234,20 +231,10 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     # fold_v instead convolves the head's v channels once, with q and k, in the column layout (a few registers), and
     # each block picks its rows' v inside the S k reduction (`_delta_step`).
     pending, pending_conv = {}, {}  # V-block -> its state rows / its v conv operands, issued ahead of its turn
-    # stream_state: the state is read once and written once, so its loads and stores may tell L2 to evict their
-    # lines first, keeping the lines every program re-reads (conv weights, dt_bias, ...)
-    state_evict = "evict_first" if stream_state else None
-
-    def store_state(ref, s):
-        if stream_state:
-            plt.store(ref, s, eviction_policy=state_evict)
-        else:
-            ref[...] = s
 
     def issue_block_loads(j, conv_too=True):
         if j < num_blocks and j not in pending:
-            pending[j] = _pool_load(state_ref.at[slot, h, blocks[j], :], from_pool,
-                                    state_evict).astype(f32)  # [block_v, K]
+            pending[j] = _pool_load(state_ref.at[slot, h, blocks[j], :], from_pool).astype(f32)  # [block_v, K]
         if conv_too and j < num_blocks and j not in pending_conv:
             pending_conv[j] = None if fold_v else _conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2 + j],
                                                                  from_pool, num_tokens, act_dtype)
@@ -324,11 +311,11 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
                     write_conv_position(2 + j, t, v_window)
             s, outs[t][j] = _delta_step(s, decay, k, beta, v, q, act_dtype, v_select)
             if all_states:
-                store_state(state_out_ref.at[b, jnp.int32(t), h, blocks[j], :], s)  # (int32: see _conv_operands)
+                state_out_ref[b, t, h, blocks[j], :] = s
             if not whole_head:  # raw o (already rounded as the reference rounds it): the norm is applied outside
                 y_ref[b, t, h, blocks[j]] = outs[t][j].astype(y_ref.dtype)
         if not all_states:
-            store_state(state_out_ref.at[slot, h, blocks[j], :], s)
+            state_out_ref[slot, h, blocks[j], :] = s
             if not fold_v:
                 write_conv_kept(2 + j, v_kept)
     if not all_states:
@@ -350,6 +337,25 @@ def _blocked_kernel(*refs, block_v, **kw):
     qk_side = refs[16:]
     _kda_rows(*refs[:16], qk_side[0] if qk_side else None, b=pl.program_id(2), h=pl.program_id(1),
               part=pl.program_id(0), rows=block_v, block_v=block_v, **kw)
+
+
+def _streamed_kernel(*refs, block_v, heads_per_program, **kw):
+    # Refs as in _kda_rows (the q|k side output present: decode only). Grid (H / heads_per_program, B): program
+    # (hg, b) walks heads_per_program heads x V / block_v V-blocks of sequence b in one scf.for, each iteration the
+    # V-blocked kernel's program (hg * heads_per_program + i // blocks, i % blocks, b). A loop, not an unrolled walk,
+    # so Triton's software pipeliner can issue the next iterations' state loads (cp.async into shared memory,
+    # num_stages - 1 iterations ahead) while this one computes: loads in flight no longer need registers.
+    # In place is safe as in the V-blocked kernel: an iteration writes only its own state rows and v conv channels,
+    # and the head's q|k conv state goes to the side output (every block of the head reads the old one).
+    b, hg = pl.program_id(1), pl.program_id(0)
+    blocks = refs[11].shape[0] // block_v  # onw_ref: [V]
+
+    def iteration(i, carry):
+        _kda_rows(*refs[:16], refs[16], b=b, h=hg * heads_per_program + i // blocks, part=i % blocks, rows=block_v,
+                  block_v=block_v, **kw)
+        return carry
+
+    lax.fori_loop(0, heads_per_program * blocks, iteration, 0)
 
 
 def _looped_kernel(*refs, **kw):
@@ -411,11 +417,12 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
-                                             "num_warps", "loop_v", "prefetch", "fold_v", "stream_state"))
+                                             "num_warps", "loop_v", "prefetch", "fold_v", "heads_per_program",
+                                             "num_stages"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
                interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None,
-               stream_state=None):
+               heads_per_program=None, num_stages=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -446,8 +453,11 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         k, and fold each V-block's v into its S k reduction (err = sum_c (onehot_ic v_c - S_ic k_c)) instead of
         convolving each block's v in the state's row layout (replicated across a warp: many registers). The
         same terms as the reference's v - S k, summed in another order (fp32 rounding only). None: DEFAULT_FOLD_V.
-      stream_state: load and store the state rows with the evict-first cache hint (they are touched once).
-        None: DEFAULT_STREAM_STATE. Same results.
+      heads_per_program: decode only, instead of loop_v: the streamed form -- grid (H / heads_per_program, B), each
+        program walks heads_per_program heads x V / block_v V-blocks in one loop (scf.for) that Triton pipelines over
+        num_stages (its state loads issued ahead through shared memory); the norm and q|k conv scatter as in the
+        V-blocked kernel. Must divide H. None: not streamed.
+      num_stages: Triton pipeline stages (the streamed form's loop; 1 elsewhere). None: 2 streamed, else 1.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -459,6 +469,16 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
+    streamed = heads_per_program is not None
+    if streamed:
+        if all_states or loop_v:
+            raise ValueError("heads_per_program (the streamed form) is decode only and replaces loop_v")
+        if not isinstance(heads_per_program, int) or heads_per_program < 1 or h % heads_per_program:
+            raise ValueError(f"heads_per_program must be a positive divisor of H = {h}; got {heads_per_program!r}")
+        loop_v = False
+    num_stages = (2 if streamed else 1) if num_stages is None else num_stages
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1; got {num_stages!r}")
     loop_v = (DEFAULT_LOOP_V and not all_states) if loop_v is None else loop_v
     block_v, num_warps, prefetch = _tiling(block_v, num_warps, dv, all_states, loop_v, prefetch)
     fold_v = DEFAULT_FOLD_V if fold_v is None else fold_v
@@ -481,10 +501,9 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         aliases = {4: 1, 12: 2}  # conv pool -> conv out, state pool -> state out
         if block_v < dv:
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
     body = dict(num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps, all_states=all_states, act_dtype=act,
-                block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v),
-                stream_state=bool(DEFAULT_STREAM_STATE if stream_state is None else stream_state))
+                block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v))
     if loop_v:
         y, conv_out, state_out = pl.pallas_call(
             functools.partial(_looped_kernel, **body),
@@ -498,9 +517,12 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         return y, conv_out, state_out
     # Grid (V-blocks, H, B): program_id(0) varies fastest (CUDA x), so neighbouring programs stream
     # neighbouring rows of one (slot, head) state -- fla's order (V-block fastest, then head, then sequence).
+    if streamed and block_v == dv:
+        raise ValueError("the streamed form walks V-blocks: block_v must be < V")
+    kernel, grid = (_streamed_kernel, (h // heads_per_program, bsz)) if streamed else (_blocked_kernel, (dv // block_v, h, bsz))
     y, conv_out, state_out, *qk_conv = pl.pallas_call(
-        functools.partial(_blocked_kernel, **body),
-        grid=(dv // block_v, h, bsz),
+        functools.partial(kernel, **body, **(dict(heads_per_program=heads_per_program) if streamed else {})),
+        grid=grid,
         in_specs=[full(x) for x in ins],
         out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape],
         out_shape=out_shape,
