@@ -351,8 +351,9 @@ def _streamed_kernel(*refs, block_v, heads_per_program, **kw):
     blocks = refs[11].shape[0] // block_v  # onw_ref: [V]
 
     def iteration(i, carry):
-        _kda_rows(*refs[:16], refs[16], b=b, h=hg * heads_per_program + i // blocks, part=i % blocks, rows=block_v,
-                  block_v=block_v, **kw)
+        # (lax.div / lax.rem, i >= 0: jnp's floor-division and modulo fix-ups do not lower to Triton)
+        _kda_rows(*refs[:16], refs[16], b=b, h=hg * heads_per_program + lax.div(i, blocks), part=lax.rem(i, blocks),
+                  rows=block_v, block_v=block_v, **kw)
         return carry
 
     lax.fori_loop(0, heads_per_program * blocks, iteration, 0)
