@@ -106,21 +106,26 @@ def pick_state_tiling(n, h, dv, stored, block_v=None, num_warps=None, num_stages
     Below 96 programs at 32, 16 (k3-small's 16 heads at B1). 8 warps were slower at 64 and 128 (B1 H96 11.89 /
     11.16 ms), 2 warps at 128 many times slower (spills).
 
-    bf16 with checkpoints (the prefix cache's prefill), and fp32: the ninth session's rule. K-first transposes the
-    state for the checkpoint store after every chunk (the store is masked, the transpose is not): at V-block 128
-    that cost +28 % at page size 256 (B1 T32768 H96: 13.01 against 10.15 ms), against +5.5 % for V-block 32 K-first
-    at B1 H32. So: V-block 64 at 2 stages V-first from 2 x 132 programs, else 32 (from 128 programs) or 16 at 3
-    stages K-first; fp32 always 2 stages V-first (3 stages need 256 KB of shared memory)."""
+    bf16 with checkpoints (the prefix cache's prefill; eleventh session, 2026-12-01): the widest V-block up to 64
+    with >= 96 programs, K-first, 3 stages, and `kda_state_pass` stores the checkpoints under a branch
+    (checkpoint_branch, its default with K-first and a page): K-first transposes the state for the checkpoint store,
+    and the branch keeps that to page-ending chunks. V-block 128 stays out: even branched it cost +44 % at B1 T32768
+    H96 (14.67 ms). Whole prefill at page size 256 against the same shape without checkpoints (3.574 / 3.431 /
+    10.179 / 10.199 ms for B1 T32768 H32 / B8 T4096 H32 / B8 T4096 H96 / B1 T32768 H96):
+    - this rule (32 branched at B1 H32, 64 branched elsewhere): +2.4 / +7.6 / +7.2 / +7.5 %;
+    - the previous rule (64 at 2 stages V-first from 2 x 132 programs, else 32 K-first, masked): +5.8 / +14.8 /
+      +14.3 / +17.6 %; 64 branched at B1 H32 +11.2 %; 32 branched at B8 +22 % (H32) / +23 % (H96).
+    fp32: 64 at 2 stages V-first from 2 x 132 programs, else 32 or 16 (3 stages need 256 KB of shared memory)."""
     programs = lambda bv: n * h * (dv // bv) if dv % bv == 0 else 0
     bf16 = stored == jnp.bfloat16
-    wide_first = bf16 and not checkpoints  # the tenth session's rule
     if block_v is None:
-        if wide_first:
-            block_v = next((bv for bv in (128, 64, 32) if bv <= dv and programs(bv) >= 96), 16)
+        if bf16:
+            widths = (64, 32) if checkpoints else (128, 64, 32)
+            block_v = next((bv for bv in widths if bv <= dv and programs(bv) >= 96), 16)
         else:
             block_v = 64 if programs(64) >= 2 * 132 else 32 if programs(32) >= 128 else 16
         block_v = min(block_v, dv)
-    k_first = wide_first or (bf16 and block_v <= 32)
+    k_first = bf16
     num_warps = 4 if num_warps is None else num_warps
     if num_stages is None:
         num_stages = (2 if block_v >= 128 else 3) if k_first else 2

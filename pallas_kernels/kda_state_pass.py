@@ -23,7 +23,8 @@ H200 on 2026-12-01 (whole prefill with the Pallas stage 1; docs/benchmarks.md): 
 in bf16 (`kda_common.pick_state_tiling`, which also picks the V-block). Since the tenth session every bf16 V-block
 runs K-first at 3 stages (2 at V-block 128), and the rule prefers the widest V-block with >= 96 programs (W, Qg, Kg
 and Aqk are read once per V-block program: at H96, V-block 128 took B1 T32768 from 11.54 to 10.13-10.19 ms) when no
-checkpoints are asked for; with checkpoints the earlier rule stays (K-first transposes the state at every chunk):
+checkpoints are asked for; with checkpoints (eleventh session) the widest up to 64, K-first, the checkpoint store
+under a branch (K-first transposes the state for it):
 - num_stages: at 2 Triton issues chunk c+1's copies (W, Qg, Kg, U, Aqk) at the end of step c and waits for
   them (cp.async.wait_group 0) at the top of step c+1, so the load latency is paid every chunk; at 3 the loop
   top waits with one chunk's copies still in flight. +60 KB shared memory per CTA.
@@ -141,7 +142,7 @@ def _state_call(first, tok_start, length, ckpt_idx, w, u, qg, kg, aqk, gc, initi
 
 def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last, initial_state, *,
                    num_tokens, checkpoint_page_size=0, block_v=None, out_dtype=None, num_warps=None, num_stages=None,
-                   state_layout=None, output_order="between", checkpoint_branch=False, interpret=False):
+                   state_layout=None, output_order="between", checkpoint_branch=None, interpret=False):
     """Fused KDA state pass over packed sequences (one Pallas kernel): walks each sequence's chunks.
 
     Args:
@@ -166,7 +167,9 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
         state update, then the store), "first" (dots and store, then the update: O dies early) or "last"
         (the chain V' -> S first, then O's dots and store).
       checkpoint_branch: store checkpoints under a branch on the chunk's index instead of a masked store
-        that every chunk pays for. All four are opt-in variants with the same results up to rounding order.
+        that every chunk pays for. None: True with K-first and a page (K-first transposes the state for the
+        store: the branch keeps that to page-ending chunks; `pick_state_tiling`'s timings), else False.
+        All four are variants with the same results up to rounding order.
 
     Returns:
       o: [T, H, V] (rows in no chunk are left unwritten), final_state: [N, H, V, K] fp32, checkpoints:
@@ -184,6 +187,8 @@ def kda_state_pass(first, token_start, length, checkpoint_index, w, u, qg, kg, a
         raise ValueError(f"output_order must be 'between', 'first' or 'last'; got {output_order!r}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1; got {num_stages}")
+    if checkpoint_branch is None:
+        checkpoint_branch = state_layout == "k_first" and bool(page)
     return _state_call(first, token_start, length, checkpoint_index, w, u, qg, kg, aqk, gate_last, initial_state,
                        t=num_tokens, n=first.shape[0] - 1, page=page, block_v=block_v,
                        out_dtype=out_dtype or w.dtype, interpret=interpret, num_warps=num_warps,
