@@ -403,7 +403,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
               lower_bound=-5.0, beta_sigmoid=False, qk_l2norm=False, scale=None, start_positions=None,
               seq_lens=None, checkpoint_page_size=None, interpret=False, block_v=None, num_warps=None,
               state_pass="fused", solve="xla", stage1="default", stage1_num_warps=None, stage1_inverse=None,
-              num_stages=None, state_layout=None, output_order="between", checkpoint_branch=False):
+              num_stages=None, state_layout=None, output_order="between", checkpoint_branch=None):
     """Chunked KDA over a packed batch of sequences.
 
     Args:
@@ -441,7 +441,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
         `kda_intra_lk` warps (default 8) and inverse dot precision (default "ieee"; or "tf32x3").
       num_stages, state_layout, output_order, checkpoint_branch: the fused state pass's variants, passed
         through to `kda_state_pass` (state_pass="fused" only; num_stages / state_layout None: picked with the
-        V-block, `kda_common.pick_state_tiling`).
+        V-block, `kda_common.pick_state_tiling`; checkpoint_branch None: on with K-first and a page).
 
     Returns:
       o: [T, H, V] in v's dtype; final_state: [N, H, V, K] fp32; checkpoints: [T // page + N, H, V, K] fp32
@@ -453,7 +453,7 @@ def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=None, dt_bia
     fused_kw = dict(num_stages=num_stages, state_layout=state_layout, output_order=output_order,
                     checkpoint_branch=checkpoint_branch)
     if state_pass == "split" and fused_kw != dict(num_stages=None, state_layout=None, output_order="between",
-                                                  checkpoint_branch=False):
+                                                  checkpoint_branch=None):
         raise ValueError(f"num_stages / state_layout / output_order / checkpoint_branch are the fused state "
                          f"pass's; got {fused_kw} with state_pass='split'")
     if solve not in ("xla", "pallas"):

@@ -88,6 +88,20 @@ def test_state_pass_bf16_no_checkpoints():
     assert rel(outs["fused"][0], outs["split"][0]) < 2e-2
 
 
+def test_checkpoint_branch_default(monkeypatch):
+    """checkpoint_branch=None resolves to the branch exactly when the state is K-first and a page is asked for
+    (bf16's default layout with checkpoints; not fp32's V-first, not without a page), and a given value stays."""
+    import pallas_kernels.kda_state_pass as state_pass_module
+
+    seen = []
+    monkeypatch.setattr(state_pass_module, "_state_call", lambda *a, **kw: seen.append(kw["checkpoint_branch"]))
+    for dtype, page, given, want in [(jnp.bfloat16, 64, None, True), (jnp.bfloat16, 0, None, False),
+                                     (jnp.float32, 64, None, False), (jnp.bfloat16, 64, False, False)]:
+        args, _, t = stage_inputs(13, [70, 9], [0, 5], page, h=1, dk=16, dv=16, dtype=dtype)
+        kda_state_pass(*args, num_tokens=t, checkpoint_page_size=page, checkpoint_branch=given, interpret=True)
+        assert seen[-1] is want, (dtype, page, given)
+
+
 # The fused pass's opt-in variants (kda_state_pass keywords), each with the dtype and page it is checked at.
 # num_stages only changes Triton's pipelining (ignored in interpret mode): it rides along to show it is accepted.
 VARIANTS = [
