@@ -565,8 +565,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             row["sweep_cut"] = True
             break
         key = f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}" + "".join(
-            {"prefetch": f"_pf{v}", "fold_v": "_fold", "heads_per_program": f"_hp{v}", "num_stages": f"_s{v}"}[k]
-            for k, v in extra.items())
+            f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items())
         try:
             row[key + "_ms"], step = time_ours(bv, nw, loop, **extra)
         except CaseTimeout:
@@ -609,17 +608,10 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
 
 def decode_variant(name):
     """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold]",
-    e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True), or the
-    streamed form "stream<heads>_bv<rows>_w<warps>_s<stages>" = kda_decode(heads_per_program=heads, block_v=rows,
-    num_warps=warps, num_stages=stages)."""
-    m = re.fullmatch(r"stream(\d+)_bv(\d+)_w(\d+)_s(\d+)", name)
-    if m is not None:
-        return int(m.group(2)), int(m.group(3)), False, dict(heads_per_program=int(m.group(1)),
-                                                             num_stages=int(m.group(4)))
+    e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True)."""
     m = re.fullmatch(r"(loop|bv)(\d+)_w(\d+)((?:_pf\d+)?)((?:_fold)?)", name)
     if m is None:
-        raise ValueError(f"decode variant {name!r}: expected {{loop|bv}}<rows>_w<warps>[_pf<n>][_fold] or "
-                         f"stream<heads>_bv<rows>_w<warps>_s<stages>")
+        raise ValueError(f"decode variant {name!r}: expected {{loop|bv}}<rows>_w<warps>[_pf<n>][_fold]")
     extra = {}
     if m.group(4):
         extra["prefetch"] = int(m.group(4)[3:])
@@ -760,8 +752,7 @@ def main(argv=None):
                    help="kda_decode loop_v=True (one program per head walking V-blocks of this size; ours_loop{V}_w{W}),"
                         " crossed with --decode-warps after the --decode-block-v tilings")
     p.add_argument("--decode-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
-                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold] or "
-                        "stream<heads>_bv<rows>_w<warps>_s<stages> (see decode_variant)")
+                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold] (see decode_variant)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],

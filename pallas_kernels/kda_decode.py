@@ -69,6 +69,12 @@ V-blocked 32: 158 -> 128; verify T4 V-blocked 64 (its default): 168, unchanged. 
 with small spills: it keeps every position's o of every block for the fused norm (a looped verify would want the
 norm in the epilogue). See the JSON for the full table.
 Loop-carried num_stages pipelining does not apply: the V walk is unrolled (a few blocks), not an scf.for.
+Two more attempts at the state traffic (73 / 77 % of the copy bandwidth at B64 / B256 T1 H96), timed on the H200 on
+2026-12-01 (eleventh session, benchmarks/kda.py --decode-variants; docs/results/kda_decode_stream_h200_2026-12-01d.json)
+and removed: evict-first cache hints on the state's loads and stores (looped 64: 0.266 / 1.036 ms against 0.264 /
+1.002); and a streamed form, an scf.for over heads x V-blocks per program (so Triton's pipeliner could issue the next
+blocks' state loads through shared memory, num_stages 2-4), best at 2 heads x 64-row blocks x 2 stages: 0.276 / 1.052
+ms against the looped default's 0.263 / 1.005 in the same run (eleven tilings, every one slower).
 """
 
 from __future__ import annotations
@@ -339,26 +345,6 @@ def _blocked_kernel(*refs, block_v, **kw):
               part=pl.program_id(0), rows=block_v, block_v=block_v, **kw)
 
 
-def _streamed_kernel(*refs, block_v, heads_per_program, **kw):
-    # Refs as in _kda_rows (the q|k side output present: decode only). Grid (H / heads_per_program, B): program
-    # (hg, b) walks heads_per_program heads x V / block_v V-blocks of sequence b in one scf.for, each iteration the
-    # V-blocked kernel's program (hg * heads_per_program + i // blocks, i % blocks, b). A loop, not an unrolled walk,
-    # so Triton's software pipeliner can issue the next iterations' state loads (cp.async into shared memory,
-    # num_stages - 1 iterations ahead) while this one computes: loads in flight no longer need registers.
-    # In place is safe as in the V-blocked kernel: an iteration writes only its own state rows and v conv channels,
-    # and the head's q|k conv state goes to the side output (every block of the head reads the old one).
-    b, hg = pl.program_id(1), pl.program_id(0)
-    blocks = refs[11].shape[0] // block_v  # onw_ref: [V]
-
-    def iteration(i, carry):
-        # (lax.div / lax.rem, i >= 0: jnp's floor-division and modulo fix-ups do not lower to Triton)
-        _kda_rows(*refs[:16], refs[16], b=b, h=hg * heads_per_program + lax.div(i, blocks), part=lax.rem(i, blocks),
-                  rows=block_v, block_v=block_v, **kw)
-        return carry
-
-    lax.fori_loop(0, heads_per_program * blocks, iteration, 0)
-
-
 def _looped_kernel(*refs, **kw):
     # Refs as in _kda_rows (no q|k side output). Grid (H, B): program (h, b) owns ALL the state rows of head h of
     # sequence b and walks them in V-blocks: q and k computed once per head, the conv state written in place by its
@@ -418,12 +404,10 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
-                                             "num_warps", "loop_v", "prefetch", "fold_v", "heads_per_program",
-                                             "num_stages"))
+                                             "num_warps", "loop_v", "prefetch", "fold_v"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
-               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None,
-               heads_per_program=None, num_stages=None):
+               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -454,11 +438,6 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         k, and fold each V-block's v into its S k reduction (err = sum_c (onehot_ic v_c - S_ic k_c)) instead of
         convolving each block's v in the state's row layout (replicated across a warp: many registers). The
         same terms as the reference's v - S k, summed in another order (fp32 rounding only). None: DEFAULT_FOLD_V.
-      heads_per_program: decode only, instead of loop_v: the streamed form -- grid (H / heads_per_program, B), each
-        program walks heads_per_program heads x V / block_v V-blocks in one loop (scf.for) that Triton pipelines over
-        num_stages (its state loads issued ahead through shared memory); the norm and q|k conv scatter as in the
-        V-blocked kernel. Must divide H. None: not streamed.
-      num_stages: Triton pipeline stages (the streamed form's loop; 1 elsewhere). None: 2 streamed, else 1.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -470,16 +449,6 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
-    streamed = heads_per_program is not None
-    if streamed:
-        if all_states or loop_v:
-            raise ValueError("heads_per_program (the streamed form) is decode only and replaces loop_v")
-        if not isinstance(heads_per_program, int) or heads_per_program < 1 or h % heads_per_program:
-            raise ValueError(f"heads_per_program must be a positive divisor of H = {h}; got {heads_per_program!r}")
-        loop_v = False
-    num_stages = (2 if streamed else 1) if num_stages is None else num_stages
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1; got {num_stages!r}")
     loop_v = (DEFAULT_LOOP_V and not all_states) if loop_v is None else loop_v
     block_v, num_warps, prefetch = _tiling(block_v, num_warps, dv, all_states, loop_v, prefetch)
     fold_v = DEFAULT_FOLD_V if fold_v is None else fold_v
@@ -502,7 +471,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         aliases = {4: 1, 12: 2}  # conv pool -> conv out, state pool -> state out
         if block_v < dv:
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
     body = dict(num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps, all_states=all_states, act_dtype=act,
                 block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v))
     if loop_v:
@@ -518,12 +487,9 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         return y, conv_out, state_out
     # Grid (V-blocks, H, B): program_id(0) varies fastest (CUDA x), so neighbouring programs stream
     # neighbouring rows of one (slot, head) state -- fla's order (V-block fastest, then head, then sequence).
-    if streamed and block_v == dv:
-        raise ValueError("the streamed form walks V-blocks: block_v must be < V")
-    kernel, grid = (_streamed_kernel, (h // heads_per_program, bsz)) if streamed else (_blocked_kernel, (dv // block_v, h, bsz))
     y, conv_out, state_out, *qk_conv = pl.pallas_call(
-        functools.partial(kernel, **body, **(dict(heads_per_program=heads_per_program) if streamed else {})),
-        grid=grid,
+        functools.partial(_blocked_kernel, **body),
+        grid=(dv // block_v, h, bsz),
         in_specs=[full(x) for x in ins],
         out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape],
         out_shape=out_shape,

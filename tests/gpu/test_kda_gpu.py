@@ -105,16 +105,12 @@ def test_state_passes_match_reference(split, dtype, tol):
     assert rel(o, ro) < tol and rel(final, rfinal) < tol and rel(ckpt[:off], rckpt[:off]) < tol
 
 
-@pytest.mark.parametrize("t,all_states,block_v,num_warps,loop_v,streamed", [
-    (1, False, None, None, False, None), (4, True, None, None, False, None), (4, False, 16, 2, False, None),
-    (1, False, 128, None, False, None), (4, True, 128, None, False, None), (1, False, 32, 4, True, None),
-    (4, True, 32, 4, True, None), (4, False, 64, 4, True, None), (1, False, 32, 4, False, (2, 3)),
-    (3, False, 64, 4, False, (4, 2))])
-def test_decode_matches_reference(t, all_states, block_v, num_warps, loop_v, streamed):
-    """Default V-blocks (32, 4 warps), a small block (16), the whole-state kernel (128 = V), the looped kernel
-    (loop_v: one program per head walking V-blocks) and the streamed form (streamed = (heads_per_program,
-    num_stages): a pipelined loop over heads x V-blocks), D128."""
-    extra = {} if streamed is None else dict(heads_per_program=streamed[0], num_stages=streamed[1])
+@pytest.mark.parametrize("t,all_states,block_v,num_warps,loop_v", [
+    (1, False, None, None, False), (4, True, None, None, False), (4, False, 16, 2, False), (1, False, 128, None, False),
+    (4, True, 128, None, False), (1, False, 32, 4, True), (4, True, 32, 4, True), (4, False, 64, 4, True)])
+def test_decode_matches_reference(t, all_states, block_v, num_warps, loop_v):
+    """Default V-blocks (32, 4 warps), a small block (16), the whole-state kernel (128 = V) and the looped kernel
+    (loop_v: one program per head walking V-blocks), D128."""
     rng = np.random.default_rng(1)
     b, h, d, pool = 5, 4, 128, 9
     arr = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
@@ -122,7 +118,7 @@ def test_decode_matches_reference(t, all_states, block_v, num_warps, loop_v, str
             arr(b, t, h, d), arr(pool, h, d, d), jnp.asarray([7, 0, 3, 8, 1], jnp.int32),
             jnp.asarray([t, t, 0, 1, t], jnp.int32))
     kw = dict(a_log=arr(h) * 0.5, dt_bias=arr(h * d), o_norm_weight=1 + 0.1 * arr(d), all_states=all_states)
-    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, num_warps=num_warps, loop_v=loop_v, **extra))
+    got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, num_warps=num_warps, loop_v=loop_v))
     want = jax.device_get(kda_decode_reference(*args, **kw))
     for g, w in zip(got, want):
         assert rel(g, w) < 1e-5

@@ -186,31 +186,6 @@ def test_looped_prefetch_matches_reference(block_v, prefetch, t, verify, gate, f
         np.testing.assert_array_equal(got[1][untouched], pools["conv_state"][untouched])
 
 
-@pytest.mark.parametrize("block_v,heads_per_program,t,gate", [(16, 3, 1, "lower_bound"), (32, 1, 2, "softplus"),
-                                                              (16, 1, 3, "lower_bound")])
-def test_streamed_decode_matches_reference(block_v, heads_per_program, t, gate):
-    """The streamed form (each program loops over heads_per_program heads x V-blocks; 3 heads, V = 64: 4 or 2
-    blocks per head), decode T 1 and in-place multi-token T 2 / 3: shuffled slots in a pool of 7, ragged lengths
-    with an idle row, a fresh row whose slot holds inf / NaN garbage, non-zero states. y at the valid positions
-    and both pools match the reference; slots outside the batch and the idle row's are bit-identical to before."""
-    step, pools, params = decode_inputs(90 + block_v + t, bsz=4, t=t, h=3, dk=64, pool=7)
-    slots, lengths, fresh = [5, 2, 0, 3], ([1, 0, 1, 1] if t == 1 else [t, 0, 1, t - 1]), [0, 0, 1, 0]
-    conv, state = np.array(pools["conv_state"]), np.array(pools["state"])
-    state[0, 1, 9, :3], conv[0, 1, :3] = [np.nan, np.inf, -1e30], [np.inf, np.nan, -np.inf]  # the fresh row's slot
-    pools = dict(conv_state=jnp.asarray(conv), state=jnp.asarray(state))
-    kw = dict(gate=gate, fresh=jnp.asarray(fresh, jnp.int32))
-    got = call(kda_decode, step, pools, params, slots, lengths, interpret=True, block_v=block_v,
-               heads_per_program=heads_per_program, **kw)
-    want = call(kda_decode_reference, step, pools, params, slots, lengths, **kw)
-    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
-    assert rel(np.asarray(got[0])[valid], np.asarray(want[0])[valid]) < 1e-5
-    for g, w in zip(got[1:], want[1:]):
-        assert np.isfinite(np.asarray(g)).all() and rel(g, w) < 1e-5
-    untouched = np.array([1, 2, 4, 6])  # 2 is the idle row's slot
-    np.testing.assert_array_equal(got[2][untouched], pools["state"][untouched])
-    np.testing.assert_array_equal(got[1][untouched], pools["conv_state"][untouched])
-
-
 @pytest.mark.parametrize("block_v", [8, 16])
 def test_bf16_activations(block_v):
     """bf16 activations, whole-state (16 = V) and blocked (8): the blocked kernel writes o rounded to bf16
@@ -247,12 +222,3 @@ def test_bad_arguments_raise():
             call(kda_decode, step, pools, params, [0], [1], prefetch=prefetch, loop_v=True, interpret=True)
     with pytest.raises(ValueError, match="fold_v needs one program per head"):
         call(kda_decode, step, pools, params, [0], [1], fold_v=True, loop_v=False, block_v=8, interpret=True)
-    with pytest.raises(ValueError, match="heads_per_program must be"):
-        call(kda_decode, step, pools, params, [0], [1], heads_per_program=2, block_v=8, interpret=True)
-    with pytest.raises(ValueError, match="decode only"):
-        call(kda_decode, step, pools, params, [0], [1], heads_per_program=1, block_v=8, all_states=True,
-             interpret=True)
-    with pytest.raises(ValueError, match="block_v must be < V"):
-        call(kda_decode, step, pools, params, [0], [1], heads_per_program=1, block_v=16, interpret=True)
-    with pytest.raises(ValueError, match="num_stages must be"):
-        call(kda_decode, step, pools, params, [0], [1], heads_per_program=1, block_v=8, num_stages=0, interpret=True)
