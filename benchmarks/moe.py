@@ -81,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--xla-ragged-max-rows", type=int, default=4096)
     p.add_argument("--norm-tokens", type=int, default=8192)
     p.add_argument("--skip", type=str, default="", help="comma list of sections to skip: moe,sweep,norms")
+    p.add_argument("--norm-decode", type=str, default="",
+                   help="comma list of NxD decode shapes (e.g. 64x2048,64x7168): AttnRes mix + norm at 3 / 6 / 10 "
+                        "sources by rows per program and warps, against the unfused XLA code (section norms_decode)")
     p.add_argument("--sweep-tokens", type=str, default=None,
                    help="comma list of k3-ep16 token counts for the sweep (default: the first and second-last of --tokens)")
     p.add_argument("--mxfp4-variants", type=str, default="",
@@ -547,6 +550,60 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
                 elapsed_s=time.perf_counter() - t_start, cases=cases, skipped=skipped, best=best)
 
 
+CHAIN = 20  # calls per timed jit in bench_norms_decode
+
+
+def bench_norms_decode(shapes, limits, interpret, source_counts=(3, 6, 10)):
+    """AttnRes mix + RMSNorm at decode-batch sizes (few rows: the kernel's launch width, not bandwidth, sets the
+    time): the default tiling (`fused_norm._tiling`), the pre-2026-12-01 rule (rows from the register budget alone),
+    1 / 2 rows per program, 4 / 8 warps, and the unfused XLA code; each checked against XLA. A call here takes
+    5-20 us of device time, less than one jitted dispatch from the host, so each is timed as CHAIN calls unrolled
+    in one jit (each call's output the next call's first source, as the model chains them): ms per call."""
+    out = []
+
+    def chained(fn):
+        def run(sources, proj, norm, ow):
+            for _ in range(CHAIN):
+                normed = fn(sources, proj, norm, ow)
+                sources = [normed.astype(sources[0].dtype)] + list(sources[1:])
+            return normed
+        return jax.jit(run)
+
+    key = jax.random.key(6)
+    for n, d in shapes:
+        old_rows = fused_norm._pow2_divisor(n, max(1, min(64, fused_norm._REGISTER_BUDGET // d)))
+        new_rows = fused_norm._tiling(n, d, interpret=False)[0]
+        for num_sources in source_counts:
+            ks = jax.random.split(key, num_sources + 3)
+            sources = [(jax.random.normal(ks[i], (n, d), jnp.float32) * (1 + i)).astype(jnp.bfloat16)
+                       for i in range(num_sources)]
+            proj, norm, ow = (jax.random.normal(ks[-j], (d,), jnp.float32).astype(jnp.bfloat16) * 0.1 + (j > 1)
+                              for j in (1, 2, 3))
+            want = jax.jit(lambda s, a, b, c: attn_res_mix_norm_unfused(s, a, b, c, 1e-5)[1])
+            row = dict(op="attn_res_mix_norm_decode", rows=n, d=d, sources=num_sources, default_rows=new_rows,
+                       old_rule_rows=old_rows, cases={})
+            ref = want(sources, proj, norm, ow)
+            if not interpret:
+                row["xla_ms"] = timed(chained(lambda *a: attn_res_mix_norm_unfused(*a, 1e-5)[1]),
+                                      sources, proj, norm, ow) * 1e3 / CHAIN
+            for rows in sorted({old_rows, new_rows, 1, 2} & {r for r in (1, 2, 4, 8) if n % r == 0}):
+                for warps in (4, 8):
+                    call = lambda s, a, b, c, r=rows, w=warps: fused_norm.attn_res_mix_norm(
+                        s, a, b, c, 1e-5, block_rows=r, num_warps=None if interpret else w, interpret=interpret)[1]
+                    case = dict(rel_err_vs_xla=rel_err(jax.jit(call)(sources, proj, norm, ow), ref))
+                    if not interpret:
+                        case["ms"] = timed(chained(call), sources, proj, norm, ow) * 1e3 / CHAIN
+                    row["cases"][f"rows{rows}_w{warps}"] = case
+            timed_cases = {k: c["ms"] for k, c in row["cases"].items() if "ms" in c}
+            if timed_cases:
+                row["default_ms"] = timed_cases[f"rows{new_rows}_w{fused_norm.ATTN_RES_WARPS}"]
+                row["old_rule_ms"] = timed_cases[f"rows{old_rows}_w{fused_norm.ATTN_RES_WARPS}"]
+                row["best"] = min(timed_cases, key=timed_cases.get)
+            out.append(row)
+            print(row, flush=True)
+    return out
+
+
 def bench_norms(tokens, limits, interpret, d=7168, heads=96, head_dim=128):
     out = []
     key = jax.random.key(5)
@@ -653,6 +710,11 @@ def table(result) -> str:
                          f"{b.get('mxfp4_variant')} {b.get('mxfp4_tiling')} {b.get('mxfp4_ms', float('nan')):.3f} ms; "
                          f"bf16/mxfp4 = {b.get('bf16_over_mxfp4', float('nan')):.2f} (issue 4 bar: >= 1.5)")
         lines.append(f"mxfp4 section: {mv['elapsed_s']:.0f} s of a {mv['budget_s']:.0f} s budget, {len(mv['skipped'])} cases skipped")
+    for r in result.get("norms_decode", []):
+        if "default_ms" in r:
+            lines.append(f"attn_res_mix_norm decode {r['rows']}x{r['d']}, {r['sources']} sources: default (rows "
+                         f"{r['default_rows']}) {r['default_ms']:.4f} ms, old rule (rows {r['old_rule_rows']}) "
+                         f"{r['old_rule_ms']:.4f} ms, XLA {r['xla_ms']:.4f} ms; best {r['best']}")
     for r in result.get("norms", []):
         if "fused_ms" in r:
             lines.append(f"{r['op']} {r.get('sources', '')}: fused {r['fused_ms']:.3f} ms ({r['fused_gbps']:.0f} GB/s) vs XLA "
@@ -692,6 +754,10 @@ def main(argv=None) -> dict:
     if "norms" not in skip:
         result["norms"] = bench_norms(64 if args.smoke else args.norm_tokens, limits, interpret,
                                       *((72, 3, 16) if args.smoke else ()))
+        save()
+    if args.norm_decode:
+        result["norms_decode"] = bench_norms_decode(
+            [tuple(int(x) for x in s.split("x")) for s in args.norm_decode.split(",") if s], limits, interpret)
         save()
     if "moe" not in skip:
         result["moe"] = []

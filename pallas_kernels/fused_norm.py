@@ -40,6 +40,10 @@ _REGISTER_BUDGET = 8192  # fp32 values per program in each of the accumulator an
 # H200, 8192 x 7168 bf16 (benchmarks/moe.py): 4 warps 0.40 / 0.63 ms for 5 / 9 sources, 8 warps 0.48 / 1.37,
 # 16 warps 0.72 / 1.18 -- wider programs spill the unrolled source tiles
 ATTN_RES_WARPS = 4
+# Programs wanted before rows per program may grow (two per SM of the H200's 132). A decode batch has few rows: at
+# 64 rows x 2048 (k3-small) the register budget alone gave 4 rows per program, 16 programs on 132 SMs, and the
+# AttnRes kernels took 0.55 ms of the 8.65 ms k3-small decode step (5-20 us per call, H200 profile of 2026-12-01).
+MIN_PROGRAMS = 264
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -50,13 +54,17 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def _tiling(n: int, d: int, interpret: bool) -> tuple[int, int]:
-    """(rows per program, chunk width): power-of-two chunks dividing d, rows dividing n, rows * d within
-    the register budget. Interpret mode has no power-of-two rule, so there the chunk is the largest
-    divisor of d up to 1024 (fewer unrolled chunks compile faster on CPU; d > 1024 still tests the
-    multi-chunk path)."""
+def _tiling(n: int, d: int, interpret: bool, rows: int | None = None) -> tuple[int, int]:
+    """(rows per program, chunk width): power-of-two chunks dividing d; rows dividing n, rows * d within
+    the register budget, and no more rows than keep MIN_PROGRAMS programs when n allows (small n: one row
+    per program). Interpret mode has no power-of-two rule, so there the chunk is the largest divisor of d up
+    to 1024 (fewer unrolled chunks compile faster on CPU; d > 1024 still tests the multi-chunk path).
+    A given `rows` is kept (it must divide n)."""
     chunk = max(c for c in range(1, min(d, 1024) + 1) if d % c == 0) if interpret else _pow2_divisor(d, 1024)
-    rows = _pow2_divisor(n, max(1, min(64, _REGISTER_BUDGET // d)))
+    if rows is None:
+        rows = _pow2_divisor(n, max(1, min(64, _REGISTER_BUDGET // d, n // MIN_PROGRAMS)))
+    elif not isinstance(rows, int) or rows < 1 or n % rows:
+        raise ValueError(f"block_rows must be a positive divisor of the {n} rows; got {rows!r}")
     return rows, chunk
 
 
@@ -127,23 +135,24 @@ def _check_sources(sources, proj, norm, out_weight):
             raise ValueError(f"{name} must be [{shape[-1]}], got {list(w.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "with_mix", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "with_mix", "interpret", "num_warps", "block_rows"))
 def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array, out_weight: jax.Array,
                       eps: float, out_eps: float | None = None, *, with_mix: bool = False,
-                      interpret: bool = False, num_warps: int | None = None) -> tuple[jax.Array | None, jax.Array]:
+                      interpret: bool = False, num_warps: int | None = None,
+                      block_rows: int | None = None) -> tuple[jax.Array | None, jax.Array]:
     """(mix or None, rms_norm(mix, out_weight, out_eps)) for sources, each [..., D], in one pass.
 
     proj, norm: the mix point's pseudo-query and its RMSNorm gain [D]; out_weight [D]: the pre-norm that
     follows. out_eps defaults to eps. The normed output has the dtype of out_weight * sources (as
     k3jax.layers.rms_norm); mix, with with_mix=True, has the sources' dtype. num_warps overrides the
-    Triton launch width (GPU only).
+    Triton launch width (GPU only); block_rows the rows per program (default `_tiling`'s rule).
     """
     _check_sources(sources, proj, norm, out_weight)
     out_eps = eps if out_eps is None else out_eps
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
     flat = [s.reshape(-1, d) for s in sources]
     n = flat[0].shape[0]
-    rows, chunk = _tiling(n, d, interpret)
+    rows, chunk = _tiling(n, d, interpret, block_rows)
     dtype = sources[0].dtype
     out_dtype = jnp.result_type(out_weight.dtype, dtype)
     query = norm.astype(jnp.float32) * proj.astype(jnp.float32)

@@ -177,6 +177,10 @@ def test_fused_norms_match_xla():
     mix, normed = fused_norm.attn_res_mix_norm(sources, proj, norm, ow, 1e-5, with_mix=True)
     ref_mix, ref_normed = attn_res_mix_norm_unfused(sources, proj, norm, ow, 1e-5)
     assert rel(mix, ref_mix) < 1e-2 and rel(normed, ref_normed) < 1e-2
+    small = [(s[:64, :2048] * (1 + 0.5 * j)).astype(jnp.bfloat16) for j, s in enumerate(sources[:6])]  # decode batch
+    for rows in (None, 2, 4):  # default: one row per program at 64 rows; 4 was the budget-only rule's
+        _, got = fused_norm.attn_res_mix_norm(small, proj[:2048], norm[:2048], ow[:2048], 1e-5, block_rows=rows)
+        assert rel(got, attn_res_mix_norm_unfused(small, proj[:2048], norm[:2048], ow[:2048], 1e-5)[1]) < 1e-2
     x = jax.random.normal(keys[0], (77, 96, 128)).astype(jnp.bfloat16)
     g = jax.random.normal(keys[1], (77, 96, 128)).astype(jnp.bfloat16)
     got = fused_norm.gated_rms_norm(x, g, proj[:128], 1e-5)

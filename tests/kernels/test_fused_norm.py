@@ -137,3 +137,34 @@ def test_bad_inputs_raise():
         fused_norm.attn_res_mix_norm([x, x[:2]], jnp.ones(16), jnp.ones(16), jnp.ones(16), EPS, interpret=True)
     with pytest.raises(ValueError, match="at least one"):
         fused_norm.attn_res_mix_norm([], jnp.ones(16), jnp.ones(16), jnp.ones(16), EPS, interpret=True)
+    with pytest.raises(ValueError, match="block_rows"):
+        fused_norm.attn_res_mix_norm([x, x], jnp.ones(16), jnp.ones(16), jnp.ones(16), EPS, block_rows=3,
+                                     interpret=True)
+
+
+def test_tiling_rule():
+    """Rows per program: the register budget caps them (8192 fp32 values), and small row counts (decode
+    batches) keep at least MIN_PROGRAMS programs where they can -- one row each below that."""
+    tiling = lambda n, d: fused_norm._tiling(n, d, interpret=False)[0]
+    assert tiling(64, 2048) == 1  # k3-small decode, B64: 64 programs, not 16
+    assert tiling(64, 7168) == 1  # K3 decode
+    assert tiling(8192, 2048) == 4  # prefill: the register budget, as before
+    assert tiling(8192, 7168) == 1
+    assert tiling(64 * 16, 128) == 2  # gated norm over 16 heads of a decode batch: 512 programs
+    assert tiling(8192 * 96, 128) == 64
+    assert tiling(6, 40) == 1
+
+
+@pytest.mark.parametrize("block_rows", [1, 2, 6])
+def test_attn_res_mix_norm_block_rows_agree(block_rows):
+    """Every rows-per-program split of 12 odd-width rows gives the default's result bit for bit (rows are
+    independent; the per-row arithmetic is the same)."""
+    rng = np.random.default_rng(11)
+    sources, proj, norm, out_weight = make_sources(rng, (12, 72), 3, jnp.float32)
+    want = fused_norm.attn_res_mix_norm(sources, proj, norm, out_weight, EPS, with_mix=True, interpret=True)
+    got = fused_norm.attn_res_mix_norm(sources, proj, norm, out_weight, EPS, with_mix=True, interpret=True,
+                                       block_rows=block_rows)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    want_mix, want_normed = numpy_mix_norm(sources, proj, norm, out_weight)
+    assert rel(got[0], want_mix) < 1e-5 and rel(got[1], want_normed) < 1e-5
