@@ -550,13 +550,13 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
                 elapsed_s=time.perf_counter() - t_start, cases=cases, skipped=skipped, best=best)
 
 
-CHAIN = 20  # calls per timed jit in bench_norms_decode
+CHAIN = 10  # calls per timed jit in bench_norms_decode (each call a kernel of its own to compile)
 
 
 def bench_norms_decode(shapes, limits, interpret, source_counts=(3, 6, 10)):
     """AttnRes mix + RMSNorm at decode-batch sizes (few rows: the kernel's launch width, not bandwidth, sets the
-    time): the default tiling (`fused_norm._tiling`), the pre-2026-12-01 rule (rows from the register budget alone),
-    1 / 2 rows per program, 4 / 8 warps, and the unfused XLA code; each checked against XLA. A call here takes
+    time): the default tiling (`fused_norm._tiling`) against the pre-2026-12-01 rule (rows from the register budget
+    alone) and the unfused XLA code; each checked against XLA. A call here takes
     5-20 us of device time, less than one jitted dispatch from the host, so each is timed as CHAIN calls unrolled
     in one jit (each call's output the next call's first source, as the model chains them): ms per call."""
     out = []
@@ -586,8 +586,8 @@ def bench_norms_decode(shapes, limits, interpret, source_counts=(3, 6, 10)):
             if not interpret:
                 row["xla_ms"] = timed(chained(lambda *a: attn_res_mix_norm_unfused(*a, 1e-5)[1]),
                                       sources, proj, norm, ow) * 1e3 / CHAIN
-            for rows in sorted({old_rows, new_rows, 1, 2} & {r for r in (1, 2, 4, 8) if n % r == 0}):
-                for warps in (4, 8):
+            for rows in sorted({old_rows, new_rows}):
+                for warps in (fused_norm.ATTN_RES_WARPS,):
                     call = lambda s, a, b, c, r=rows, w=warps: fused_norm.attn_res_mix_norm(
                         s, a, b, c, 1e-5, block_rows=r, num_warps=None if interpret else w, interpret=interpret)[1]
                     case = dict(rel_err_vs_xla=rel_err(jax.jit(call)(sources, proj, norm, ow), ref))
