@@ -5,11 +5,19 @@
 - JAX_PLATFORMS=cpu unless it is set already or this is a GPU run (K3JAX_TEST_GPU=1).
 - Tests marked `gpu` are skipped when no GPU is visible.
 - The CLI's persistent compilation cache is off (K3JAX_COMPILE_CACHE=off) unless set: tests stay hermetic.
+- The test processes themselves share one persistent XLA compilation cache per pytest run: a fresh temporary
+  directory (K3JAX_TEST_XLA_CACHE names it, so pytest-xdist workers inherit the same one; removed at the end).
+  Modules compile the same k3-tiny programs (test_engine.py / test_overlap.py share their shapes, the model
+  tests share forward passes) and `_release_compiled_programs` below drops the in-memory jit caches after
+  every module, so without it each module compiled them again. Set K3JAX_TEST_XLA_CACHE=off to compile
+  everything afresh, or to a directory to keep and reuse one across runs.
 
 Run: `python -m pytest -q` (CPU, as CI does); `K3JAX_TEST_GPU=1 python -m pytest -q -m gpu` on a GPU host.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -25,6 +33,80 @@ os.environ.setdefault("K3JAX_COMPILE_CACHE", "off")
 _TORCH_REF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-torchref", "bin", "python")
 if os.path.exists(_TORCH_REF):
     os.environ.setdefault("K3JAX_TORCH_PYTHON", _TORCH_REF)
+
+
+_XLA_CACHE_ENV = "K3JAX_TEST_XLA_CACHE"
+_XLA_CACHE_OWNED = _XLA_CACHE_ENV not in os.environ  # this process made the directory (the xdist controller)
+if _XLA_CACHE_OWNED:
+    os.environ[_XLA_CACHE_ENV] = tempfile.mkdtemp(prefix="k3jax-test-xla-")
+
+
+def _xla_cache_dir() -> str | None:
+    where = os.environ.get(_XLA_CACHE_ENV, "")
+    return None if where.strip().lower() in ("", "off", "0", "false", "none") else where
+
+
+def pytest_configure(config):
+    where = _xla_cache_dir()
+    if where is not None:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", where)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+    where = _xla_cache_dir()
+    if _XLA_CACHE_OWNED and where is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(where, ignore_errors=True)
+
+
+# pytest-xdist (pyproject's addopts run `-n 2 --dist loadfile`; `-n 0` runs in one process): whole files
+# go to the two workers. Files that share a process-level memo run on the same worker: the trained pair
+# of k3jax.train_drafter.tiny_markov_pair (about a minute of training) serves test_drafter.py, then
+# test_speculative.py. Files start heaviest first (seconds measured serially on the 2-core CPU), so no
+# long file begins when the other worker is nearly done; the rest follow in collection order.
+_XDIST_SAME_WORKER = {"tests/model/test_speculative.py": "tests/model/test_drafter.py"}
+_XDIST_HEAVY_FIRST = (  # the slowest files of a -n 2 run on 2026-12-01 (seconds of test time, before the shared XLA cache)
+    "tests/model/test_model.py",  # 1062
+    "tests/serving/test_engine.py",  # 756
+    "tests/serving/test_engine_spec.py",  # 496
+    "tests/kernels/test_kda_decode.py",  # 464
+    "tests/test_cli.py",  # 435
+    "tests/model/test_drafter.py",  # 157, with test_speculative.py 202
+    "tests/test_benchmark_smoke.py",  # 231
+    "tests/parallel/test_strategies.py",  # 184
+    "tests/parallel/test_tep_dep.py",  # 162
+    "tests/serving/test_overlap.py",  # 173 (test_engine.py's programs: after it, from the XLA cache)
+    "tests/kernels/test_kda_intra.py",  # 137
+    "tests/kernels/test_moe_gemm.py",  # 129
+    "tests/serving/test_buckets.py",  # 111
+    "tests/workload/test_sweep.py",  # 102
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # the rest in collection order (xdist's default: most tests first)
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return _XDIST_SAME_WORKER.get(path, path)
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_heavy_first_done", False):  # the first assignment: order the work queue
+                self._heavy_first_done = True
+                for path in reversed(_XDIST_HEAVY_FIRST):
+                    if path in self.workqueue:
+                        self.workqueue.move_to_end(path, last=False)
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)
 
 
 def _gpu_visible() -> bool:
