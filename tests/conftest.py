@@ -12,7 +12,8 @@
   every module, so without it each module compiled them again. Set K3JAX_TEST_XLA_CACHE=off to compile
   everything afresh, or to a directory to keep and reuse one across runs.
 
-Run: `python -m pytest -q` (CPU, as CI does); `K3JAX_TEST_GPU=1 python -m pytest -q -m gpu` on a GPU host.
+Run: `python -m pytest -q` (CPU, as CI does); `K3JAX_TEST_GPU=1 python -m pytest -q -n 0 -m gpu` on a GPU host
+(one process: each xdist worker would take its own share of the GPU).
 """
 
 import os

@@ -1,6 +1,6 @@
 """The KDA Pallas kernels compiled for the GPU (Triton lowering) against their references.
 
-Run on a GPU host: K3JAX_TEST_GPU=1 python -m pytest -q -m gpu tests/gpu/test_kda_gpu.py
+Run on a GPU host: K3JAX_TEST_GPU=1 python -m pytest -q -n 0 -m gpu tests/gpu/test_kda_gpu.py
 Tolerances: fp32 inputs use IEEE fp32 dots everywhere (Pallas and the XLA stages at HIGHEST precision), so
 they meet the CPU bar (2e-5 / 1e-5). bf16 inputs store bf16 intermediates and multiply bf16 operands on the
 tensor cores (fp32 accumulation, as fla does): 2e-2. A subset of the gate x dtype x state-pass x solve

@@ -1,6 +1,6 @@
 """MLA decode / prefill kernels compiled for the GPU (Triton lowering) at K3's MLA widths vs the references.
 
-Run on a GPU host: K3JAX_TEST_GPU=1 python -m pytest -q -m gpu tests/gpu/test_mla_gpu.py
+Run on a GPU host: K3JAX_TEST_GPU=1 python -m pytest -q -n 0 -m gpu tests/gpu/test_mla_gpu.py
 
 K3 sizes: 96 heads, latent 512 + rope 64, 16-token pages in a shuffled pool; the issue's ragged histories
 1, 63, 513, 4097. Tolerance as in tests/kernels/test_mla_decode.py (bf16 probabilities before P @ C:

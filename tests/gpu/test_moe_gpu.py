@@ -1,7 +1,7 @@
 """GPU-only checks of the MoE grouped GEMM and the fused norms, compiled through the Triton lowering
 (skipped without a GPU).
 
-Run on a GPU host: K3JAX_TEST_GPU=1 python -m pytest -q -m gpu tests/gpu/test_moe_gpu.py
+Run on a GPU host: K3JAX_TEST_GPU=1 python -m pytest -q -n 0 -m gpu tests/gpu/test_moe_gpu.py
 
 Each compiled kernel is compared with the model's reference op on the same device at K3-like widths
 (3584 latent, 3072 intermediate; fewer experts to stay quick). Tolerance 1e-2 relative (bf16 band of
