@@ -270,6 +270,13 @@ class AsyncEngine:
         with self._lock:
             return len(self._handles)
 
+    def prefill_in_hand(self) -> tuple[int, int]:
+        """(live requests, prompt tokens of the live requests that have produced no token yet), from any thread:
+        what the engine has been handed, as of now rather than as of its last step."""
+        with self._lock:
+            handles = list(self._handles.values())
+        return len(handles), sum(len(h.prompt_ids) for h in handles if h.timing.first_token is None)
+
     def health(self) -> tuple[bool, str]:
         if not self.running:
             return False, "engine thread is not running"

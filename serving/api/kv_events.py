@@ -29,6 +29,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from smg_grpc_proto.generated import common_pb2
 
@@ -63,8 +64,15 @@ class _Subscriber:
 
 
 class KvEventPublisher:
-    def __init__(self, page_size: int, *, min_interval_s: float = 0.01, history: int = HISTORY_BATCHES):
+    def __init__(self, page_size: int, *, min_interval_s: float = 0.01, history: int = HISTORY_BATCHES,
+                 in_hand: Callable[[], tuple[int, int]] | None = None):
+        """in_hand: () -> (requests in flight, prompt tokens of those with no output yet), callable from any
+        thread (AsyncEngine.prefill_in_hand). Heartbeats then report the prefill in hand as of the beat: the
+        load record taken at the last engine step predates a request that arrived during a long step (a
+        compile, a big prefill chunk), and a gateway reading a stale `prefill_pending_tokens` of 0 has nothing
+        to stretch its silence bound with."""
         self.page_size = page_size
+        self._in_hand = in_hand
         self.min_interval_s = min_interval_s
         self._known: dict[str, tuple[str | None, tuple[int, ...], int]] = {}  # hash -> (parent, tokens, depth)
         # the cache listened to, and its changes since the last batch (engine thread only). Invariant:
@@ -223,7 +231,13 @@ class KvEventPublisher:
         load = common_pb2.EngineLoad()
         load.CopyFrom(self._load)
         load.load_only = True
-        if load.running_requests or load.waiting_requests:
+        if self._in_hand is not None:
+            live, pending = self._in_hand()
+            load.prefill_pending_tokens = min(pending, 2**32 - 1)
+            busy = live > 0
+        else:
+            busy = load.running_requests or load.waiting_requests
+        if busy:
             # a gateway that hears nothing for a while vetoes the worker; this tells it the engine itself has
             # been quiet that long, and `prefill_pending_tokens` how much prefill can explain the quiet
             load.engine_silence_ms = int(min(time.monotonic() - self._last_output, 4e6) * 1e3)

@@ -88,7 +88,7 @@ class ServerState:
         self.start_time = time.time()
         self.metrics = Metrics(self.model_name, engine.stats)
         engine.listeners.append(self.metrics.observe)
-        self.kv_events = KvEventPublisher(ecfg.page_size)
+        self.kv_events = KvEventPublisher(ecfg.page_size, in_hand=engine.prefill_in_hand)
         engine.step_hooks.append(self.kv_events.on_step)
 
     @classmethod

@@ -69,3 +69,21 @@ def test_heartbeat_on_the_subscription_carries_the_silence():
 
     snapshot, beat = asyncio.run(first_heartbeat())
     assert beat.load.load_only and beat.load.prefill_pending_tokens == 500 and beat.load.engine_silence_ms >= 0
+
+
+def test_heartbeat_reports_the_prefill_in_hand_not_the_last_steps_record():
+    """A request that arrives while the engine thread is inside a long step is in no step's load record yet;
+    with `in_hand` the beat still reports its prompt and the engine's silence (and none once nothing is live)."""
+    in_hand = [(0, 0)]
+    pub = KvEventPublisher(page_size=16, in_hand=lambda: in_hand[0])
+    pub._load_time = 0.0
+    pub.on_step(fake_engine([]), [])  # the last step saw an idle engine
+    in_hand[0] = (2, 733)
+    time.sleep(0.06)
+    load = pub._heartbeat_load()
+    assert load.prefill_pending_tokens == 733 and 50 <= load.engine_silence_ms < 5000
+    in_hand[0] = (0, 0)
+    pub._load_time = 0.0
+    pub.on_step(fake_engine([FakeRequest(num_prompt=90, num_output=0, is_finished=False)]), [])  # a stale busy record
+    load = pub._heartbeat_load()
+    assert load.prefill_pending_tokens == 0 and not load.HasField("engine_silence_ms")

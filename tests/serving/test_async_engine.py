@@ -122,6 +122,35 @@ def test_bad_requests_fail_alone_while_others_run(served):
     assert ae.health() == (True, "ok") and ae.num_live == 0
 
 
+def test_prefill_in_hand_counts_requests_the_engine_has_not_yet_answered(served):
+    """What the KV-event heartbeat reports between engine steps: requests count from submission (even while
+    the engine thread is busy and has not taken them), their prompts until their first token."""
+    ae, ps, _ = served
+    release = threading.Event()
+    blocker = ae.call(lambda engine: release.wait(30))  # the engine thread, busy as in a long compile
+
+    async def main():
+        tasks = [asyncio.create_task(ae.submit(p, SamplingParams(max_tokens=30, ignore_eos=True))) for p in ps[:2]]
+        while ae.num_live < 2:
+            await asyncio.sleep(0.01)
+        held = ae.prefill_in_hand()
+        release.set()
+        handles = await asyncio.gather(*tasks)
+        first = [await h.__aiter__().__anext__() for h in handles]  # both have produced a token
+        mid = ae.prefill_in_hand()
+        for h in handles:
+            h.abort()
+        while ae.num_live:
+            await asyncio.sleep(0.01)
+        return held, first, mid
+
+    held, first, mid = run(main())
+    blocker.result(timeout=5)
+    assert held == (2, len(ps[0]) + len(ps[1]))
+    assert all(c.token_ids for c in first) and mid == (2, 0)
+    assert ae.prefill_in_hand() == (0, 0)
+
+
 def test_overload_and_reset_prefix_cache(served):
     ae, ps, _ = served
 
