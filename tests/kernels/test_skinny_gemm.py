@@ -1,0 +1,77 @@
+"""The decode-size dense GEMM kernel (pallas_kernels/skinny_gemm.py) in Pallas interpret mode against its plain-JAX
+reference: odd row counts (padded to the MMA's 16), ragged column counts (masked last tile), split-K partial sums,
+leading batch dims, and its argument checks.
+
+Tolerance: both sides accumulate in fp32 and round once to bf16; split-K only reorders fp32 sums, so results agree
+within two bf16 ulps of the output's scale (2 * 2^-8 relative).
+
+Run: python -m pytest -q tests/kernels/test_skinny_gemm.py
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, default_config, skinny_matmul, skinny_matmul_reference
+
+
+def operands(seed, lead, k, n, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((*lead, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    return x, w
+
+
+def assert_close(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    scale = np.abs(want).max()
+    assert scale > 0.1  # a real product, not zeros
+    np.testing.assert_allclose(got, want, atol=2 * 2**-8 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("lead, k, n, config", [
+    ((5,), 256, 200, SkinnyGemmConfig(block_n=64, block_k=64, split_k=2)),     # ragged N, split K
+    ((3, 7), 384, 48, SkinnyGemmConfig(block_n=16, block_k=128, split_k=3)),   # leading dims, 3 slices
+    ((64,), 512, 521, None),                                                   # decode rows, default tiling
+    ((1,), 128, 100, SkinnyGemmConfig(block_n=32, block_k=128, split_k=1)),   # one row, bf16 store in-kernel
+    ((MAX_ROWS,), 192, 80, SkinnyGemmConfig(block_n=32, block_k=64, split_k=1)),
+])
+def test_matches_reference(lead, k, n, config):
+    x, w = operands(sum(lead) + k + n, lead, k, n)
+    got = skinny_matmul(x, w, config=config, interpret=True)
+    assert got.dtype == x.dtype and got.shape == (*lead, n)
+    assert_close(got, skinny_matmul_reference(x, w))
+
+
+def test_fp32_weights_are_cast_to_the_activation_dtype_as_layers_dense_does():
+    x, _ = operands(1, (9,), 128, 72)
+    _, w = operands(2, (9,), 128, 72, jnp.float32)
+    assert_close(skinny_matmul(x, w, config=SkinnyGemmConfig(block_n=32, block_k=64, split_k=2), interpret=True),
+                 skinny_matmul_reference(x, w))
+
+
+def test_default_config_splits_k_only_while_the_grid_has_fewer_programs_than_sms():
+    wide = default_config(64, 2048, 8336)
+    assert (wide.block_n, wide.split_k) == (64, 2)  # 131 column tiles
+    assert default_config(64, 2048, 163840).split_k == 1  # 2560 tiles: plenty
+    small = default_config(64, 2048, 2048)
+    assert small.split_k == 8 and 2048 // small.split_k >= 2 * small.block_k  # 32 tiles x 8 slices
+    assert default_config(64, 128, 2048).split_k == 1  # K too short to slice
+    for m, k, n in ((64, 2048, 8336), (16, 768, 3072), (64, 8192, 2048)):
+        cfg = default_config(m, k, n)
+        assert k % (cfg.block_k * cfg.split_k) == 0
+
+
+def test_rejects_bad_arguments():
+    x, w = operands(3, (4,), 128, 32)
+    with pytest.raises(ValueError, match="last dim"):
+        skinny_matmul(x[:, :64], w, interpret=True)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_matmul(jnp.ones((MAX_ROWS + 1, 128), jnp.bfloat16), w, interpret=True)
+    with pytest.raises(ValueError, match="multiple of split_k"):
+        skinny_matmul(x, w, config=SkinnyGemmConfig(block_k=64, split_k=4), interpret=True)
+    with pytest.raises(ValueError, match="float"):
+        skinny_matmul(x.astype(jnp.int32), w, interpret=True)
+    with pytest.raises(ValueError, match=r"\[K, N\]"):
+        skinny_matmul(x, w[None], interpret=True)
