@@ -18,7 +18,10 @@ Pallas backend: Triton lowering (runs in interpret mode on CPU for CI).
 
 Status (2026-12-02): checked in interpret mode only. Not yet timed on the H200 and not used by the model:
 benchmarks/dense_gemm.py (per-shape time vs layers.dense, a tiling sweep, the per-step projection) decides
-whether `layers.dense` should route decode-size calls here.
+whether `layers.dense` should route decode-size calls here. Offline (pip triton 3.6.0 + ptxas for sm_90a, not XLA's
+own Triton; docs/results/skinny_gemm_ptxas_sm90a_2026-12-02.json) the K loop compiles as intended: cp.async
+global->shared loads over num_stages buffers feeding wgmma, 48-96 registers, no spills, 128 KB of shared memory per
+CTA at block 64 x 128 and 4 stages (x's tile rides along with the weights' in every stage: one CTA per SM).
 """
 
 from __future__ import annotations
