@@ -4,6 +4,10 @@ Run: python -m pytest tests/model/test_model.py -q
 Cached decode = full forward, chunked prefill = prefill at once, verify = k decodes, paged = contiguous.
 Tolerance: fp32 logits of a 9-layer model differ by summation order only (~1e-6 relative); 1e-5 relative
 catches any real bookkeeping error (a wrong position, a missed state update) by orders of magnitude.
+
+CPU time is compilation: every (function, config, shape, static flag) is its own XLA program. So the tests
+of one config share shapes where the length does not matter: one pool of MAX_PAGES pages per row (one
+decode program), prefills of 11 tokens (with and without all_logits) and of 7, forwards of 11 tokens.
 """
 
 import jax
@@ -16,6 +20,7 @@ from k3jax.testing import k3_tiny, kimi_linear_tiny, shuffled_page_tables, step_
 
 CONFIGS = [k3_tiny(), kimi_linear_tiny()]
 PAGE = 4
+MAX_PAGES = 6  # per row: 24 tokens, the longest sequence below (21); every test's pool has this shape
 
 
 def rel(a, b):
@@ -29,7 +34,7 @@ def model(request):
     return cfg, k3jax.init_params(cfg, jax.random.key(11))
 
 
-def fresh(cfg, rng, batch, max_pages, slots=5):
+def fresh(cfg, rng, batch, max_pages=MAX_PAGES, slots=5):
     num_pages = batch * max_pages + 7
     table = shuffled_page_tables(rng, batch, max_pages, num_pages)
     return k3jax.init_state(cfg, num_slots=slots, num_pages=num_pages, page_size=PAGE), table
@@ -41,10 +46,10 @@ def test_prefill_then_decode_equals_forward(model):
     b, t = 2, 21
     tokens = rng.integers(0, cfg.vocab_size, (b, t))
     want = k3jax.forward(params, cfg, jnp.asarray(tokens))
-    state, table = fresh(cfg, rng, b, 6)
+    state, table = fresh(cfg, rng, b)
     slots = [4, 1]
-    prompt = np.array([9, 13])  # ragged prompts: row 0 is padded in the prefill batch
-    padded = np.where(np.arange(13)[None] < prompt[:, None], tokens[:, :13], cfg.pad_token_id)
+    prompt = np.array([9, 11])  # ragged prompts: row 0 is padded in the prefill batch
+    padded = np.where(np.arange(11)[None] < prompt[:, None], tokens[:, :11], cfg.pad_token_id)
     logits, state = k3jax.prefill(params, cfg, state, jnp.asarray(padded), step_meta(slots, table, [0, 0], prompt), all_logits=True)
     for r in range(b):
         assert rel(logits[r, : prompt[r]], want[r, : prompt[r]]) < 1e-5
@@ -66,7 +71,7 @@ def test_prefill_from_zero_ignores_what_a_reused_slot_and_pages_hold(model):
     b, t = 2, 11
     tokens = rng.integers(0, cfg.vocab_size, (b, t))
     want = k3jax.forward(params, cfg, jnp.asarray(tokens))
-    clean, table = fresh(cfg, rng, b, 4)
+    clean, table = fresh(cfg, rng, b)
     dirty = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), clean)  # a used pool
     meta = step_meta([3, 0], table, [0, 0], [t, t])
     logits, state = k3jax.prefill(params, cfg, dirty, jnp.asarray(tokens), meta, all_logits=True)
@@ -81,11 +86,11 @@ def test_chunked_prefill_equals_prefill_at_once(model):
     rng = np.random.default_rng(1)
     b, t = 2, 19
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)))
-    state_a, table = fresh(cfg, rng, b, 5)
+    state_a, table = fresh(cfg, rng, b)
     logits_a, state_a = k3jax.prefill(params, cfg, state_a, tokens, step_meta([0, 2], table, [0, 0], [t, t]))
     state_b = k3jax.init_state(cfg, 5, state_a.kv_pages.shape[1], PAGE)
     ctx = 0
-    for n in (5, 1, 8, 5):  # uneven chunks, not aligned to pages
+    for n in (7, 11, 1):  # uneven chunks ending at 7 and 18, not aligned to pages (and lengths other tests compile)
         logits_b, state_b = k3jax.prefill(params, cfg, state_b, tokens[:, ctx : ctx + n], step_meta([0, 2], table, [ctx, ctx], [n, n]))
         ctx += n
     assert rel(logits_b, logits_a) < 1e-5
@@ -98,7 +103,7 @@ def test_verify_equals_sequential_decode(model):
     rng = np.random.default_rng(2)
     b, prompt, k = 2, 7, 4
     tokens = rng.integers(0, cfg.vocab_size, (b, prompt + k))
-    state, table = fresh(cfg, rng, b, 4)
+    state, table = fresh(cfg, rng, b)
     slots = [3, 0]
     _, state = k3jax.prefill(params, cfg, state, jnp.asarray(tokens[:, :prompt]), step_meta(slots, table, [0, 0], [prompt] * b))
     base = jax.tree.map(jnp.copy, state)
@@ -145,11 +150,15 @@ def test_every_parameter_is_used(model):
             assert float(jnp.abs(g).max()) > 0.0, name
 
 
-# Each variant compiles its own model (init, forward, prefill, decode: ~50 s on the 2-core CPU), so
+# Each variant compiles its own model (init, forward, prefill, decode: ~50 s on the 2-core CPU at 9 layers), so
 # orthogonal features share a config: tied embeddings with two dense layers, grouped routing with AttnRes
 # on every layer, softmax routing without renormalisation with SiTU without the linear up-cap. Each
-# feature still departs from k3-tiny alone in its own dimension (vocabulary head, layer kind, router,
+# feature still departs from the base alone in its own dimension (vocabulary head, layer kind, router,
 # residual mixing, activation), and every one of them is compared with the cache-free forward pass.
+# The base is k3-tiny's first 5 layers with MLA on the last two (compile time grows with depth; every
+# feature acts per layer): it keeps every k3-tiny layer kind -- dense layer 0, KDA, MLA, two MLA in a row
+# (k3-tiny's 7, 8), MoE -- and a second AttnRes block (bank at layers 0 and 4).
+VARIANT_BASE = dict(num_layers=5, mla_layers=(3, 4))
 @pytest.mark.parametrize(
     "changes",
     [
@@ -160,7 +169,7 @@ def test_every_parameter_is_used(model):
     ids=["tied+two-dense", "grouped-routing+attnres-every-layer", "no-renorm-softmax+situ-no-up-cap"],
 )
 def test_config_variants_decode_equals_forward(changes):
-    cfg = k3_tiny().replace(**changes)
+    cfg = k3_tiny().replace(**VARIANT_BASE, **changes)
     params = k3jax.init_params(cfg, jax.random.key(5))
     if cfg.tie_word_embeddings:
         assert "lm_head" not in params
@@ -183,7 +192,7 @@ def test_bf16_tracks_fp32():
         lambda path, x: x if jax.tree_util.keystr(path).endswith(("['A_log']", "['dt_bias']", "_conv']", "['router_bias']")) else x.astype(jnp.bfloat16),
         params,
     )
-    tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg32.vocab_size, (2, 40)))
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg32.vocab_size, (2, 21)))  # forward's k3-tiny shape above
     lo32 = k3jax.forward(params, cfg32, tokens)
     lo16 = k3jax.forward(params16, cfg16, tokens)
     # bf16 has an 8-bit mantissa (rel. rounding 4e-3 per op); over 9 layers errors grow to a few 1e-2
@@ -211,12 +220,12 @@ def test_bad_tokens_raise():
 
 def test_forward_with_features_captures_layer_inputs(model):
     cfg, params = model
-    tokens = jnp.asarray(np.random.default_rng(12).integers(0, cfg.vocab_size, (2, 9)))
+    tokens = jnp.asarray(np.random.default_rng(12).integers(0, cfg.vocab_size, (2, 11)))  # forward's shape above
     layers = k3jax.model.eagle_capture_layers(cfg)
     assert layers == (2, cfg.num_layers // 2, cfg.num_layers - 3)
     logits, feats = k3jax.model.forward_with_features(params, cfg, tokens, layers)
     np.testing.assert_array_equal(logits, k3jax.forward(params, cfg, tokens))
-    assert feats.shape == (2, 9, 3, cfg.hidden_size) and np.isfinite(np.asarray(feats)).all()
+    assert feats.shape == (2, 11, 3, cfg.hidden_size) and np.isfinite(np.asarray(feats)).all()
     # distinct layers see distinct states, and causality holds: position 4 ignores later tokens
     assert float(jnp.abs(feats[:, :, 0] - feats[:, :, 2]).max()) > 1e-3
     _, feats_short = k3jax.model.forward_with_features(params, cfg, tokens[:, :5], layers)
