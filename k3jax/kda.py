@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from k3jax import backend, fuse
 from k3jax.config import ModelConfig
-from k3jax.layers import Linear, causal_conv_with_state, dense, dense_each, l2_normalize  # Linear: the projection hook
+from k3jax.layers import Linear, causal_conv_with_state, dense, dense_each_with, l2_normalize  # Linear: the projection hook
 
 CHUNK_SIZE = 64
 
@@ -194,11 +194,12 @@ def kda_mixer(
         conv_state = jnp.where(keep[:, None, None], conv_state, jnp.zeros_like(conv_state))
         rec_state = jnp.where(keep[:, None, None, None], rec_state, jnp.zeros_like(rec_state))
         fresh = None
-    qkv, proj, conv_w = _input_projections(params, x, cfg, linear)
-    linear = linear or dense_each
-    z = dense(proj["f_a"], params["f_b"]).reshape(b, t, h, dk)  # raw forget-gate logits
+    matmul = backend.get("dense", backend_name)
+    qkv, proj, conv_w = _input_projections(params, x, cfg, linear, matmul)
+    linear = linear or dense_each_with(matmul)
+    z = matmul(proj["f_a"], params["f_b"]).reshape(b, t, h, dk)  # raw forget-gate logits
     beta_logits = proj["b_proj"].astype(jnp.float32)  # [B, T, H]
-    gate = (proj["g_proj"] if "g_proj" in proj else dense(proj["g_a"], params["g_b"])).reshape(b, t, h, dk)
+    gate = (proj["g_proj"] if "g_proj" in proj else matmul(proj["g_a"], params["g_b"])).reshape(b, t, h, dk)
     if fused:
         y, new_conv, new_rec = _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, z, beta_logits, gate,
                                             conv_w, conv_state, rec_state, cfg, lengths=lengths, mode=mode,
@@ -229,7 +230,7 @@ def kda_mixer(
     return out, (conv_states if all_states else new_conv), new_rec
 
 
-def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None):
+def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None, matmul=dense):
     """The GEMMs reading x: (qkv [B, T, 3HK] before the conv, {f_a, b_proj, g_proj or g_a: [B, T, N]},
     conv weight [W, 3HK]).
 
@@ -243,10 +244,10 @@ def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Lin
             raise ValueError("kda_mixer: params in the fused serving layout (k3jax.fuse.fuse_for_serving) take the "
                              "default linear only; a parallel strategy needs the unfused params")
         q, k, v, *rest = fuse.kda_input_columns(cfg)  # q|k|v lead: one slice is the conv's input
-        cols = fuse.split_columns(dense(x, params[fuse.FUSED_INPUT]), (("qkv", q[1] + k[1] + v[1]), *rest))
+        cols = fuse.split_columns(matmul(x, params[fuse.FUSED_INPUT]), (("qkv", q[1] + k[1] + v[1]), *rest))
         return cols.pop("qkv"), cols, params[fuse.FUSED_CONV]
     gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)
-    proj = (linear or dense_each)(x, {name: params[name]
+    proj = (linear or dense_each_with(matmul))(x, {name: params[name]
                                       for name in ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", gate_in)})
     qkv = jnp.concatenate([proj["q_proj"], proj["k_proj"], proj["v_proj"]], -1)
     conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]

@@ -6,6 +6,7 @@ norms, gates, the router and the recurrent state compute in float32 and cast bac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -79,9 +80,47 @@ def dense_each(x: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Arr
     return {name: dense(x, w) for name, w in weights.items()}
 
 
-def mlp(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Gated MLP (dense layer-0 MLP and the shared experts): down(act(gate x, up x))."""
-    return dense(glu_activation(dense(x, params["gate"]), dense(x, params["up"]), cfg), params["down"])
+def dense_each_with(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Linear:
+    """`dense_each` through `matmul` (a backend's "dense" op) instead of `dense`."""
+    return lambda x, weights: {name: matmul(x, w) for name, w in weights.items()}
+
+
+# Decode-size dense GEMMs under the "pallas" / "interpret" backends (the "dense" op): "xla" (`dense`) or "skinny"
+# (pallas_kernels/skinny_gemm.py: one launch per GEMM instead of XLA's split-K GEMM + reduce, for at most its
+# MAX_ROWS rows and an input width that is a multiple of 64; other calls stay on `dense`). Read at trace time, like
+# k3jax.mla.MLA_DECODE_KERNEL. "xla" until the H200 has timed the kernel (benchmarks/dense_gemm.py per GEMM,
+# benchmarks/model_forward.py --dense-kernel skinny for the decode step).
+DENSE_DECODE_KERNEL = "xla"
+DENSE_KERNELS = ("xla", "skinny")
+
+backend.register("dense", "reference")(dense)
+
+
+def _kernel_dense(interpret: bool):
+    def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+        if DENSE_DECODE_KERNEL not in DENSE_KERNELS:
+            raise ValueError(f"k3jax.layers.DENSE_DECODE_KERNEL must be one of {DENSE_KERNELS}, got "
+                             f"{DENSE_DECODE_KERNEL!r}")
+        rows = math.prod(x.shape[:-1])
+        if DENSE_DECODE_KERNEL == "xla" or x.shape[-1] % 64:
+            return dense(x, w)
+        from pallas_kernels import skinny_gemm  # imported on use, as the other kernels
+
+        if not 1 <= rows <= skinny_gemm.MAX_ROWS:
+            return dense(x, w)
+        return skinny_gemm.skinny_matmul(x, w, interpret=interpret)
+
+    return matmul
+
+
+backend.register("dense", "pallas")(_kernel_dense(interpret=False))
+backend.register("dense", "interpret")(_kernel_dense(interpret=True))
+
+
+def mlp(params: dict, x: jax.Array, cfg: ModelConfig, *, matmul=dense) -> jax.Array:
+    """Gated MLP (dense layer-0 MLP and the shared experts): down(act(gate x, up x)); `matmul`: a backend's
+    "dense" op (default `dense`)."""
+    return matmul(glu_activation(matmul(x, params["gate"]), matmul(x, params["up"]), cfg), params["down"])
 
 
 def causal_conv_with_state(

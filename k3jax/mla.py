@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from k3jax import backend, fuse
 from k3jax.config import ModelConfig
-from k3jax.layers import Linear, dense, dense_each, rms_norm
+from k3jax.layers import Linear, dense, dense_each_with, rms_norm
 
 # `linear` (every function below that takes it): how the block multiplies by the weights reading or writing
 # the hidden state -- q_a (or q_proj) and kv_a in `project`, g_proj and o_proj in `output` -- see
@@ -33,7 +33,8 @@ def project(params: dict, x: jax.Array, cfg: ModelConfig, *, linear: Linear | No
     return _queries_and_latent(params, _input_projections(params, x, cfg, linear), cfg)
 
 
-def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None) -> dict[str, jax.Array]:
+def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None, matmul=dense,
+                       ) -> dict[str, jax.Array]:
     """The GEMMs reading x, {q_a or q_proj, kv_a} and, in the fused serving layout (k3jax.fuse: "in_proj" =
     q|kv_a|g_proj), the output gate's g_proj too: one GEMM, sliced. Otherwise `linear` over {q_a or q_proj, kv_a}
     (g_proj is multiplied in `output`, as before)."""
@@ -41,17 +42,17 @@ def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Lin
         if linear is not None:
             raise ValueError("MLA: params in the fused serving layout (k3jax.fuse.fuse_for_serving) take the default "
                              "linear only; a parallel strategy needs the unfused params")
-        return fuse.split_columns(dense(x, params[fuse.FUSED_INPUT]), fuse.mla_input_columns(cfg))
+        return fuse.split_columns(matmul(x, params[fuse.FUSED_INPUT]), fuse.mla_input_columns(cfg))
     q_in = "q_a" if cfg.q_lora_rank is not None else "q_proj"
-    return (linear or dense_each)(x, {q_in: params[q_in], "kv_a": params["kv_a"]})
+    return (linear or dense_each_with(matmul))(x, {q_in: params[q_in], "kv_a": params["kv_a"]})
 
 
-def _queries_and_latent(params: dict, proj: dict[str, jax.Array], cfg: ModelConfig,
+def _queries_and_latent(params: dict, proj: dict[str, jax.Array], cfg: ModelConfig, matmul=dense,
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`project` from the input projections `proj` (see `_input_projections`)."""
     b, t = proj["kv_a"].shape[:2]
     if cfg.q_lora_rank is not None:
-        q = dense(rms_norm(proj["q_a"], params["q_a_norm"], cfg.mla_norm_eps), params["q_b"])
+        q = matmul(rms_norm(proj["q_a"], params["q_a_norm"], cfg.mla_norm_eps), params["q_b"])
     else:
         q = proj["q_proj"]
     q = q.reshape(b, t, cfg.mla_num_heads, cfg.mla_q_head_dim)
@@ -62,10 +63,11 @@ def _queries_and_latent(params: dict, proj: dict[str, jax.Array], cfg: ModelConf
 
 
 def output(params: dict, attn: jax.Array, x: jax.Array, cfg: ModelConfig, *, linear: Linear | None = None,
-           gate_logits: jax.Array | None = None) -> jax.Array:
+           gate_logits: jax.Array | None = None, matmul=dense) -> jax.Array:
     """Output gate (K3: attn * sigmoid(g_proj x)) and o_proj. attn: [B, T, H, Vd].
-    gate_logits: g_proj x [B, T, H*Vd] when already computed (the fused input GEMM); else multiplied here."""
-    linear = linear or dense_each
+    gate_logits: g_proj x [B, T, H*Vd] when already computed (the fused input GEMM); else multiplied here.
+    matmul: the default linear's GEMM (a backend's "dense" op)."""
+    linear = linear or dense_each_with(matmul)
     b, t = attn.shape[:2]
     attn = attn.reshape(b, t, -1).astype(x.dtype)
     if cfg.mla_output_gate:
@@ -229,8 +231,9 @@ def paged_attention(
     (updated in place under donation), then attends in the absorbed form to the whole history.
     Returns (y [B, T, D], new kv_pages).
     """
-    proj = _input_projections(params, x, cfg, linear)
-    q_nope, q_pe, latent = _queries_and_latent(params, proj, cfg)
+    matmul = backend.get("dense", backend_name)
+    proj = _input_projections(params, x, cfg, linear, matmul)
+    q_nope, q_pe, latent = _queries_and_latent(params, proj, cfg, matmul)
     kv_pages = write_latents(kv_pages, layer, latent, page_table, context_lens, lengths)
     w_uk, w_uv = split_kv_b(params, cfg)
     q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=jnp.float32)
@@ -240,4 +243,4 @@ def paged_attention(
         kv_lora_rank=cfg.kv_lora_rank, scale=cfg.mla_q_head_dim**-0.5, layer=layer,
     )
     attn = jnp.einsum("bthc,chv->bthv", o_latent, w_uv.astype(jnp.float32))
-    return output(params, attn, x, cfg, linear=linear, gate_logits=proj.get("g_proj")), kv_pages
+    return output(params, attn, x, cfg, linear=linear, gate_logits=proj.get("g_proj"), matmul=matmul), kv_pages

@@ -129,16 +129,16 @@ def fuse_moe_weights(layer_params: dict, cfg: ModelConfig) -> dict:
     return p
 
 
-def _x_projections(params: dict, xf: jax.Array, cfg: ModelConfig):
+def _x_projections(params: dict, xf: jax.Array, cfg: ModelConfig, matmul=dense):
     """(z, shared gate, shared up) of tokens xf [N, D]: z the experts' input in its first columns (latent_down x,
     or x itself without a latent), the other two None without shared experts; one GEMM on FUSED_IN when the
     params have it."""
     if FUSED_IN not in params:
-        z = dense(xf, params["latent_down"]) if cfg.moe_latent_size else xf
+        z = matmul(xf, params["latent_down"]) if cfg.moe_latent_size else xf
         if not cfg.num_shared_experts:
             return z, None, None
-        return z, dense(xf, params["shared"]["gate"]), dense(xf, params["shared"]["up"])
-    fused = dense(xf, params[FUSED_IN])
+        return z, matmul(xf, params["shared"]["gate"]), matmul(xf, params["shared"]["up"])
+    fused = matmul(xf, params[FUSED_IN])
     latent = cfg.moe_latent_size if cfg.moe_latent_size else 0
     # z is the whole fused output: the experts read its first `latent` columns in place (no slice copy before
     # the Pallas kernels; see grouped_experts_reference)
@@ -156,18 +156,19 @@ def moe(params: dict, x: jax.Array, cfg: ModelConfig, *, backend_name: str = "re
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     ids, weights = route(params["router"], params["router_bias"], xf, cfg)
-    z, shared_gate, shared_up = _x_projections(params, xf, cfg)
+    matmul = backend.get("dense", backend_name)
+    z, shared_gate, shared_up = _x_projections(params, xf, cfg, matmul)
     y = backend.get("moe_experts", backend_name)(z, ids, weights, params["experts"], cfg)
     if cfg.moe_latent_size and cfg.moe_latent_norm:
         y = rms_norm(y, params["latent_norm"], cfg.rms_norm_eps)
     h_shared = glu_activation(shared_gate, shared_up, cfg) if cfg.num_shared_experts else None
     if FUSED_OUT in params:
-        y = dense(jnp.concatenate([y, h_shared], axis=-1), params[FUSED_OUT])
+        y = matmul(jnp.concatenate([y, h_shared], axis=-1), params[FUSED_OUT])
     else:
         if cfg.moe_latent_size:
-            y = dense(y, params["latent_up"])
+            y = matmul(y, params["latent_up"])
         if cfg.num_shared_experts:
-            y = y + dense(h_shared, params["shared"]["down"])
+            y = y + matmul(h_shared, params["shared"]["down"])
     return y.reshape(shape)
 
 
@@ -175,4 +176,4 @@ def ffn(params: dict, x: jax.Array, cfg: ModelConfig, *, backend_name: str = "re
     """The layer's feed-forward: `moe` if the layer has one, else the dense gated MLP."""
     if "router" in params:
         return moe(params, x, cfg, backend_name=backend_name)
-    return mlp(params, x, cfg)
+    return mlp(params, x, cfg, matmul=backend.get("dense", backend_name))

@@ -16,9 +16,10 @@ ragged: 8336 columns in k3-small's KDA input). K must divide into split_k x bloc
 
 Pallas backend: Triton lowering (runs in interpret mode on CPU for CI).
 
-Status (2026-12-02): checked in interpret mode only. Not yet timed on the H200 and not used by the model:
-benchmarks/dense_gemm.py (per-shape time vs layers.dense, a tiling sweep, the per-step projection) decides
-whether `layers.dense` should route decode-size calls here. Offline (pip triton 3.6.0 + ptxas for sm_90a, not XLA's
+Status (2026-12-02): checked in interpret mode only, not yet timed on the H200. The model reaches it through the
+"dense" op of the pallas / interpret backends when k3jax.layers.DENSE_DECODE_KERNEL == "skinny" (default "xla": off).
+benchmarks/dense_gemm.py (per-shape time vs layers.dense, a tiling sweep, the per-step projection) and
+benchmarks/model_forward.py --dense-kernel skinny (the decode step) decide whether it becomes the default. Offline (pip triton 3.6.0 + ptxas for sm_90a, not XLA's
 own Triton; docs/results/skinny_gemm_ptxas_sm90a_2026-12-02.json) the K loop compiles as intended: cp.async
 global->shared loads over num_stages buffers feeding wgmma, 48-96 registers, no spills, 128 KB of shared memory per
 CTA at block 64 x 128 and 4 stages (x's tile rides along with the weights' in every stage: one CTA per SM).

@@ -5,13 +5,22 @@ leading batch dims, and its argument checks.
 Tolerance: both sides accumulate in fp32 and round once to bf16; split-K only reorders fp32 sums, so results agree
 within two bf16 ulps of the output's scale (2 * 2^-8 relative).
 
+The model wiring (k3jax.layers.DENSE_DECODE_KERNEL = "skinny", the "dense" op of the "interpret" backend): a k3-tiny
+variant whose GEMM inputs are multiples of 64 prefills and decodes through the kernel (fp32: the backends differ by
+summation order only, 1e-5 relative on logits, as tests/kernels/test_mla_model.py).
+
 Run: python -m pytest -q tests/kernels/test_skinny_gemm.py
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import k3jax
+from k3jax import backend, layers
+from k3jax.testing import k3_tiny, shuffled_page_tables, step_meta
+from pallas_kernels import skinny_gemm
 from pallas_kernels.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, default_config, skinny_matmul, skinny_matmul_reference
 
 
@@ -75,3 +84,52 @@ def test_rejects_bad_arguments():
         skinny_matmul(x.astype(jnp.int32), w, interpret=True)
     with pytest.raises(ValueError, match=r"\[K, N\]"):
         skinny_matmul(x, w[None], interpret=True)
+
+
+def test_model_decode_through_the_skinny_kernel_equals_the_reference_backend(monkeypatch):
+    calls = []
+
+    def counted(x, w, **kw):
+        calls.append((x.shape[:-1], w.shape))
+        return skinny_matmul(x, w, **kw)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", counted)
+    monkeypatch.setattr(backend, "_REGISTRY", {  # only "dense" takes its interpret kernel: the others' compiles
+        key: fn for key, fn in backend._REGISTRY.items() if key[1] != "interpret" or key[0] == "dense"})
+    probe = jnp.ones((3, 64), jnp.float32)
+    assert layers.DENSE_DECODE_KERNEL == "xla"  # the default: the op is plain `dense`
+    backend.get("dense", "interpret")(probe, jnp.ones((64, 8), jnp.float32))
+    assert calls == []
+    monkeypatch.setattr(layers, "DENSE_DECODE_KERNEL", "skinny")
+    # every GEMM input width a multiple of 64 (the kernel's K step; narrower or ragged widths stay on `dense`)
+    cfg = k3_tiny().replace(name="k3-tiny-skinny-dense", num_layers=4, mla_layers=(1, 3), attn_res_block_size=2,
+                            hidden_size=64, kda_num_heads=4, kda_gate_rank=64, q_lora_rank=64, mla_num_heads=4,
+                            v_head_dim=16, moe_latent_size=64, moe_intermediate_size=32, intermediate_size=128)
+    params = k3jax.init_params(cfg, jax.random.key(5))
+    rng = np.random.default_rng(6)
+    b, max_pages, page = 2, 4, 16
+    num_pages = b * max_pages + 1
+    table = shuffled_page_tables(rng, b, max_pages, num_pages)
+    slots = [1, 0]
+    state = k3jax.init_state(cfg, num_slots=2, num_pages=num_pages, page_size=page)
+    chunk = np.array([11, 7])
+    tokens = rng.integers(0, cfg.vocab_size, (b, 11))
+    results = {}
+    for name in ("reference", "interpret"):
+        calls.clear()
+        st = jax.tree.map(jnp.copy, state)
+        logits, st = k3jax.prefill(params, cfg, st, jnp.asarray(tokens), step_meta(slots, table, [0, 0], chunk),
+                                   all_logits=True, backend_name=name)
+        prefill_calls = len(calls)
+        logits_d, st = k3jax.decode(params, cfg, st, jnp.asarray([5, 9]), step_meta(slots, table, chunk, [1, 1]),
+                                    backend_name=name)
+        results[name] = np.asarray(logits), np.asarray(logits_d), prefill_calls, len(calls) - prefill_calls
+    ref, ker = results["reference"], results["interpret"]
+    assert ref[2] == ref[3] == 0
+    # traced once each: KDA 6 input GEMMs + f_b + o_proj, MLA q_a, kv_a, q_b, g_proj, o_proj, MoE latent/shared
+    # and out, the dense MLP's three: well over 20 per program, all on the kernel
+    assert ker[2] > 20 and ker[3] > 20, (ker[2], ker[3])
+    for r in range(b):
+        np.testing.assert_allclose(ker[0][r, : chunk[r]], ref[0][r, : chunk[r]], rtol=0,
+                                   atol=1e-5 * np.abs(ref[0]).max())
+    np.testing.assert_allclose(ker[1], ref[1], rtol=0, atol=1e-5 * np.abs(ref[1]).max())
