@@ -118,7 +118,7 @@ def test_preemption_keeps_greedy_outputs(make_engine):
 
 def test_random_workload_with_aborts_ends_clean(make_engine):
     rng = np.random.default_rng(4)
-    engine = make_engine(num_pages=40, max_running=4)
+    engine = make_engine(num_pages=34, max_running=4)  # test_preemption_keeps_greedy_outputs's pool: its programs
     live = []
     for step in range(120):
         if rng.random() < 0.3 and len(live) < 10:
@@ -173,8 +173,7 @@ def test_stop_strings_and_stop_ids(model, make_engine):
     """A byte-level detokenizer; the greedy chain's text is cut at a stop string taken from its middle."""
     detok = lambda ids: "".join(chr(65 + i % 26) for i in ids)
     cfg, params = model
-    engine = Engine(EngineConfig(page_size=4, num_pages=64, num_slots=16, max_running=4, max_model_len=128,
-                                 bucket_growth=64, max_prefill_tokens=32), cfg=cfg, params=params, detokenize=detok)
+    engine = Engine(EngineConfig(**ENGINE_OPTS), cfg=cfg, params=params, detokenize=detok)  # make_engine's programs
     p = prompts(8, 1)[0]
     chain = argmax_chain(model, p, 6)
     stop = detok(chain[2:4])
