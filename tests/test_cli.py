@@ -45,11 +45,15 @@ def params(cfg):
     return k3jax.init_params(cfg, jax.random.key(0))  # what the CLI builds for --seed 0
 
 
+CHAIN_LEN = 32  # forward_argmax_chain's one padded length: every chain below fits, and one compile serves all
+
+
 def forward_argmax_chain(params, cfg, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Greedy continuation computed with `forward` alone: the growing sequence is padded to one fixed
-    length (forward is causal, so the padding after the last real token changes nothing) and the argmax
-    at the last real position is appended, n times. Also returns each step's top-1 minus top-2 margin."""
-    length = len(prompt) + n
+    length, CHAIN_LEN (forward is causal, so the padding after the last real token changes nothing) and the
+    argmax at the last real position is appended, n times. Also returns each step's top-1 minus top-2 margin."""
+    length = CHAIN_LEN
+    assert len(prompt) + n <= length, (len(prompt), n)
     seq, margins = list(prompt), []
     for _ in range(n):
         tokens = np.full((1, length), cfg.pad_token_id, np.int32)
