@@ -86,8 +86,8 @@ def dense_each_with(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Line
 
 
 # Decode-size dense GEMMs under the "pallas" / "interpret" backends (the "dense" op): "xla" (`dense`) or "skinny"
-# (pallas_kernels/skinny_gemm.py: one launch per GEMM instead of XLA's split-K GEMM + reduce, for at most its
-# MAX_ROWS rows and an input width that is a multiple of 64; other calls stay on `dense`). Read at trace time, like
+# (pallas_kernels/skinny_gemm.py: a weight-streaming GEMM with its own decode tiling -- one launch, plus a small
+# reduce only where it splits K -- in place of XLA's split-K GEMM + reduce, for at most its MAX_ROWS rows and an input width that is a multiple of 64; other calls stay on `dense`). Read at trace time, like
 # k3jax.mla.MLA_DECODE_KERNEL. "xla" until the H200 has timed the kernel (benchmarks/dense_gemm.py per GEMM,
 # benchmarks/model_forward.py --dense-kernel skinny for the decode step).
 DENSE_DECODE_KERNEL = "xla"

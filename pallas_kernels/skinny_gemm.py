@@ -5,11 +5,12 @@
 At decode the model's dense projections multiply 16-128 rows by weights of 0.25-670 MB: pure weight streaming.
 XLA's choice for them on the H200 (k3-small decode step, 2026-12-01 profile) is a split-K-by-8 Triton GEMM writing
 fp32 partials, plus a reduce fusion: two launches per projection, ~1.9 TB/s over the step's 2.3 GB of dense
-weights. This kernel is one launch: program (n, s) owns the column tile n and the s-th of `split_k` slices of K,
+weights. This kernel: program (n, s) owns the column tile n and the s-th of `split_k` slices of K,
 runs its x [M, K/split_k] tile against the weight columns in `block_k` steps (the loop Triton pipelines, as any
 matmul's), and with split_k = 1 stores y in x's dtype directly. With split_k > 1 (weights with few column
 tiles: too few programs to keep 132 SMs streaming) it stores fp32 partials [split_k, M, N] that the wrapper sums
-(a small XLA reduce over M x N, not over the weights).
+(a small XLA reduce over M x N, not over the weights: two launches again, as XLA's, so whether splitting beats
+narrow column tiles without a split is for the H200 sweep to say).
 
 Columns need not divide block_n: the last tile's loads and stores are masked (the fused projections are
 ragged: 8336 columns in k3-small's KDA input). K must divide into split_k x block_k.
