@@ -260,10 +260,7 @@ def copy_bandwidth(mib: int, reps: int = 10) -> float:
 
 
 def runs_own_kernel(op: str, backend_name: str) -> bool:
-    """Whether `op` under `backend_name` runs that backend's own implementation. The "dense" op is registered for
-    the kernel backends but is `layers.dense` itself while k3jax.layers.DENSE_DECODE_KERNEL is "xla": the reference."""
-    if op == "dense" and k3_layers.DENSE_DECODE_KERNEL == "xla":
-        return False
+    """Whether `op` under `backend_name` runs that backend's own implementation (else the reference)."""
     return backend_name in backend.implemented(op)
 
 
@@ -500,6 +497,7 @@ KERNEL_GROUPS = (
     ("mgpu_decode", "MLA decode kernel"), ("mosaic", "Mosaic GPU kernels"),
     ("mla_prefill", "MLA prefill kernel"), ("moe_grouped", "MoE grouped GEMM kernels"),
     ("attn_res", "AttnRes mix+norm kernel"), ("gated_rms", "gated RMSNorm kernel"),
+    ("skinny_matmul", "dense GEMMs (Pallas skinny)"),
     ("gemm", "dense GEMMs (cuBLAS/XLA)"), ("xmma", "dense GEMMs (cuBLAS/XLA)"), ("nvjet", "dense GEMMs (cuBLAS/XLA)"),
     ("cutlass", "dense GEMMs (cuBLAS/XLA)"), ("triton", "XLA Triton fusions"), ("memcpy", "copies"),
     ("memset", "copies"),
@@ -1010,7 +1008,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     budget = Budget(args.budget_s, started)
     k3_mla.MLA_DECODE_KERNEL = args.mla_kernel
-    k3_layers.DENSE_DECODE_KERNEL = args.dense_kernel
+    k3_layers.use_dense_kernel(args.dense_kernel)
     if args.kda_loop_v is not None:
         from pallas_kernels import kda_decode
 

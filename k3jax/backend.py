@@ -32,6 +32,15 @@ def register(op: str, backend_name: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
+def unregister(op: str, backend_name: str) -> None:
+    """Removes `backend_name`'s own implementation of `op` (if any): that backend then falls back to the reference.
+    For an op whose kernel is opt-in (k3jax.layers.use_dense_kernel), so `implemented` says what runs. Jitted steps
+    keyed on the backend's name keep code traced before the change (the caller clears jax's caches)."""
+    if backend_name not in BACKENDS:
+        raise ValueError(f"unknown backend {backend_name!r}; expected one of {BACKENDS}")
+    _REGISTRY.pop((op, backend_name), None)
+
+
 def get(op: str, backend_name: str = "reference") -> Callable:
     """The implementation of `op` for `backend_name`, or the reference if that backend lacks it."""
     if backend_name not in BACKENDS:

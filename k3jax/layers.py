@@ -75,46 +75,54 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 Linear = Callable[[jax.Array, dict[str, jax.Array]], dict[str, jax.Array]]
 
 
-def dense_each(x: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The default `Linear`: x @ w for each named weight (`dense`: fp32 accumulation, x's dtype)."""
-    return {name: dense(x, w) for name, w in weights.items()}
-
-
 def dense_each_with(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Linear:
-    """`dense_each` through `matmul` (a backend's "dense" op) instead of `dense`."""
+    """A `Linear` that runs x @ w for each named weight through `matmul` (a backend's "dense" op)."""
     return lambda x, weights: {name: matmul(x, w) for name, w in weights.items()}
 
 
-# Decode-size dense GEMMs under the "pallas" / "interpret" backends (the "dense" op): "xla" (`dense`) or "skinny"
-# (pallas_kernels/skinny_gemm.py: a weight-streaming GEMM with its own decode tiling -- one launch, plus a small
-# reduce only where it splits K -- in place of XLA's split-K GEMM + reduce, for at most its MAX_ROWS rows and an input width that is a multiple of 64; other calls stay on `dense`). Read at trace time, like
-# k3jax.mla.MLA_DECODE_KERNEL. "xla" until the H200 has timed the kernel (benchmarks/dense_gemm.py per GEMM,
-# benchmarks/model_forward.py --dense-kernel skinny for the decode step).
-DENSE_DECODE_KERNEL = "xla"
+# The default `Linear`: x @ w for each named weight (`dense`: fp32 accumulation, x's dtype).
+dense_each: Linear = dense_each_with(dense)
+
+
+# Decode-size dense GEMMs under the "pallas" / "interpret" backends (the "dense" op): "xla" (the default: the op is
+# not registered for them, so they use the reference `dense`) or "skinny" (pallas_kernels/skinny_gemm.py, a
+# weight-streaming GEMM with its own decode tiling, for at most its MAX_ROWS rows and input widths that are multiples
+# of 64; other calls stay on `dense`), selected by `use_dense_kernel` before a step is traced. H200, k3-small decode
+# B64 x 8k (benchmarks/model_forward.py --dense-kernel, 2026-12-02, docs/benchmarks.md): the skinny kernels' 0.98
+# ms/step did not beat the XLA GEMMs they replace (1.05 ms) and the step was unchanged (8.44 vs 8.43 ms back to back),
+# so the default stays "xla".
 DENSE_KERNELS = ("xla", "skinny")
+DENSE_DECODE_KERNEL = "xla"  # what `use_dense_kernel` last selected (read-only; call the function to change it)
 
 backend.register("dense", "reference")(dense)
 
 
-def _kernel_dense(interpret: bool):
+def _skinny_dense(interpret: bool):
     def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-        if DENSE_DECODE_KERNEL not in DENSE_KERNELS:
-            raise ValueError(f"k3jax.layers.DENSE_DECODE_KERNEL must be one of {DENSE_KERNELS}, got "
-                             f"{DENSE_DECODE_KERNEL!r}")
-        rows = math.prod(x.shape[:-1])
-        if DENSE_DECODE_KERNEL == "xla" or x.shape[-1] % 64:
-            return dense(x, w)
         from pallas_kernels import skinny_gemm  # imported on use, as the other kernels
 
-        if not 1 <= rows <= skinny_gemm.MAX_ROWS:
+        if x.shape[-1] % 64 or not 1 <= math.prod(x.shape[:-1]) <= skinny_gemm.MAX_ROWS:
             return dense(x, w)
         return skinny_gemm.skinny_matmul(x, w, interpret=interpret)
 
     return matmul
 
 
-backend.register("dense", "pallas")(_kernel_dense(interpret=False))
-backend.register("dense", "interpret")(_kernel_dense(interpret=True))
+_SKINNY_DENSE = {"pallas": _skinny_dense(interpret=False), "interpret": _skinny_dense(interpret=True)}
+
+
+def use_dense_kernel(kind: str) -> None:
+    """Selects the kernel backends' "dense" op: "skinny" registers the skinny GEMM for "pallas" and "interpret",
+    "xla" unregisters it (they fall back to the reference `dense`), so `backend.implemented("dense")` says what
+    runs. Takes effect for steps traced afterwards (clear jax's caches to retrace a jitted step)."""
+    global DENSE_DECODE_KERNEL
+    if kind not in DENSE_KERNELS:
+        raise ValueError(f"dense kernel must be one of {DENSE_KERNELS}, got {kind!r}")
+    for name, fn in _SKINNY_DENSE.items():
+        backend.unregister("dense", name)
+        if kind == "skinny":
+            backend.register("dense", name)(fn)
+    DENSE_DECODE_KERNEL = kind
 
 
 def mlp(params: dict, x: jax.Array, cfg: ModelConfig, *, matmul=dense) -> jax.Array:

@@ -17,11 +17,15 @@ ragged: 8336 columns in k3-small's KDA input). K must divide into split_k x bloc
 
 Pallas backend: Triton lowering (runs in interpret mode on CPU for CI).
 
-Status (2026-12-02): checked in interpret mode only, not yet timed on the H200. The model reaches it through the
-"dense" op of the pallas / interpret backends when k3jax.layers.DENSE_DECODE_KERNEL == "skinny" (default "xla": off).
-benchmarks/dense_gemm.py (per-shape time vs layers.dense, a tiling sweep, the per-step projection) and
-benchmarks/model_forward.py --dense-kernel skinny (the decode step) decide whether it becomes the default. Offline (pip triton 3.6.0 + ptxas for sm_90a, not XLA's
-own Triton; docs/results/skinny_gemm_ptxas_sm90a_2026-12-02.json) the K loop compiles as intended: cp.async
+Status: opt-in, measured not faster than XLA. The model reaches it through the "dense" op of the pallas / interpret
+backends after k3jax.layers.use_dense_kernel("skinny") (default "xla": off). H200, 2026-12-02 (docs/benchmarks.md,
+"Dense GEMMs at decode sizes"): tests/gpu/test_skinny_gemm_gpu.py passes (28 cases); benchmarks/dense_gemm.py --rows
+64 puts the default tiling at 0.93-1.01x XLA's time on ten of k3-small's eleven shapes (lm_head 0.82x), with the best
+swept tiling up to 1.6-2.0x on two (mla in_proj, mla q_b) and 1.0x on the rest; in the k3-small decode step
+(benchmarks/model_forward.py --dense-kernel skinny --profile) its kernels take 0.98 ms/step where the XLA GEMMs they
+replace took 1.05, and the step is unchanged (8.44 vs 8.43 ms back to back). The GEMMs of 4-34 MB run at 10-62 %
+of copy bandwidth on either path; a fixed cost per launch (ramp-up, the split-K reduce) is the likely bound, not the
+K loop (not profiled further). Offline (pip triton 3.6.0 + ptxas for sm_90a, not XLA's own Triton; docs/results/skinny_gemm_ptxas_sm90a_2026-12-02.json) the K loop compiles as intended: cp.async
 global->shared loads over num_stages buffers feeding wgmma, 48-96 registers, no spills, 128 KB of shared memory per
 CTA at block 64 x 128 and 4 stages (x's tile rides along with the weights' in every stage: one CTA per SM).
 """

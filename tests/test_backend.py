@@ -34,3 +34,17 @@ def test_twin_of_fused_ops_and_of_plain_ops():
     assert "reference" not in backend.implemented("kda_chunked_fused")  # a twin does not change the reference path
     with pytest.raises(KeyError):
         backend.twin("no_such_op")
+
+
+def test_unregister_falls_back_to_the_reference(monkeypatch):
+    monkeypatch.setattr(backend, "_REGISTRY", dict(backend._REGISTRY))  # restored after the test
+    kernel = backend.get("moe_experts", "pallas")
+    assert kernel is not backend.get("moe_experts", "reference")
+    backend.unregister("moe_experts", "pallas")
+    assert backend.get("moe_experts", "pallas") is backend.get("moe_experts", "reference")
+    assert "pallas" not in backend.implemented("moe_experts") and "interpret" in backend.implemented("moe_experts")
+    backend.unregister("moe_experts", "pallas")  # absent: nothing to do
+    backend.register("moe_experts", "pallas")(kernel)
+    assert backend.get("moe_experts", "pallas") is kernel
+    with pytest.raises(ValueError, match="unknown backend"):
+        backend.unregister("moe_experts", "cuda")

@@ -5,7 +5,7 @@ leading batch dims, and its argument checks.
 Tolerance: both sides accumulate in fp32 and round once to bf16; split-K only reorders fp32 sums, so results agree
 within two bf16 ulps of the output's scale (2 * 2^-8 relative).
 
-The model wiring (k3jax.layers.DENSE_DECODE_KERNEL = "skinny", the "dense" op of the "interpret" backend): a k3-tiny
+The model wiring (k3jax.layers.use_dense_kernel("skinny"), the "dense" op of the "interpret" backend): a k3-tiny
 variant whose GEMM inputs are multiples of 64 prefills and decodes through the kernel (fp32: the backends differ by
 summation order only, 1e-5 relative on logits, as tests/kernels/test_mla_model.py).
 
@@ -94,13 +94,21 @@ def test_model_decode_through_the_skinny_kernel_equals_the_reference_backend(mon
         return skinny_matmul(x, w, **kw)
 
     monkeypatch.setattr(skinny_gemm, "skinny_matmul", counted)
-    monkeypatch.setattr(backend, "_REGISTRY", {  # only "dense" takes its interpret kernel: the others' compiles
-        key: fn for key, fn in backend._REGISTRY.items() if key[1] != "interpret" or key[0] == "dense"})
+    # no other interpret kernel (their compiles); use_dense_kernel registers into this copy, restored afterwards
+    monkeypatch.setattr(backend, "_REGISTRY", {key: fn for key, fn in backend._REGISTRY.items() if key[1] != "interpret"})
+    monkeypatch.setattr(layers, "DENSE_DECODE_KERNEL", layers.DENSE_DECODE_KERNEL)
     probe = jnp.ones((3, 64), jnp.float32)
-    assert layers.DENSE_DECODE_KERNEL == "xla"  # the default: the op is plain `dense`
+    assert layers.DENSE_DECODE_KERNEL == "xla"  # the default: no kernel registered, the op is plain `dense`
+    assert backend.implemented("dense") == ["reference"]
     backend.get("dense", "interpret")(probe, jnp.ones((64, 8), jnp.float32))
     assert calls == []
-    monkeypatch.setattr(layers, "DENSE_DECODE_KERNEL", "skinny")
+    with pytest.raises(ValueError, match="dense kernel"):
+        layers.use_dense_kernel("cublas")
+    layers.use_dense_kernel("skinny")
+    assert sorted(backend.implemented("dense")) == ["interpret", "pallas", "reference"]
+    layers.use_dense_kernel("xla")
+    assert backend.implemented("dense") == ["reference"] and layers.DENSE_DECODE_KERNEL == "xla"
+    layers.use_dense_kernel("skinny")
     # every GEMM input width a multiple of 64 (the kernel's K step; narrower or ragged widths stay on `dense`)
     cfg = k3_tiny().replace(name="k3-tiny-skinny-dense", num_layers=4, mla_layers=(1, 3), attn_res_block_size=2,
                             hidden_size=64, kda_num_heads=4, kda_gate_rank=64, q_lora_rank=64, mla_num_heads=4,
