@@ -112,9 +112,9 @@ class KvEventPublisher:
         added, removed = self._pending_stored, list(self._pending_removed)
         if not added and not removed:
             if now - self._load_time > HEARTBEAT_S / 2:
-                self._load, self._load_time = _engine_load(engine), now
+                self._load, self._load_time = _engine_load(engine, self._in_hand), now
             return
-        load = _engine_load(engine)
+        load = _engine_load(engine, self._in_hand)
         self._load_time = now
         with self._lock:  # `_known` and the sequence change together, as a snapshot reads them
             events = []
@@ -256,10 +256,14 @@ def _prefix_cache(engine):
     return kv.prefix if getattr(kv, "use_prefix_cache", False) else None
 
 
-def _engine_load(engine):
+def _engine_load(engine, in_hand=None):
     stats = engine.stats()
-    # prompt tokens of requests that have produced nothing yet: the prefill work that explains a silence
-    pending = sum(r.num_prompt for r in list(engine.requests.values()) if not r.is_finished and r.num_output == 0)
+    # prompt tokens of requests that have produced nothing yet: the prefill work that explains a silence. One
+    # definition with the heartbeats' where the publisher has `in_hand` (the server's); else the engine's requests
+    if in_hand is not None:
+        pending = in_hand()[1]
+    else:
+        pending = sum(r.num_prompt for r in list(engine.requests.values()) if not r.is_finished and r.num_output == 0)
     return common_pb2.EngineLoad(running_requests=stats.get("running", 0), waiting_requests=stats.get("waiting", 0),
                                  token_usage=float(stats.get("kv_usage", 0.0)),
                                  max_running_requests=engine.ecfg.max_running,

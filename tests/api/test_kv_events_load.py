@@ -87,3 +87,17 @@ def test_heartbeat_reports_the_prefill_in_hand_not_the_last_steps_record():
     pub.on_step(fake_engine([FakeRequest(num_prompt=90, num_output=0, is_finished=False)]), [])  # a stale busy record
     load = pub._heartbeat_load()
     assert load.prefill_pending_tokens == 0 and not load.HasField("engine_silence_ms")
+
+
+def test_step_records_take_pending_prefill_from_in_hand_when_given():
+    """Event batches and heartbeats share one definition of the pending prefill: with `in_hand`, the step's load
+    record reads it too (here deliberately unlike the engine's own requests, so the source is visible)."""
+    engine = fake_engine([FakeRequest(num_prompt=90, num_output=0, is_finished=False)])
+    pub = KvEventPublisher(page_size=16, in_hand=lambda: (1, 417))
+    pub._load_time = 0.0
+    pub.on_step(engine, [])
+    assert pub._load.prefill_pending_tokens == 417
+    plain = KvEventPublisher(page_size=16)
+    plain._load_time = 0.0
+    plain.on_step(engine, [])
+    assert plain._load.prefill_pending_tokens == 90
