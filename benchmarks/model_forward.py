@@ -497,7 +497,7 @@ KERNEL_GROUPS = (
     ("mgpu_decode", "MLA decode kernel"), ("mosaic", "Mosaic GPU kernels"),
     ("mla_prefill", "MLA prefill kernel"), ("moe_grouped", "MoE grouped GEMM kernels"),
     ("attn_res", "AttnRes mix+norm kernel"), ("gated_rms", "gated RMSNorm kernel"),
-    ("skinny_matmul", "dense GEMMs (Pallas skinny)"),
+    ("skinny_matmul", "dense GEMMs (Pallas skinny)"), ("router_topk", "MoE router selection kernel"),
     ("gemm", "dense GEMMs (cuBLAS/XLA)"), ("xmma", "dense GEMMs (cuBLAS/XLA)"), ("nvjet", "dense GEMMs (cuBLAS/XLA)"),
     ("cutlass", "dense GEMMs (cuBLAS/XLA)"), ("triton", "XLA Triton fusions"), ("memcpy", "copies"),
     ("memset", "copies"),

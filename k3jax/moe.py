@@ -21,23 +21,31 @@ from k3jax import backend
 from k3jax.config import ModelConfig
 from k3jax.layers import dense, glu_activation, mlp, rms_norm
 from k3jax.quant import dequantize_experts
-from pallas_kernels import moe_gemm
+from pallas_kernels import moe_gemm, router_topk
 
 # Load-time fused projections (`fuse_moe_weights`); `moe` takes layer params with or without them.
 FUSED_IN = "in_proj"  # [D, Dl + 2 I_sh]: latent_down | shared gate | shared up (all read the same x, bf16)
 FUSED_OUT = "out_proj"  # [Dl + I_sh, D]: latent_up stacked over shared down (one GEMM on [norm(y_lat) | h_shared])
 
 
-def route(router_w: jax.Array, bias: jax.Array, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Expert ids [N, k] int32 and routing weights [N, k] fp32 for tokens x [N, D].
+def route(router_w: jax.Array, bias: jax.Array, x: jax.Array, cfg: ModelConfig, *,
+          backend_name: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """Expert ids [N, k] int32 and routing weights [N, k] fp32 for tokens x [N, D]: the fp32 router GEMM, then the
+    backend's "moe_route" op (`select_experts`, or pallas_kernels/router_topk.py on the kernel backends)."""
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), router_w.astype(jnp.float32))
+    return backend.get("moe_route", backend_name)(logits, bias, cfg)
+
+
+@backend.register("moe_route", "reference")
+def select_experts(logits: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Expert ids [N, k] int32 and routing weights [N, k] fp32 from router logits [N, E] (fp32).
 
     The correction bias steers *selection* only; weights use the unbiased scores (pitfall 7).
     """
-    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), router_w.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jax.nn.softmax(logits, -1)
     choice = scores + bias.astype(jnp.float32)[None, :]
-    if cfg.num_expert_group > 1 and cfg.num_expert_group > cfg.topk_group:
-        n = x.shape[0]
+    if _grouped_routing(cfg):
+        n = logits.shape[0]
         grouped = choice.reshape(n, cfg.num_expert_group, -1)
         group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
         _, keep = jax.lax.top_k(group_score, cfg.topk_group)
@@ -53,6 +61,23 @@ def route(router_w: jax.Array, bias: jax.Array, x: jax.Array, cfg: ModelConfig) 
             total = total + weights[:, j]
         weights = weights / (total[:, None] + 1e-20)
     return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def _grouped_routing(cfg: ModelConfig) -> bool:
+    return cfg.num_expert_group > 1 and cfg.num_expert_group > cfg.topk_group
+
+
+def _select_experts_pallas(logits: jax.Array, bias: jax.Array, cfg: ModelConfig, *, interpret: bool):
+    """`select_experts` as one kernel (pallas_kernels/router_topk.py); grouped routing stays on the reference."""
+    if _grouped_routing(cfg):
+        return select_experts(logits, bias, cfg)
+    return router_topk.router_topk(logits, bias, top_k=cfg.num_experts_per_tok, score=cfg.router_score,
+                                   renormalize=cfg.moe_renormalize, scaling=float(cfg.routed_scaling_factor),
+                                   interpret=interpret)
+
+
+backend.register("moe_route", "pallas")(partial(_select_experts_pallas, interpret=False))
+backend.register("moe_route", "interpret")(partial(_select_experts_pallas, interpret=True))
 
 
 @backend.register("moe_experts", "reference")
@@ -155,7 +180,7 @@ def moe(params: dict, x: jax.Array, cfg: ModelConfig, *, backend_name: str = "re
     """Latent MoE + shared experts on pre-normed x [..., D]; params unfused or from `fuse_moe_weights`."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    ids, weights = route(params["router"], params["router_bias"], xf, cfg)
+    ids, weights = route(params["router"], params["router_bias"], xf, cfg, backend_name=backend_name)
     matmul = backend.get("dense", backend_name)
     z, shared_gate, shared_up = _x_projections(params, xf, cfg, matmul)
     y = backend.get("moe_experts", backend_name)(z, ids, weights, params["experts"], cfg)

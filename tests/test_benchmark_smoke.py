@@ -49,8 +49,8 @@ def test_model_forward_smoke_reference_vs_interpret(tmp_path, capsys):
     assert {e["impl"] for ph in ref_ops.values() for e in ph["ops"].values()} == {"reference"}
     assert result["backends"]["reference"]["non_reference_ops"] == {"decode": [], "prefill": []}
     assert result["backends"]["interpret"]["non_reference_ops"] == {
-        "decode": ["attn_res_mix_norm", "kda_decode_fused", "moe_experts"],
-        "prefill": ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused", "moe_experts"],
+        "decode": ["attn_res_mix_norm", "kda_decode_fused", "moe_experts", "moe_route"],
+        "prefill": ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused", "moe_experts", "moe_route"],
     }
     mla_op = result["backends"]["interpret"]["dispatch"]["decode"]["ops"]["mla_paged_attention"]
     assert mla_op == {"impl": "interpret", "calls": 3, "kernels": {"reference (shape fallback)": 3}}
@@ -116,9 +116,9 @@ def test_model_forward_dispatch_only(tmp_path):
                                     "--out", str(out)])
     assert json.loads(out.read_text()) == result
     ker, ref = result["backends"]["interpret"], result["backends"]["reference"]
-    assert ker["decode"]["non_reference_ops"] == ["attn_res_mix_norm", "kda_decode_fused", "moe_experts"]
+    assert ker["decode"]["non_reference_ops"] == ["attn_res_mix_norm", "kda_decode_fused", "moe_experts", "moe_route"]
     assert ker["prefill"]["non_reference_ops"] == ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused",
-                                                   "moe_experts"]
+                                                   "moe_experts", "moe_route"]
     assert ker["decode"]["dispatch"]["ops"]["mla_paged_attention"]["kernels"] == {"reference (shape fallback)": 3}
     assert ref["decode"]["dispatch"]["ops"]["kda_recurrent"] == {"impl": "reference", "calls": 6}
     assert ref["prefill"]["non_reference_ops"] == []
