@@ -4,8 +4,9 @@
     python benchmarks/moe.py --smoke --out /tmp/moe.json     # CPU: tiny shapes, interpret mode, no timing claims
 
 MXFP4 decode variants (pallas_kernels.moe_gemm.MXFP4_VARIANTS: "interleave" on the checkpoint layout, "kmajor" on
-the kernel layout the model loads) against bf16 weights at decode sizes, one command, ~60 s on the H200 (limits
-~15 s, then the section stops starting cases after --budget-s, default 110 s):
+the kernel layout the model loads, "k4" on the opt-in word layout with the inline-PTX decode) against bf16 weights
+at decode sizes, one command, ~60 s on the H200 (limits ~15 s, then the section stops starting cases after
+--budget-s, default 110 s; add k4 to the variants to time it):
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe,sweep \
         --mxfp4-variants interleave,kmajor --sweep-tokens 16,256,1024 --out $OUT/mxfp4.json
   k3-ep16 shard; bf16 and every variant at each tiling of --mxfp4-configs (decode-sized, block_m 16) on identical
@@ -495,8 +496,8 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
     bf16, mx = make_experts(shape, seed=3)
     mx_deq = dequantized(mx)
     by_layout = {"hf": mx}
-    if "kn" in {moe_gemm.MXFP4_VARIANTS[v] for v in variants}:
-        by_layout["kn"] = {n: moe_gemm.prepare_mxfp4(w) for n, w in mx.items()}
+    for layout in {moe_gemm.MXFP4_VARIANTS[v] for v in variants} & set(moe_gemm.KERNEL_LAYOUTS):  # "kn", "k4"
+        by_layout[layout] = {n: moe_gemm.prepare_mxfp4(w, layout=layout) for n, w in mx.items()}
     cases, skipped, best = [], [], {}
     for t in token_counts:
         ids_np, w_np = routing(shape, t, seed=t + 11)

@@ -29,7 +29,7 @@ rows/expert (docs/benchmarks.md, MoE section) and was removed; it is in this fil
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
 one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
-activations stay bf16), in one of two layouts (`mxfp4_layout`; gate and up share one):
+activations stay bf16), in one of three layouts (`mxfp4_layout`; gate and up share one):
   "hf"  the checkpoint's ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, k3jax.quant);
         decode "interleave": nibbles interleaved back into input order, E2M1 built in fp32 by bit
         construction with two selects, scales broadcast by reshape, cast to bf16, transposed MMA operand.
@@ -40,6 +40,18 @@ activations stay bf16), in one of two layouts (`mxfp4_layout`; gate and up share
         E2M1(m) * 2^-14, m = 1 the exact f16 subnormal 2^-15, the 2^14 folded into the scale; a bf16
         placement would need bf16 subnormals, which XLA:CPU flushes), multiplied a @ W (B operand, no
         transpose), the group scale applied to the fp32 partial product. Inputs must be multiples of 64.
+  "k4"  opt-in, NOT yet timed on the H200 (`prepare_mxfp4(w, layout="k4")`; benchmark variant "k4"):
+        {"planes_k4": [E, in/8, 4 * out], "scales_gn"}; per block of 64 inputs and output column, 8 little-endian
+        32-bit words, word j holding inputs 4j..4j+3 (c0..c3, low plane) and 32+4j..32+4j+3 (d0..d3, high plane):
+        magnitudes c_r & 7 in nibble r, d_r & 7 in nibble 4 + r, the signs of c0 c1 c2 c3 d0 d1 d2 d3 on bits
+        15 31 11 27 7 23 3 19 (`_k4_words`). A k-step loads [8, 4 * block_n] bytes (4 adjacent bytes per column
+        and word: 32-bit smem loads instead of kn's byte loads) and views them as [32, block_n] rows 4j + i, so each
+        thread's 4 k-consecutive MMA-operand bytes are one word; on the GPU one inline-PTX PRMT table lookup per
+        plane and word (`_K4_LUT_ASM`, 10-11 instructions per 4 weights) gives exact bf16 E2M1 values (no 2^14 bias);
+        interpreted, `_k4_lut_bits` computes the same bits in jnp (the asm's reference, checked by the CPU tests).
+        Offline evidence only (Triton 3.6 / ptxas for sm_90a, no timing, 2026-12-02): loop SASS per k-step
+        (block_k 128, per thread) GLU 855 vs kn's 1241, down 442 vs 658 (6.7 / 6.9 vs 9.7 / 10.3 per weight). The
+        SWAR inline-PTX decode listed below was slower than kn despite fewer instructions: time before adopting.
 Measured on the H200 (benchmarks/moe.py --mxfp4-variants, K3 EP16 shard, 2026-11-30, all variants correct;
 docs/results/moe_mxfp4_h200_2026-11-30e.json), bf16 ms / MXFP4 ms at 16 / 256 / 1024 tokens, best tiling each:
 "kn" (variant "kmajor") 0.81 / 0.84 / 0.59, "hf" ("interleave") 0.59 / 0.55 / 0.37. Tried and removed, all
@@ -239,14 +251,17 @@ PLANE_BLOCK = 2 * MXFP4_GROUP  # inputs per byte block of the kernel layout (one
 # the hardware f16 -> f32 conversion); the 2^14 is folded into the group scale
 _PLANE_BIAS = 2.0**14
 # benchmark variant name (benchmarks/moe.py --mxfp4-variants) -> the MXFP4 layout it runs on
-MXFP4_VARIANTS = {"interleave": "hf", "kmajor": "kn"}
+MXFP4_VARIANTS = {"interleave": "hf", "kmajor": "kn", "k4": "k4"}
 # layout -> its dict keys (packed nibbles, E8M0 scales)
-MXFP4_LAYOUT_KEYS = {"hf": ("packed", "scale"), "kn": ("planes_kn", "scales_gn")}
+MXFP4_LAYOUT_KEYS = {"hf": ("packed", "scale"), "kn": ("planes_kn", "scales_gn"), "k4": ("planes_k4", "scales_gn")}
+# the layouts `prepare_mxfp4` makes (cut in PLANE_BLOCK-input blocks)
+KERNEL_LAYOUTS = ("kn", "k4")
 
 
 def mxfp4_layout(w) -> str:
-    """"float" (an array), "hf" ({"packed", "scale"}: the checkpoint's) or "kn" ({"planes_kn", "scales_gn"}:
-    `prepare_mxfp4`'s kernel layout); ValueError for a dict of other keys."""
+    """"float" (an array), "hf" ({"packed", "scale"}: the checkpoint's), "kn" ({"planes_kn", "scales_gn"}:
+    `prepare_mxfp4`'s kernel layout) or "k4" ({"planes_k4", "scales_gn"}: its opt-in word layout); ValueError for a
+    dict of other keys."""
     if not isinstance(w, dict):
         return "float"
     for layout, keys in MXFP4_LAYOUT_KEYS.items():
@@ -260,16 +275,19 @@ def _xp(a):
     return np if isinstance(a, np.ndarray) else jnp
 
 
-def prepare_mxfp4(w: dict) -> dict:
-    """MXFP4 weight in the checkpoint's layout -> the kernel layout, once at load time (exact: a re-packing).
+def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
+    """MXFP4 weight in the checkpoint's layout -> a kernel layout, once at load time (exact: a re-packing).
 
     w: {"packed": [E, out, in/2] uint8 (input 2j in the low nibble of byte j), "scale": [E, out, in/32] uint8}
     (k3jax.quant, HF orientation), numpy (result numpy) or jax arrays; in must be a multiple of PLANE_BLOCK (64).
     Returns {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]} with the nibbles de-interleaved per
     block of 64 inputs: the low nibbles of a block are its first 32 inputs = one scale group, the high nibbles
     the next 32 = the next group, so each nibble plane decodes straight into an MMA operand with a single
-    scale per output column. `mxfp4_checkpoint_layout` is the inverse.
+    scale per output column. layout="k4": {"planes_k4": [E, in/8, 4 * out], "scales_gn"}, the same codes as
+    32-bit words (`_k4_words`, module docstring). `mxfp4_checkpoint_layout` is the inverse of both.
     """
+    if layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
     if mxfp4_layout(w) != "hf":
         raise ValueError(f"prepare_mxfp4 takes the checkpoint layout {{'packed', 'scale'}}, got {sorted(w)}")
     e, n_in, n_out = _weight_dims(w)
@@ -278,25 +296,138 @@ def prepare_mxfp4(w: dict) -> dict:
     packed, scale = w["packed"], w["scale"]
     xp = _xp(packed)
     codes = xp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n_out, n_in)  # input order
+    if layout == "k4":
+        return {"planes_k4": _k4_words(codes), "scales_gn": scale.swapaxes(-1, -2)}
     blocks = codes.reshape(e, n_out, n_in // PLANE_BLOCK, 2, PLANE_BLOCK // 2)
     planes = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(e, n_out, n_in // 2)
     return {"planes_kn": planes.swapaxes(-1, -2), "scales_gn": scale.swapaxes(-1, -2)}
 
 
 def mxfp4_checkpoint_layout(w: dict) -> dict:
-    """The inverse of `prepare_mxfp4` (exact): {"planes_kn", "scales_gn"} -> {"packed": [E, out, in/2],
+    """The inverse of `prepare_mxfp4` (exact): {"planes_kn" | "planes_k4", "scales_gn"} -> {"packed": [E, out, in/2],
     "scale": [E, out, in/32]}, numpy or jax arrays; a checkpoint-layout dict is returned as it is."""
     layout = mxfp4_layout(w)
     if layout == "hf":
         return w
-    if layout != "kn":
+    if layout not in KERNEL_LAYOUTS:
         raise ValueError("mxfp4_checkpoint_layout takes an MXFP4 dict")
     e, n_in, n_out = _weight_dims(w)
+    if layout == "k4":
+        codes = _k4_codes(w["planes_k4"])  # [E, out, in], input order
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return {"packed": packed.astype(np.uint8), "scale": w["scales_gn"].swapaxes(-1, -2)}
     planes = w["planes_kn"].swapaxes(-1, -2).reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
     xp = _xp(planes)
     codes = xp.concatenate([planes & 0x0F, planes >> 4], axis=-1).reshape(e, n_out, n_in)  # input order
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return {"packed": packed, "scale": w["scales_gn"].swapaxes(-1, -2)}
+
+
+# k4 word: bit of the sign of c0 c1 c2 c3 (low plane, inputs 4j + r) and d0 d1 d2 d3 (high plane, 32 + 4j + r); the
+# magnitudes sit in nibbles 0-3 (c) and 4-7 (d). Chosen so that one `and 0x7777` (after a 16-bit shift for the
+# high plane) gives four PRMT selectors and each sign lands on bit 15 / 31 of its bf16 pair with one shift
+_K4_SIGN_BITS = (15, 31, 11, 27, 7, 23, 3, 19)
+
+
+def _k4_words(codes):
+    """E2M1 codes [E, out, in] (0..15, input order, in a multiple of 64; numpy or jax) -> the k4 bytes
+    [E, in/8, 4 * out] uint8: row 8b + j, columns 4n .. 4n + 3 = word j of block b, column n, little-endian."""
+    xp = _xp(codes)
+    e, n_out, n_in = codes.shape
+    blocks = codes.astype(xp.uint32).reshape(e, n_out, n_in // PLANE_BLOCK, 2, 8, 4)  # [.., plane, j, r]
+    words = xp.zeros((e, n_out, n_in // PLANE_BLOCK, 8), xp.uint32)
+    for plane in (0, 1):
+        for r in range(4):
+            code = blocks[..., plane, :, r]
+            words = words | ((code & 7) << (16 * plane + 4 * r)) | ((code >> 3) << _K4_SIGN_BITS[4 * plane + r])
+    octets = xp.stack([(words >> (8 * i)) & 0xFF for i in range(4)], axis=-1).astype(xp.uint8)  # [E, out, B, 8, 4]
+    return octets.transpose(0, 2, 3, 1, 4).reshape(e, n_in // 8, 4 * n_out)
+
+
+def _k4_codes(planes):
+    """The inverse of `_k4_words`: [E, in/8, 4 * out] uint8 -> codes [E, out, in] uint8 in input order."""
+    xp = _xp(planes)
+    e, rows, width = planes.shape
+    octets = planes.astype(xp.uint32).reshape(e, rows // 8, 8, width // 4, 4)
+    words = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16) | (octets[..., 3] << 24)  # [E, B, 8, out]
+    codes = xp.stack([xp.stack([((words >> (16 * p + 4 * r)) & 7) | (((words >> _K4_SIGN_BITS[4 * p + r]) & 1) << 3)
+                                for r in range(4)], axis=-1) for p in (0, 1)], axis=-2)  # [E, B, 8, out, plane, r]
+    return codes.transpose(0, 3, 1, 4, 2, 5).reshape(e, width // 4, 8 * rows).astype(xp.uint8)
+
+
+# The k4 decode, 4 weights of one plane per asm instance ($2: one word, pack=4; $0 / $1: bf16 pairs of rows 4j, 4j+1
+# / 4j+2, 4j+3). Byte table T = {00, 3F, 40, 80, C0} (0x80403F00, 0x000000C0) and index table
+# T2[m] = hi << 4 | lo (0x14131000, 0x24232220): the bf16 of E2M1 magnitude m is T[hi] T[lo] (0x0000, 0x3F00 = 0.5,
+# 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0 = 6). Per plane: mask the magnitudes to selectors, one PRMT to
+# table indices, two PRMTs to the bf16 pairs, the signs shifted onto bits 15 / 31 (code 8 gives -0, as E2M1 does).
+_K4_INDEX = (0x14131000, 0x24232220)
+_K4_BYTES = (0x80403F00, 0x000000C0)
+_K4_SIGN_SHIFTS = ((0, 4), (8, 12))  # plane -> left shifts putting the signs of (rows 0, 1) and (2, 3) on 15 / 31
+_K4_LUT_ASM = {
+    0: """{
+.reg .b32 m, i, t;
+and.b32 m, $2, 0x7777;
+prmt.b32 i, 0x14131000, 0x24232220, m;
+prmt.b32 $0, 0x80403F00, 0x000000C0, i;
+and.b32 t, $2, 0x80008000; or.b32 $0, $0, t;
+shr.b32 i, i, 16;
+prmt.b32 $1, 0x80403F00, 0x000000C0, i;
+shl.b32 t, $2, 4; and.b32 t, t, 0x80008000; or.b32 $1, $1, t;
+}""",
+    1: """{
+.reg .b32 m, i, t;
+shr.b32 m, $2, 16; and.b32 m, m, 0x7777;
+prmt.b32 i, 0x14131000, 0x24232220, m;
+prmt.b32 $0, 0x80403F00, 0x000000C0, i;
+shl.b32 t, $2, 8; and.b32 t, t, 0x80008000; or.b32 $0, $0, t;
+shr.b32 i, i, 16;
+prmt.b32 $1, 0x80403F00, 0x000000C0, i;
+shl.b32 t, $2, 12; and.b32 t, t, 0x80008000; or.b32 $1, $1, t;
+}"""}
+
+
+def _prmt(lo: int, hi: int, selector: jax.Array) -> jax.Array:
+    """PTX `prmt.b32 d, lo, hi, selector` (default mode) for constant lo / hi, in jnp on uint32: byte l of d is byte
+    (selector nibble l) of the 8 bytes hi:lo. Nibble bit 3 (sign replication) is clear in every use here."""
+    out = jnp.zeros_like(selector)
+    for lane in range(4):
+        n = (selector >> (4 * lane)) & 7
+        shift = (n & 3) * 8
+        byte = jnp.where(n < 4, jnp.uint32(lo) >> shift, jnp.uint32(hi) >> shift) & 0xFF
+        out = out | (byte << (8 * lane))
+    return out
+
+
+def _k4_lut_bits(words: jax.Array, plane: int) -> tuple[jax.Array, jax.Array]:
+    """What `_K4_LUT_ASM[plane]` computes, step for step, in jnp on uint32 words ($2): ($0, $1), the bf16 bits of
+    rows (4j, 4j+1) and (4j+2, 4j+3) in the (low, high) halves. The interpret-mode decode and the asm's reference."""
+    m = (words >> (16 * plane)) & 0x7777
+    i = _prmt(*_K4_INDEX, m)
+    signs = [(words << s) & jnp.uint32(0x80008000) for s in _K4_SIGN_SHIFTS[plane]]
+    return _prmt(*_K4_BYTES, i) | signs[0], _prmt(*_K4_BYTES, i >> 16) | signs[1]
+
+
+def _k4_decode(raw: jax.Array, interpret: bool) -> list[jax.Array]:
+    """One 64-input block of k4 bytes [8, 4 * block_n] uint8 -> the (low, high) plane tiles [32, block_n] bf16 (row
+    4j + r = input 4j + r of the plane's 32), exact E2M1 values. GPU: the tile viewed as [32, block_n] (row 4j + i =
+    byte i of word j: a free reshape/transpose in Triton's linear layouts, each thread's kWidth=4 operand bytes one
+    register) and decoded by `_K4_LUT_ASM` (assumes pack=4 puts element i in byte i of $2 and output elements 0..3
+    in the low / high halves of $0, $1). Interpreted: the same bits by `_k4_lut_bits` on the words."""
+    block_n = raw.shape[1] // 4
+    if not interpret:
+        packed = raw.reshape(8, block_n, 4).swapaxes(1, 2).reshape(4 * 8, block_n)
+        sd = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
+        # one asm per plane (a 2-result asm does not lower in jax 0.11.2)
+        return [plgpu.elementwise_inline_asm(_K4_LUT_ASM[p], args=[packed], constraints="=r,=r,r", pack=4,
+                                             result_shape_dtypes=[sd])[0] for p in (0, 1)]
+    octets = raw.reshape(8, block_n, 4).astype(jnp.uint32)
+    words = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16) | (octets[..., 3] << 24)  # [8, block_n]
+    tiles = []
+    for plane in (0, 1):
+        lo, hi = _k4_lut_bits(words, plane)
+        halves = jnp.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], axis=1)  # [8, 4, block_n]
+        tiles.append(jax.lax.bitcast_convert_type(halves.reshape(32, block_n).astype(jnp.uint16), jnp.bfloat16))
+    return tiles
 
 
 def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
@@ -315,10 +446,11 @@ def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
 
 class _WeightRefs:
     """One expert weight operand: float [E, K, N] refs, MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs
-    (checkpoint layout "hf"), or the kernel layout "kn" (planes [E, K/2, N] + scales [E, K/32, N])."""
+    (checkpoint layout "hf"), or a kernel layout: "kn" (planes [E, K/2, N] + scales [E, K/32, N]) or "k4" (words
+    [E, K/8, 4N] + the same scales). interpret: the kernel runs interpreted (k4: jnp decode instead of inline asm)."""
 
-    def __init__(self, refs, layout: str):
-        self.refs, self.layout = refs, layout
+    def __init__(self, refs, layout: str, interpret: bool = False):
+        self.refs, self.layout, self.interpret = refs, layout, interpret
 
     def accumulate(self, acc, a_ref, rows, expert, k0, n0, block_k: int, block_n: int):
         """acc [block_m, block_n] fp32 + a[rows, k0:k0+block_k] @ W[expert, k0:k0+block_k, n0:n0+block_n];
@@ -337,17 +469,25 @@ class _WeightRefs:
             scale = scale_ref[expert, pl.ds(n0, block_n), pl.ds(k0 // MXFP4_GROUP, block_k // MXFP4_GROUP)]
             w = _dequant_tile(packed, scale, a.dtype)  # [block_n, block_k]
             return acc + jnp.dot(a, w.T, preferred_element_type=jnp.float32)
-        # kernel layout: per 64-input block one byte tile, two nibble planes = two scale groups
+        # kernel layouts: per 64-input block one byte tile, two nibble planes = two scale groups
         planes_ref, scales_ref = self.refs
         half = PLANE_BLOCK // 2
+        k4 = self.layout == "k4"
         for c in range(block_k // PLANE_BLOCK):
             kc = k0 + c * PLANE_BLOCK
-            packed = planes_ref[expert, pl.ds(kc // 2, half), pl.ds(n0, block_n)]  # [32, block_n]
+            if k4:  # 8 words per column, 4 adjacent bytes each: [8, 4 * block_n]
+                decoded = _k4_decode(planes_ref[expert, pl.ds(kc // 8, 8), pl.ds(4 * n0, 4 * block_n)], self.interpret)
+            else:
+                packed = planes_ref[expert, pl.ds(kc // 2, half), pl.ds(n0, block_n)]  # [32, block_n]
             for plane in (0, 1):
                 a = a_ref[rows, pl.ds(kc + plane * half, half)]  # [block_m, 32]
                 s = scales_ref[expert, kc // MXFP4_GROUP + plane, pl.ds(n0, block_n)]  # [block_n]
-                factor = _e8m0_to_f32(s.astype(jnp.int32)) * _PLANE_BIAS  # 2^(s-127) * 2^14, [block_n]
-                w = _decode_plane(packed, plane == 1).astype(a.dtype)  # E2M1 * 2^-14, exact in f16, bf16, f32
+                factor = _e8m0_to_f32(s.astype(jnp.int32))  # 2^(s-127), [block_n]
+                if k4:
+                    w = decoded[plane].astype(a.dtype)  # exact E2M1 in bf16 (and f32)
+                else:
+                    factor = factor * _PLANE_BIAS  # the kn decode's 2^-14, undone on the fp32 partial product
+                    w = _decode_plane(packed, plane == 1).astype(a.dtype)  # E2M1 * 2^-14, exact in f16, bf16, f32
                 part = jnp.dot(a, w, preferred_element_type=jnp.float32)  # [block_m, block_n]
                 acc = acc + part * factor[None, :]
         return acc
@@ -369,17 +509,17 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 
 def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, up_layout: str, config: MoeGemmConfig,
                         top_k: int, in_dim: int, block_n: int, block_k: int, activation: str, beta: float,
-                        linear_beta: float | None):
+                        linear_beta: float | None, interpret: bool = False):
     # bounds_ref [P + 1] int32 first expert-sorted row of each expert (`row_bounds`)
     # order_ref  [M_pad] int32 assignment (token * top_k + slot) of each expert-sorted row (pad rows: M)
     # x_ref      [N, >= in_dim] tokens (columns past in_dim unread); rows gathered by token = assignment // top_k
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
-    #       planes [E, K_pad/2, I_pad] u8 + scales [E, K_pad/32, I_pad] u8),
+    #       planes [E, K_pad/2, I_pad] u8 | words [E, K_pad/8, 4 I_pad] u8, + scales [E, K_pad/32, I_pad] u8),
     #       up refs (same layout), h_ref [M_pad, I_pad] output in expert-sorted row order
     n_gate = 1 if gate_layout == "float" else 2
     n_up = 1 if up_layout == "float" else 2
-    gate = _WeightRefs(rest[:n_gate], gate_layout)
-    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout)
+    gate = _WeightRefs(rest[:n_gate], gate_layout, interpret)
+    up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, interpret)
     h_ref = rest[n_gate + n_up]
     item, col = pl.program_id(0), pl.program_id(1)
 
@@ -406,15 +546,15 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
 
 
 def _grouped_down_kernel(bounds_ref, order_ref, routing_ref, h_ref, *rest, layout: str, config: MoeGemmConfig,
-                         block_n: int, block_k: int):
+                         block_n: int, block_k: int, interpret: bool = False):
     # bounds_ref  [P + 1] int32 (`row_bounds`)
     # order_ref   [M_pad] int32 assignment of each expert-sorted row (pad rows: M, out of range, never stored)
     # routing_ref [M] fp32 routing weight of each assignment (token * top_k + slot)
     # h_ref       [M_pad, I_pad] GLU output rows, expert-sorted
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
-    #       planes [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8),
+    #       planes [E, I_pad/2, D_pad] u8 | words [E, I_pad/8, 4 D_pad] u8, + scales [E, I_pad/32, D_pad] u8),
     #       y_ref [M, D_pad] fp32 output by assignment: each row written once, by the item that owns it
-    down = _WeightRefs(rest[:-1], layout)
+    down = _WeightRefs(rest[:-1], layout, interpret)
     y_ref = rest[-1]
     item, col = pl.program_id(0), pl.program_id(1)
 
@@ -476,13 +616,18 @@ def _weight_dims(w) -> tuple[int, int, int]:
         raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
     if packed.ndim != 3 or scale.ndim != 3:
         raise ValueError(f"MXFP4 tensors must be 3-d [E, ...], got {packed.shape} / {scale.shape}")
+    width_ok = True
     if layout == "hf":
         e, n_out, half = packed.shape
         want, block = (e, n_out, half * 2 // MXFP4_GROUP), MXFP4_GROUP
-    else:
+    elif layout == "kn":
         e, half, n_out = packed.shape
         want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
-    if scale.shape != want or (2 * half) % block:
+    else:  # k4: [E, in/8, 4 * out]
+        e, rows, width = packed.shape
+        half, n_out, width_ok = 4 * rows, width // 4, width % 4 == 0
+        want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
+    if scale.shape != want or (2 * half) % block or not width_ok:
         raise ValueError(f"MXFP4 {layout} shapes {sorted(w)} = {list(packed.shape)} / {list(scale.shape)} do not match "
                          f"(inputs must be a multiple of {block}; see prepare_mxfp4)")
     return e, 2 * half, n_out
@@ -506,6 +651,9 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
     if layout == "hf":
         packed = jnp.pad(packed, ((0, 0), (0, d_out), (0, d_half)))
         scale = jnp.pad(scale, ((0, 0), (0, d_out), (0, d_group)), constant_values=127)
+    elif layout == "k4":  # zero words are code 0 (+0.0) in both planes
+        packed = jnp.pad(packed, ((0, 0), (0, d_half // 4), (0, 4 * d_out)))
+        scale = jnp.pad(scale, ((0, 0), (0, d_group), (0, d_out)), constant_values=127)
     else:
         packed = jnp.pad(packed, ((0, 0), (0, d_half), (0, d_out)))
         scale = jnp.pad(scale, ((0, 0), (0, d_group), (0, d_out)), constant_values=127)
@@ -541,7 +689,7 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
         _grouped_glu_kernel, gate_layout=mxfp4_layout(gate), up_layout=mxfp4_layout(up), config=config, top_k=top_k,
         in_dim=in_dim,
         block_n=config.glu_block_n, block_k=config.block_k, activation=activation, beta=situ_beta,
-        linear_beta=situ_linear_beta,
+        linear_beta=situ_linear_beta, interpret=interpret,
     )
     args = (bounds, order, x, *_pad_weight(gate, k_pad, i_pad), *_pad_weight(up, k_pad, i_pad))
     return pl.pallas_call(
@@ -562,7 +710,7 @@ def grouped_down(h: jax.Array, order: jax.Array, bounds: jax.Array, routing: jax
     m_pad, i_pad = h.shape
     kernel = functools.partial(
         _grouped_down_kernel, layout=mxfp4_layout(down), config=config,
-        block_n=config.down_block_n, block_k=config.block_k,
+        block_n=config.down_block_n, block_k=config.block_k, interpret=interpret,
     )
     return pl.pallas_call(
         kernel,
@@ -621,7 +769,7 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     if packed and config.block_k < MXFP4_GROUP:
         raise ValueError(f"MXFP4 weights need block_k >= {MXFP4_GROUP}, got {config.block_k}")
     # the kernel layout is cut in 64-input blocks: its contraction step is a multiple of 64
-    min_block_k = PLANE_BLOCK if "kn" in layouts else MXFP4_GROUP if packed else 16
+    min_block_k = PLANE_BLOCK if layouts & set(KERNEL_LAYOUTS) else MXFP4_GROUP if packed else 16
     block_k = _block(max(config.block_k, min_block_k), max(k_dim, i_dim), min_block_k)
     config = dataclasses.replace(
         config, block_k=block_k,
@@ -673,12 +821,14 @@ def mxfp4_dequantize_reference(packed: jax.Array, scale: jax.Array, dtype=jnp.fl
 
 def mxfp4_weight_reference(w: dict, dtype=jnp.float32) -> jax.Array:
     """Either MXFP4 layout (`mxfp4_layout`: checkpoint or `prepare_mxfp4`'s) -> [E, in, out] weight, plain jnp
-    (the kernel layout decoded from its own planes, not through `mxfp4_checkpoint_layout`)."""
+    (the "kn" layout decoded from its own planes, not through `mxfp4_checkpoint_layout`; "k4" through it, so that
+    the kernel's k4 decode, `_k4_lut_bits`, is checked against an independent path)."""
     layout = mxfp4_layout(w)
-    if layout == "hf":
-        return mxfp4_dequantize_reference(w["packed"], w["scale"], dtype)
     if layout == "float":
         raise ValueError("mxfp4_weight_reference takes an MXFP4 dict")
+    if layout in ("hf", "k4"):
+        w = mxfp4_checkpoint_layout(w)
+        return mxfp4_dequantize_reference(w["packed"], w["scale"], dtype)
     e, n_in, n_out = _weight_dims(w)
     planes = jnp.swapaxes(w["planes_kn"], -1, -2)  # [E, out, in/2]
     blocks = planes.reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
@@ -722,5 +872,5 @@ __all__ = [
     "grouped_glu", "grouped_down",
     "moe_grouped_mlp", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
     "expert_weight_bytes", "prepare_mxfp4", "mxfp4_checkpoint_layout", "mxfp4_layout", "mxfp4_weight_reference",
-    "MXFP4_VARIANTS", "MXFP4_LAYOUT_KEYS", "PLANE_BLOCK",
+    "MXFP4_VARIANTS", "MXFP4_LAYOUT_KEYS", "KERNEL_LAYOUTS", "PLANE_BLOCK",
 ]

@@ -109,7 +109,8 @@ def test_mid_size_modes_match_reference(mode):
 @pytest.mark.parametrize("variant", list(moe_gemm.MXFP4_VARIANTS))
 @pytest.mark.parametrize("tokens,top_k", [(7, 4), (600, 2)])
 def test_mxfp4_variants_match_dequantised_reference(variant, tokens, top_k):
-    """Both MXFP4 layouts ("interleave" on the checkpoint's, "kmajor" on the kernel's), compiled, at K3 widths
+    """Every MXFP4 layout ("interleave" on the checkpoint's, "kmajor" on the kernel's, "k4" on the opt-in word layout
+    with the inline-PTX decode), compiled, at K3 widths
     (3584 -> 3072) and the decode tiling (block_m 16) for 7 tokens / the 64-row tiling for 600: random bytes
     cover all 16 codes (incl. the f16-subnormal +-0.5 of the plane decode) and scales span 2^-10..2^10 around a
     2^-9 base. Against the model's ragged_dot reference on the same weights dequantised (exact in bf16): 1e-2
@@ -129,12 +130,51 @@ def test_mxfp4_variants_match_dequantised_reference(variant, tokens, top_k):
 
     checkpoint = {"gate": hf(i, k, 118), "up": hf(i, k, 118), "down": hf(k, i, 118)}
     layout = moe_gemm.MXFP4_VARIANTS[variant]
-    experts = checkpoint if layout == "hf" else {n: moe_gemm.prepare_mxfp4(v) for n, v in checkpoint.items()}
+    experts = checkpoint if layout == "hf" else {n: moe_gemm.prepare_mxfp4(v, layout=layout)
+                                                 for n, v in checkpoint.items()}
     got = moe_gemm.moe_grouped_mlp(x, ids, w, experts)
     cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=top_k)
     want = grouped_experts_reference(x, ids, w, checkpoint, cfg)  # ragged_dot over the dequantised weights
     assert np.isfinite(np.asarray(got, np.float32)).all()
     assert rel(got, want) < 1e-2, variant
+
+
+@pytest.mark.parametrize("shape", ["k3-small", "k3-ep16"])
+def test_k4_decode_sizes_match_kn_and_dequantised_reference(shape):
+    """The opt-in "k4" layout's inline-PTX decode on the device at decode sizes, default tiling: k3-small (192 experts,
+    1024 -> 512, top 8 of 64 tokens) and one K3 EP16 shard (56 experts, 3584 -> 3072, 16 tokens, top 16 of 896 kept
+    where local). Against the dense einsum over the dequantised weights (each expert's rows, bf16 weights exact) at
+    the bf16 band (1e-2), and against "kn" on the same codes: both decodes are exact and the scale is a power of two,
+    so the two agree to fp32 reordering (1e-3 leaves room for h's bf16 rounding); a wrong byte or half order in
+    the asm (the pack=4 assumption) would permute weights inside each group and fail both by ~1."""
+    e, k, i, tokens, top_k, total = {"k3-small": (192, 1024, 512, 64, 8, 192),
+                                     "k3-ep16": (56, 3584, 3072, 16, 16, 896)}[shape]
+    rng = np.random.default_rng(7)
+    picks = np.stack([rng.choice(total, top_k, replace=False) for _ in range(tokens)])
+    ids = np.where(picks < e, picks, picks[:, :1] % e).astype(np.int32)  # non-local picks folded onto a local expert
+    ids, w = jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
+    x = jax.random.normal(jax.random.key(11), (tokens, k)).astype(jnp.bfloat16)
+
+    def hf(n_out, n_in):  # all 16 codes; scales 2^-10 +- 1 (|w| ~ 1/sqrt(fan-in)), a few groups +-8 octaves
+        scale = rng.integers(116, 119, (e, n_out, n_in // 32))
+        scale[:, :4, :4] = rng.integers(109, 126, (e, 4, 4))
+        return {"packed": jnp.asarray(rng.integers(0, 256, (e, n_out, n_in // 2), dtype=np.uint8)),
+                "scale": jnp.asarray(scale.astype(np.uint8))}
+
+    checkpoint = {"gate": hf(i, k), "up": hf(i, k), "down": hf(k, i)}
+    got = {lay: moe_gemm.moe_grouped_mlp(x, ids, w, {n: moe_gemm.prepare_mxfp4(v, layout=lay)
+                                                     for n, v in checkpoint.items()}) for lay in ("kn", "k4")}
+    dense = {n: moe_gemm.mxfp4_weight_reference(v, jnp.bfloat16) for n, v in checkpoint.items()}  # [E, in, out]
+    want = jnp.zeros((tokens, k), jnp.float32)
+    for j in range(top_k):  # per slot, dense einsum over each token's expert weights (gathered one slot at a time)
+        g = jnp.einsum("nk,nki->ni", x, dense["gate"][ids[:, j]], preferred_element_type=jnp.float32)
+        u = jnp.einsum("nk,nki->ni", x, dense["up"][ids[:, j]], preferred_element_type=jnp.float32)
+        h = moe_gemm._glu(g, u, "situ", 4.0, 25.0).astype(jnp.bfloat16)
+        y = jnp.einsum("ni,nid->nd", h, dense["down"][ids[:, j]], preferred_element_type=jnp.float32)
+        want = want + y * w[:, j:j + 1]
+    assert np.isfinite(np.asarray(got["k4"], np.float32)).all()
+    assert rel(got["k4"], want) < 1e-2, shape
+    assert rel(got["k4"], got["kn"]) < 1e-3, shape
 
 
 def test_model_moe_op_on_kernel_layout_experts():

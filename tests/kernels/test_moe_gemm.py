@@ -337,7 +337,7 @@ def test_prepare_mxfp4_is_an_exact_repacking():
 
 @pytest.mark.parametrize("config,variants", [
     (MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=128, block_k=128), tuple(moe_gemm.MXFP4_VARIANTS)),
-    (MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64), ("kmajor",)),
+    (MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64), ("kmajor", "k4")),
 ], ids=["bk128", "bk64"])
 def test_mxfp4_variants_match_float64(config, variants):
     """Both layouts (MXFP4_VARIANTS) on ragged groups with an empty and a hot expert, scales 2^-10..2^10, dims
@@ -352,10 +352,12 @@ def test_mxfp4_variants_match_float64(config, variants):
     dequant = {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}
     x = x * 2.0**-8  # scales up to 2^10 times E2M1 6: keep SiTU out of its saturated range
     want = numpy_moe(x, ids, w, dequant, "situ")
-    kernel = {k: moe_gemm.prepare_mxfp4(v) for k, v in hf.items()}
-    assert rel(moe_grouped_mlp_reference(x, ids, w, kernel), want) < 2e-6
+    by_layout = {"hf": hf, **{lay: {k: moe_gemm.prepare_mxfp4(v, layout=lay) for k, v in hf.items()}
+                              for lay in moe_gemm.KERNEL_LAYOUTS}}
+    for layout in moe_gemm.KERNEL_LAYOUTS:
+        assert rel(moe_grouped_mlp_reference(x, ids, w, by_layout[layout]), want) < 2e-6, layout
     for name in variants:
-        experts = hf if moe_gemm.MXFP4_VARIANTS[name] == "hf" else kernel
+        experts = by_layout[moe_gemm.MXFP4_VARIANTS[name]]
         got = moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True)
         assert rel(got, want) < 2e-6, name
 
@@ -372,6 +374,109 @@ def test_mxfp4_layout_errors():
         moe_gemm.mxfp4_checkpoint_layout({"planes_kn": hf["packed"], "scales_gn": hf["scale"]})
     with pytest.raises(ValueError, match="MXFP4 dict"):
         moe_gemm.mxfp4_checkpoint_layout(experts["gate"])
+    with pytest.raises(ValueError, match="do not match"):  # k4 words are [E, in/8, 4 out]
+        moe_gemm.mxfp4_checkpoint_layout({"planes_k4": hf["packed"][:, :, :30], "scales_gn": hf["scale"]})
+    with pytest.raises(ValueError, match="layout must be one of"):
+        moe_gemm.prepare_mxfp4(hf, layout="nk")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the opt-in "k4" layout (prepare_mxfp4(w, layout="k4")) and its decode; on the GPU the decode is inline PTX,
+# interpreted it is `_k4_lut_bits`, the jnp statement of the same bit operations: these tests check those bits
+
+
+def k4_word(c, d) -> int:
+    """The documented k4 word of low-plane codes c[0..3] and high-plane codes d[0..3] (module docstring)."""
+    word = 0
+    for r in range(4):
+        word |= (c[r] & 7) << (4 * r) | (d[r] & 7) << (16 + 4 * r)
+    for code, bit in zip([*c, *d], (15, 31, 11, 27, 7, 23, 3, 19)):
+        word |= (code >> 3) << bit
+    return word
+
+
+def test_k4_layout_is_an_exact_repacking():
+    """prepare_mxfp4(layout="k4") re-packs the checkpoint's codes: the inverse gives its bytes back, the reference
+    weights are the checkpoint's, word j of block 1 for column 7 holds the documented bits, and numpy in (the loader's
+    path) gives the same bytes as jax in."""
+    rng = np.random.default_rng(20)
+    w = random_mxfp4(rng, 3, 40, 192)
+    k4 = moe_gemm.prepare_mxfp4(w, layout="k4")
+    assert moe_gemm.mxfp4_layout(k4) == "k4"
+    assert k4["planes_k4"].shape == (3, 24, 160) and k4["scales_gn"].shape == (3, 6, 40)
+    back = moe_gemm.mxfp4_checkpoint_layout(k4)
+    for k in ("packed", "scale"):
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(w[k]))
+    np.testing.assert_array_equal(np.asarray(moe_gemm.mxfp4_weight_reference(k4), np.float64),
+                                  numpy_dequantize(w["packed"], w["scale"]))
+    packed = np.asarray(w["packed"])
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(3, 40, 192)  # input order
+    planes = np.asarray(k4["planes_k4"])
+    for j in (0, 5):
+        c, d = codes[2, 7, 64 + 4 * j: 68 + 4 * j], codes[2, 7, 96 + 4 * j: 100 + 4 * j]
+        word = planes[2, 8 + j, 28:32].astype(np.uint32) << np.arange(0, 32, 8, dtype=np.uint32)
+        assert int(word.sum()) == k4_word([int(v) for v in c], [int(v) for v in d])
+    on_host = moe_gemm.prepare_mxfp4({k: np.asarray(v) for k, v in w.items()}, layout="k4")
+    assert all(isinstance(v, np.ndarray) for v in on_host.values())
+    for k in ("planes_k4", "scales_gn"):
+        np.testing.assert_array_equal(on_host[k], np.asarray(k4[k]))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 96), layout="k4")
+
+
+def test_k4_lut_bits_are_exact_bf16_for_every_code_tuple():
+    """`_k4_lut_bits` (the asm's steps in jnp) over all 65536 4-code tuples of each plane (the other plane holding
+    the reversed tuple): the bf16 bits of E2M1 exactly, -0 for code 8, in the documented halves."""
+    c = np.stack(np.meshgrid(*[np.arange(16)] * 4, indexing="ij"), axis=-1).reshape(-1, 4)
+    words = np.array([k4_word(t, t[::-1]) for t in c.tolist()], np.uint32)
+    bits = (E2M1_TABLE.astype(np.float32).view(np.uint32) >> 16).astype(np.uint32)  # bf16 of each code
+    for plane, codes in ((0, c), (1, c[:, ::-1])):
+        lo, hi = (np.asarray(v) for v in moe_gemm._k4_lut_bits(jnp.asarray(words), plane))
+        got = np.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], axis=-1)
+        np.testing.assert_array_equal(got, bits[codes])
+
+
+def test_k4_interpret_decode_matches_reference_weights():
+    """The interpret-mode tile decode (`_k4_decode`) of every 64-input block, times its group scales, equals
+    `mxfp4_weight_reference` (through the checkpoint layout: an independent path) bit for bit: all 16 codes in
+    both planes at every row position (code = column + input mod 16), scales 2^-20..2^20 and 1."""
+    n_out, n_in = 16, 128
+    codes = (np.arange(n_out)[:, None] + np.arange(n_in)[None, :] * np.array([[1], [3]]).repeat(8, 0)) % 16
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)[None]
+    scale = np.array([107, 127, 147, 120])[(np.arange(n_out)[:, None] + np.arange(n_in // 32)) % 4][None]
+    w = {"packed": jnp.asarray(packed), "scale": jnp.asarray(scale.astype(np.uint8))}
+    want = np.asarray(moe_gemm.mxfp4_weight_reference(w), np.float64)[0]  # [in, out]
+    k4 = moe_gemm.prepare_mxfp4(w, layout="k4")
+    factors = np.ldexp(1.0, scale[0].T.astype(np.int64) - 127)  # [in/32, out]
+    for b in range(n_in // 64):
+        tiles = moe_gemm._k4_decode(k4["planes_k4"][0, 8 * b: 8 * b + 8], interpret=True)
+        for plane, tile in enumerate(tiles):
+            assert tile.dtype == jnp.bfloat16 and tile.shape == (32, n_out)
+            got = np.asarray(tile, np.float64) * factors[2 * b + plane]
+            rows = slice(64 * b + 32 * plane, 64 * b + 32 * plane + 32)
+            np.testing.assert_array_equal(got, want[rows])
+            assert (np.signbit(got) == np.signbit(want[rows])).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
+def test_k4_experts_match_kn_and_float64(dtype, tol):
+    """moe_grouped_mlp on k4 experts (interpreted: the jnp decode) equals the same on "kn" experts and the float64
+    oracle: ragged groups with an empty expert (2) and a hot one (0), 13 tokens (odd), top_k 3, K 128 / I 64 (one
+    64-input block per step for the down GEMM, two for the GLU), scales 2^-10..2^10. fp32: the decoded weights are
+    exact in both layouts, so they differ by fp32 rounding only; bf16: the band of the module docstring."""
+    rng = np.random.default_rng(21)
+    e, k_dim, i_dim = 4, 128, 64
+    x, ids, w, _ = make_case(rng, 13, 3, e, k_dim, i_dim, dtype, empty=(2,), hot=0)
+    hf = {"gate": random_mxfp4(rng, e, i_dim, k_dim), "up": random_mxfp4(rng, e, i_dim, k_dim),
+          "down": random_mxfp4(rng, e, k_dim, i_dim)}
+    x = (x * 2.0**-8).astype(dtype)
+    want = numpy_moe(x, ids, w, {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}, "situ")
+    config = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128)
+    got = {lay: moe_grouped_mlp(x, ids, w, {k: moe_gemm.prepare_mxfp4(v, layout=lay) for k, v in hf.items()},
+                                config=config, interpret=True) for lay in ("kn", "k4")}
+    assert got["k4"].dtype == dtype
+    assert rel(got["k4"], want) < tol
+    assert rel(got["k4"], got["kn"]) < (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
 def test_mxfp4_layouts_lower_to_triton_for_an_h200():
@@ -387,6 +492,8 @@ def test_mxfp4_layouts_lower_to_triton_for_an_h200():
                                    "scales_gn": spec((e, n_in // 32, n_out), u8)},
         "hf": lambda n_in, n_out: {"packed": spec((e, n_out, n_in // 2), u8),
                                    "scale": spec((e, n_out, n_in // 32), u8)},
+        "k4": lambda n_in, n_out: {"planes_k4": spec((e, n_in // 8, 4 * n_out), u8),  # the inline-asm decode
+                                   "scales_gn": spec((e, n_in // 32, n_out), u8)},
     }
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     for name, weight in layouts.items():
