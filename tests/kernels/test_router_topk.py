@@ -58,6 +58,19 @@ def test_rejects_bad_arguments():
         router_topk(logits, bias, top_k=2, score="relu", interpret=True)
     with pytest.raises(ValueError, match="float"):
         router_topk(logits.astype(jnp.int32), bias, top_k=2, interpret=True)
+    with pytest.raises(ValueError, match="block_rows"):
+        router_topk(logits, bias, top_k=2, block_rows=3, interpret=True)
+
+
+@pytest.mark.parametrize("block_rows", [1, 16])
+def test_any_rows_per_program_gives_the_same_selection(block_rows):
+    rng = np.random.default_rng(block_rows)
+    logits = jnp.asarray(rng.standard_normal((21, 40)) * 2, jnp.float32)  # 21 rows: a ragged last block
+    bias = jnp.asarray(rng.standard_normal(40) * 0.3, jnp.float32)
+    ids, weights = router_topk(logits, bias, top_k=5, block_rows=block_rows, interpret=True)
+    want_ids, want_weights = router_topk_reference(logits, bias, top_k=5)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6, atol=1e-7)
 
 
 def test_model_route_op_on_the_kernel_equals_the_reference():
