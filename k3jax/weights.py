@@ -26,7 +26,8 @@ for Kimi-Linear):
         latent_{down,norm,up}, shared_experts.{gate,up,down}_proj -> shared.{gate,up,down},
         experts.{e}.{w1,w3,w2}.weight -> experts.{gate,up,down}[e] (stacked [E, in, out]), or MXFP4
         (compressed-tensors) experts.{e}.{w1,w3,w2}.weight_packed [out, in/2] + .weight_scale [out, in/32]
-        (dequantised, or kept packed in the checkpoint's or the MoE kernel's layout: `load_pretrained` experts=)
+        (dequantised, or kept packed in the checkpoint's or the MoE kernel's "k4" layout: `load_pretrained`
+        experts=)
 
 Torch Linear weights are [out, in] and are transposed to our [in, out]. transformers >= 5 (read from
 5.24.0 `conversion_mapping.py`, `mapping["kimi_linear"]`) normally saves the names above (it reverts its
@@ -66,6 +67,8 @@ K3_A_LOG_PAD = 128  # K3 stores A_log as [128], zero past the real heads
 _EXPERT_HF = {"gate": "w1", "up": "w3", "down": "w2"}
 _DEQUANT_CHUNK = 1 << 24  # elements dequantised / re-packed per call (bounds the temporaries)
 EXPERT_MODES = ("dequantize", "packed", "kernel")
+# the MXFP4 layout experts="kernel" loads into (pallas_kernels.moe_gemm): "k4", the fastest on the H200 (load_pretrained)
+KERNEL_LAYOUT = "k4"
 _dequantize = jax.jit(mxfp4_dequantize, static_argnums=2)
 
 
@@ -430,18 +433,18 @@ class _Assembler:
         self.leaves[path] = out
 
     def _repack_stack(self, path) -> None:
-        """The complete checkpoint-layout stack -> the MoE kernel's layout (`prepare_mxfp4`, exact), in numpy,
-        a chunk of experts at a time."""
+        """The complete checkpoint-layout stack -> the MoE kernel's "k4" layout (`prepare_mxfp4(.., "k4")`,
+        exact), in numpy, a chunk of experts at a time (the k4 packing holds uint32 codes: 4 bytes per weight)."""
         stash = self.stash.pop(path)
         packed, scale = stash["packed"], stash["scale"]
         e, n_out, half = packed.shape
-        planes = np.empty((e, half, n_out), np.uint8)
+        planes = np.empty((e, half // 4, 4 * n_out), np.uint8)  # [E, in/8, 4 * out]
         scales = np.empty((e, scale.shape[2], n_out), np.uint8)
         step = max(1, _DEQUANT_CHUNK // (n_out * half * 2))
         for s in range(0, e, step):
-            chunk = prepare_mxfp4({"packed": packed[s:s + step], "scale": scale[s:s + step]})
-            planes[s:s + step], scales[s:s + step] = chunk["planes_kn"], chunk["scales_gn"]
-        self.leaves[path] = {"planes_kn": planes, "scales_gn": scales}
+            chunk = prepare_mxfp4({"packed": packed[s:s + step], "scale": scale[s:s + step]}, layout=KERNEL_LAYOUT)
+            planes[s:s + step], scales[s:s + step] = chunk["planes_k4"], chunk["scales_gn"]
+        self.leaves[path] = {"planes_k4": planes, "scales_gn": scales}
 
     def finish(self) -> dict:
         if self.stash:  # cannot happen after the missing-name check; kept as a guard
@@ -468,11 +471,14 @@ def load_pretrained(
         returned cfg carries it (cfg.dtype is also the activation dtype).
     experts: "dequantize" -> MXFP4 routed experts become dtype arrays [E, in, out]; "packed" -> they stay
         {"packed": uint8 [E, out, in/2], "scale": uint8 [E, out, in/32]} (the checkpoint's bytes, HF
-        orientation); "kernel" -> they stay packed in the MoE kernel's layout {"planes_kn": [E, in/2, out],
-        "scales_gn": [E, in/32, out]} (pallas_kernels.moe_gemm.prepare_mxfp4, an exact re-packing: the
-        "pallas" MoE op's fast decode; expert input widths must be multiples of 64). Every consumer (the MoE
-        ops, save_pretrained, orbax) takes either packed layout. Unquantised checkpoints give dense experts
-        whatever the mode.
+        orientation); "kernel" -> they stay packed in the MoE kernel's "k4" layout {"planes_k4": [E, in/8,
+        4 * out], "scales_gn": [E, in/32, out]} (pallas_kernels.moe_gemm.prepare_mxfp4(w, layout="k4"), an
+        exact re-packing; expert input widths must be multiples of 64). k4 because it is the "pallas" MoE op's
+        fastest decode: on the H200 (benchmarks/moe.py, K3 EP16 shard, decode sizes; docs/benchmarks.md) it is
+        1.28-1.37x faster than the older "kn" layout ({"planes_kn": [E, in/2, out], "scales_gn"}) and the first
+        MXFP4 layout faster than bf16 weights (bf16 ms / k4 ms 1.04 at 16 tokens, 1.10 at 256). Every consumer
+        (the MoE ops, save_pretrained, orbax, quant.dequantize_experts) takes any of the three packed layouts
+        (checkpoint, kn, k4). Unquantised checkpoints give dense experts whatever the mode.
     Raises ValueError naming the tensor on a missing, unexpected or mis-shaped tensor.
     """
     from safetensors import safe_open
@@ -555,7 +561,8 @@ def _to_hf(entry: _Entry, leaf, layout: str) -> Iterator[np.ndarray]:
 
 
 def _hf_packed(leaf, experts: slice = slice(None)) -> dict[str, np.ndarray]:
-    """The checkpoint-layout numpy bytes {"packed", "scale"} of a packed leaf in either layout (experts sliced)."""
+    """The checkpoint-layout numpy bytes {"packed", "scale"} of a packed leaf in any layout (checkpoint, "kn" or "k4":
+    `mxfp4_checkpoint_layout`, exact), experts sliced."""
     sliced = {k: np.asarray(v[experts]) for k, v in leaf.items()}
     return mxfp4_checkpoint_layout(sliced)
 
@@ -637,10 +644,11 @@ def _check_params(cfg: ModelConfig, params: dict) -> None:
         shape = want[path].shape
         if is_packed(leaf):
             e, n_in, n_out = shape
-            if mxfp4_layout(leaf) == "hf":
-                want_shapes = {"packed": (e, n_out, n_in // 2), "scale": (e, n_out, n_in // GROUP_SIZE)}
-            else:
-                want_shapes = {"planes_kn": (e, n_in // 2, n_out), "scales_gn": (e, n_in // GROUP_SIZE, n_out)}
+            want_shapes = {
+                "hf": {"packed": (e, n_out, n_in // 2), "scale": (e, n_out, n_in // GROUP_SIZE)},
+                "kn": {"planes_kn": (e, n_in // 2, n_out), "scales_gn": (e, n_in // GROUP_SIZE, n_out)},
+                "k4": {"planes_k4": (e, n_in // 8, 4 * n_out), "scales_gn": (e, n_in // GROUP_SIZE, n_out)},
+            }[mxfp4_layout(leaf)]
             if any(tuple(leaf[k].shape) != v for k, v in want_shapes.items()):
                 raise ValueError(f"params leaf {path}: packed experts do not match expert shape {shape}")
         elif tuple(leaf.shape) != tuple(shape):
@@ -666,8 +674,8 @@ def save_pretrained(
         "transformers" (transformers-5.x kimi_linear config and runtime names; Kimi-Linear features only).
     experts: "bf16" -> routed experts unquantised (w1/w3/w2.weight in the params' dtype, like every other
         tensor); "mxfp4" -> compressed-tensors MXFP4 (weight_packed + weight_scale), as K3 ships them.
-        Packed params (either layout) are written as the checkpoint's bytes with "mxfp4" and dequantised
-        with "bf16".
+        Packed params (any layout: the checkpoint's, the kernel's "k4" or "kn") are written as the checkpoint's
+        bytes with "mxfp4" (`mxfp4_checkpoint_layout`, exact) and dequantised with "bf16".
     Tensors keep their leaf dtypes (A_log / dt_bias / convs / router_bias float32 by construction).
     """
     from safetensors.numpy import save_file

@@ -256,11 +256,16 @@ def numpy_kernel_layout_decode(planes: np.ndarray, scales: np.ndarray) -> np.nda
 
 
 def test_k3_mxfp4_kernel_layout_load(k3_mxfp4, tmp_path):
-    """experts="kernel": every MoE layer's experts in the MoE kernel's layout, read independently, equal the
-    dequantised load bit for bit and prepare_mxfp4 of the packed load byte for byte; writing kernel-layout params
-    gives the checkpoint's bytes back (mxfp4) or the dequantised experts (bf16); orbax keeps them bit-exact;
-    expert widths that are not multiples of 64 (k3_mxfp4's intermediate 32) are refused."""
-    from pallas_kernels.moe_gemm import prepare_mxfp4
+    """experts="kernel": every MoE layer's experts in the MoE kernel's "k4" layout, exact: re-packed to the
+    checkpoint's layout they are the packed load's bytes (= the file's), decoded (moe_gemm.mxfp4_weight_reference)
+    and dequantised (quant.dequantize_experts) they equal the dequantised load bit for bit, and they are
+    prepare_mxfp4(.., "k4") of the packed load byte for byte; the logits equal the dequantised load's; writing
+    k4 params gives the checkpoint's bytes back (mxfp4) or the dequantised experts (bf16); orbax keeps them
+    bit-exact. The older "kn" layout stays an accepted input: its planes read independently equal the same
+    weights and save_pretrained writes the same bytes from it. Expert widths that are not multiples of 64
+    (k3_mxfp4's intermediate 32) are refused."""
+    from k3jax.quant import dequantize_experts
+    from pallas_kernels.moe_gemm import mxfp4_checkpoint_layout, mxfp4_weight_reference, prepare_mxfp4
 
     cfg = k3_mxfp4_cfg().replace(moe_intermediate_size=64)  # latent 64, intermediate 64: kernel-layout widths
     save_pretrained(tmp_path / "hf", cfg, random_params(cfg, 9), layout="k3", experts="mxfp4")
@@ -269,30 +274,56 @@ def test_k3_mxfp4_kernel_layout_load(k3_mxfp4, tmp_path):
     cfg_k, kernel = load_pretrained(tmp_path / "hf", experts="kernel")
     moe_layers = [l for l in range(cfg.num_layers) if cfg.is_moe(l)]
     assert moe_layers
+    kn_params = jax.tree.map(lambda x: x, kernel)  # same leaves, experts swapped to "kn" below
     for l in moe_layers:
+        experts_k4 = kernel["layers"][l]["mlp"]["experts"]
+        dequantised = dequantize_experts(experts_k4, jnp.float32)
         for name in ("gate", "up", "down"):
-            kn = kernel["layers"][l]["mlp"]["experts"][name]
+            k4 = experts_k4[name]
+            hf = packed["layers"][l]["mlp"]["experts"][name]
             want = np.asarray(deq["layers"][l]["mlp"]["experts"][name])  # [E, in, out]
             e, n_in, n_out = want.shape
-            assert set(kn) == {"planes_kn", "scales_gn"} and kn["planes_kn"].dtype == kn["scales_gn"].dtype == jnp.uint8
-            assert kn["planes_kn"].shape == (e, n_in // 2, n_out) and kn["scales_gn"].shape == (e, n_in // 32, n_out)
+            assert set(k4) == {"planes_k4", "scales_gn"} and k4["planes_k4"].dtype == k4["scales_gn"].dtype == jnp.uint8
+            assert k4["planes_k4"].shape == (e, n_in // 8, 4 * n_out) and k4["scales_gn"].shape == (e, n_in // 32, n_out)
+            back = mxfp4_checkpoint_layout({k: np.asarray(v) for k, v in k4.items()})
+            for k in ("packed", "scale"):
+                assert back[k].dtype == np.uint8 and back[k].tobytes() == np.asarray(hf[k]).tobytes(), (l, name, k)
+            np.testing.assert_array_equal(np.asarray(mxfp4_weight_reference(k4)), want)
+            np.testing.assert_array_equal(np.asarray(dequantised[name]), want)
+            repacked = prepare_mxfp4(hf, layout="k4")
+            for k in ("planes_k4", "scales_gn"):
+                assert np.asarray(k4[k]).tobytes() == np.asarray(repacked[k]).tobytes(), (l, name, k)
+            kn = prepare_mxfp4({k: np.asarray(v) for k, v in hf.items()})
             np.testing.assert_array_equal(numpy_kernel_layout_decode(kn["planes_kn"], kn["scales_gn"]), want)
-            repacked = prepare_mxfp4(packed["layers"][l]["mlp"]["experts"][name])
-            for k in ("planes_kn", "scales_gn"):
-                assert np.asarray(kn[k]).tobytes() == np.asarray(repacked[k]).tobytes(), (l, name, k)
+            kn_params["layers"][l]["mlp"]["experts"][name] = kn
     assert_trees_bitexact(jax.tree.map(np.asarray, kernel["layers"][0]), jax.tree.map(np.asarray, deq["layers"][0]))
+    toks = tokens(cfg, 1)
+    np.testing.assert_allclose(np.asarray(forward(kernel, cfg_k, toks)), np.asarray(forward(deq, cfg, toks)),
+                               rtol=1e-6, atol=1e-6)
 
-    save_pretrained(tmp_path / "again", cfg_k, kernel, layout="k3", experts="mxfp4")
-    tensors, again = all_tensors(tmp_path / "hf"), all_tensors(tmp_path / "again")
-    assert set(again) == set(tensors)
-    for name, (_, arr) in tensors.items():
-        assert again[name][1].tobytes() == arr.tobytes(), name
+    tensors = all_tensors(tmp_path / "hf")
+    for params, out in ((kernel, "again"), (kn_params, "again_kn")):
+        save_pretrained(tmp_path / out, cfg_k, params, layout="k3", experts="mxfp4")
+        again = all_tensors(tmp_path / out)
+        assert set(again) == set(tensors)
+        for name, (_, arr) in tensors.items():
+            assert again[name][1].tobytes() == arr.tobytes(), (out, name)
     save_pretrained(tmp_path / "dense", cfg_k, kernel, layout="k3", experts="bf16")
     w1 = all_tensors(tmp_path / "dense")["language_model.model.layers.1.block_sparse_moe.experts.4.w1.weight"][1]
     np.testing.assert_array_equal(w1, np.asarray(deq["layers"][1]["mlp"]["experts"]["gate"][4]).T)
 
     save_checkpoint(tmp_path / "ckpt", cfg_k, kernel)
     assert_trees_bitexact(kernel, load_checkpoint(tmp_path / "ckpt")[1])
+
+    # mis-shaped packed leaves are refused in each layout
+    l = moe_layers[0]
+    for params, key in ((kernel, "planes_k4"), (kn_params, "planes_kn"), (packed, "packed")):
+        bad = jax.tree.map(lambda x: x, params)
+        gate = dict(bad["layers"][l]["mlp"]["experts"]["gate"])
+        gate[key] = gate[key][:, :-1]
+        bad["layers"][l]["mlp"]["experts"]["gate"] = gate
+        with pytest.raises(ValueError, match="packed experts do not match"):
+            save_pretrained(tmp_path / f"bad_{key}", cfg_k, bad, layout="k3", experts="mxfp4")
 
     with pytest.raises(ValueError, match="multiples of 64"):
         load_pretrained(k3_mxfp4[2], experts="kernel")
