@@ -305,8 +305,9 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
     e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
     bf16, mx = make_experts(shape, seed=1)
     mx_deq = dequantized(mx)
-    mx_layout = "kn" if k_dim % moe_gemm.PLANE_BLOCK == 0 == i_dim % moe_gemm.PLANE_BLOCK else "hf"
-    mx_model = {n: moe_gemm.prepare_mxfp4(v) for n, v in mx.items()} if mx_layout == "kn" else mx
+    # the layout load_pretrained(experts="kernel") gives (k4), or the checkpoint's where a width is not a multiple of 64
+    mx_layout = "k4" if k_dim % moe_gemm.PLANE_BLOCK == 0 == i_dim % moe_gemm.PLANE_BLOCK else "hf"
+    mx_model = {n: moe_gemm.prepare_mxfp4(v, "k4") for n, v in mx.items()} if mx_layout == "k4" else mx
     gate_up = jnp.concatenate([bf16["gate"], bf16["up"]], axis=-1)
     ours = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, interpret=interpret))
     for t in token_counts:

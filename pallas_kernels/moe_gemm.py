@@ -33,8 +33,8 @@ activations stay bf16), in one of three layouts (`mxfp4_layout`; gate and up sha
   "hf"  the checkpoint's ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, k3jax.quant);
         decode "interleave": nibbles interleaved back into input order, E2M1 built in fp32 by bit
         construction with two selects, scales broadcast by reshape, cast to bf16, transposed MMA operand.
-  "kn"  the kernel layout, made once at load time by `prepare_mxfp4` (exact re-packing; k3jax.weights
-        load_pretrained(experts="kernel")): {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}; per
+  "kn"  a kernel layout, made once at load time by `prepare_mxfp4` (exact re-packing; k3jax.weights
+        load_pretrained(experts="kernel") makes "k4" below, the faster one): {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}; per
         block of 64 inputs byte j holds input j (low nibble) and input j + 32 (high), so each nibble plane is
         exactly one scale group: decoded with no shuffle (`_decode_plane`: f16 bits (m << 9) | sign << 15 =
         E2M1(m) * 2^-14, m = 1 the exact f16 subnormal 2^-15, the 2^14 folded into the scale; a bf16

@@ -193,14 +193,15 @@ def test_model_moe_op_on_kernel_layout_experts():
     for name, v in _experts(e, k, i, 4).items():
         p, s = moe_gemm_quantize(v)
         checkpoint[name] = {"packed": p, "scale": s}
-    kernel = {n: moe_gemm.prepare_mxfp4(v) for n, v in checkpoint.items()}
     cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=top_k)
-    got = backend.get("moe_experts", "pallas")(x, ids, w, kernel, cfg)
     want = grouped_experts_reference(x, ids, w, checkpoint, cfg)
-    assert np.isfinite(np.asarray(got, np.float32)).all()
-    assert rel(got, want) < 1e-2
-    np.testing.assert_array_equal(np.asarray(grouped_experts_reference(x, ids, w, kernel, cfg), np.float32),
-                                  np.asarray(want, np.float32))
+    for layout in ("k4", "kn"):  # k4: what load_pretrained(experts="kernel") holds
+        kernel = {n: moe_gemm.prepare_mxfp4(v, layout) for n, v in checkpoint.items()}
+        got = backend.get("moe_experts", "pallas")(x, ids, w, kernel, cfg)
+        assert np.isfinite(np.asarray(got, np.float32)).all(), layout
+        assert rel(got, want) < 1e-2, layout
+        np.testing.assert_array_equal(np.asarray(grouped_experts_reference(x, ids, w, kernel, cfg), np.float32),
+                                      np.asarray(want, np.float32))
 
 
 def moe_gemm_quantize(w):

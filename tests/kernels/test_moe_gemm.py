@@ -246,8 +246,8 @@ def test_model_forward_interpret_equals_reference(monkeypatch):
 
 def test_model_with_kernel_layout_experts_equals_checkpoint_layout(monkeypatch):
     """k3-tiny (2 layers: dense, then MLA + MoE; expert widths 64 for the kernel layout) with its routed experts
-    MXFP4-quantised, held in the checkpoint's layout and in the kernel's (`prepare_mxfp4`, what
-    load_pretrained(experts="kernel") gives). Reference backend: the kernel layout is re-packed back to the
+    MXFP4-quantised, held in the checkpoint's layout and in the kernel layouts (`prepare_mxfp4`: "k4", what
+    load_pretrained(experts="kernel") gives, and "kn"). Reference backend: the kernel layout is re-packed back to the
     same bytes before dequantising, so the logits are bit-identical. Interpret backend (only moe_experts
     interpreted, as above): the two in-kernel decodes give the same exact weights and differ only in fp32
     summation order (32-input partial products vs block_k-wide dots): each is ~3e-7 from a float64 oracle at
@@ -277,14 +277,15 @@ def test_model_with_kernel_layout_experts_equals_checkpoint_layout(monkeypatch):
     with_experts = lambda experts: {**params, "layers": [params["layers"][0],
                                                          {**params["layers"][1], "mlp": {**layer, "experts": experts}}]}
     hf_params = with_experts(checkpoint)
-    kn_params = with_experts({k: moe_gemm.prepare_mxfp4(v) for k, v in checkpoint.items()})
     tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 7)))
     ref_hf = k3jax.forward(hf_params, cfg, tokens)
-    np.testing.assert_array_equal(np.asarray(k3jax.forward(kn_params, cfg, tokens)), np.asarray(ref_hf))
     got_hf = k3jax.forward(hf_params, cfg, tokens, backend_name="interpret")
-    got_kn = k3jax.forward(kn_params, cfg, tokens, backend_name="interpret")
-    assert rel(got_kn, got_hf) < 2e-6
-    assert rel(got_kn, ref_hf) < 1e-5
+    for layout in ("k4", "kn"):
+        kernel_params = with_experts({k: moe_gemm.prepare_mxfp4(v, layout) for k, v in checkpoint.items()})
+        np.testing.assert_array_equal(np.asarray(k3jax.forward(kernel_params, cfg, tokens)), np.asarray(ref_hf))
+        got = k3jax.forward(kernel_params, cfg, tokens, backend_name="interpret")
+        assert rel(got, got_hf) < 2e-6, layout
+        assert rel(got, ref_hf) < 1e-5, layout
 
 
 # ----------------------------------------------------------------------------------------------------
