@@ -73,6 +73,8 @@ def test_model_forward_smoke_reference_vs_interpret(tmp_path, capsys):
     # k3-tiny: 7 experts, top 3, batch 4 -> 7 * (1 - (4/7)^4) of each MoE layer's experts are touched
     assert 0 < parts["activated_experts"] < parts["all_weights"]
     assert roof["copy_bandwidth_gbps"] > 0 and roof["ratio"] == result["backends"]["reference"]["decode_roofline"]["ratio"]
+    assert list(roof["copy_probes_gbps"]) == ["xla"]  # torch's probe runs on a GPU only; the floor takes the best
+    assert roof["copy_bandwidth_gbps"] == max(roof["copy_probes_gbps"].values())
     for metric in ("prefill [interpret]", "decode [reference]", "prefill vs reference", "kernels [interpret]",
                    "checks", "peak memory", "interpret / reference"):
         assert metric in table
