@@ -3,6 +3,7 @@ hash chains, a pool server in its own process, a mooncake_master, a free TCP por
 that `from cache_helpers import ...` cannot pick up another directory's conftest in a full-suite run."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,6 +70,23 @@ class PoolProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP, then wait until every thread of the server is stopped (Linux /proc state "T"). kill() returns
+        before a thread that is running user code at that moment has taken the stop; a request sent in that window
+        can still be answered (one CI-load run of test_hung_server_times_out_into_misses got its reply)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+        def stopped() -> bool:
+            task_dir = f"/proc/{self.proc.pid}/task"
+            for tid in os.listdir(task_dir):
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                        return False
+            return True
+
+        if not wait_until(stopped, timeout_s, interval_s=0.005):
+            raise RuntimeError(f"pool server {self.proc.pid} did not stop within {timeout_s} s of SIGSTOP")
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
