@@ -10,7 +10,7 @@ Stacked expert weights come in three layouts (pallas_kernels.moe_gemm.mxfp4_layo
 the same bytes: the checkpoint's {"packed": [E, out, in/2], "scale": [E, out, in/32]} and the MoE kernel's two
 (`moe_gemm.prepare_mxfp4`): "k4" {"planes_k4": [E, in/8, 4 * out], "scales_gn": [E, in/32, out]}, made at load
 time by `k3jax.weights.load_pretrained(experts="kernel")` because the "pallas" MoE op decodes it fastest (H200,
-K3 EP16 shard, decode sizes: 1.28-1.37x faster than "kn" and faster than bf16 weights; docs/benchmarks.md), and
+K3 EP16 shard, decode sizes: 1.28-1.34x faster than "kn" and faster than bf16 weights; docs/benchmarks.md), and
 the older "kn" {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}, still accepted everywhere.
 """
 

@@ -475,7 +475,7 @@ def load_pretrained(
         4 * out], "scales_gn": [E, in/32, out]} (pallas_kernels.moe_gemm.prepare_mxfp4(w, layout="k4"), an
         exact re-packing; expert input widths must be multiples of 64). k4 because it is the "pallas" MoE op's
         fastest decode: on the H200 (benchmarks/moe.py, K3 EP16 shard, decode sizes; docs/benchmarks.md) it is
-        1.28-1.37x faster than the older "kn" layout ({"planes_kn": [E, in/2, out], "scales_gn"}) and the first
+        1.28-1.34x faster than the older "kn" layout ({"planes_kn": [E, in/2, out], "scales_gn"}) and the first
         MXFP4 layout faster than bf16 weights (bf16 ms / k4 ms 1.04 at 16 tokens, 1.10 at 256). Every consumer
         (the MoE ops, save_pretrained, orbax, quant.dequantize_experts) takes any of the three packed layouts
         (checkpoint, kn, k4). Unquantised checkpoints give dense experts whatever the mode.

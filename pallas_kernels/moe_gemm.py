@@ -53,7 +53,7 @@ activations stay bf16), in one of three layouts (`mxfp4_layout`; gate and up sha
         1241, down 442 vs 658 (6.7 / 6.9 vs 9.7 / 10.3 per weight: kn is issue-bound on its decode, not load-bound).
         H200, 2026-12-02 (benchmarks/moe.py --mxfp4-variants kmajor,k4, K3 EP16 shard, on-device check 4.3e-3;
         docs/results/moe_mxfp4_k4_h200_2026-12-02.json): bf16 ms / k4 ms 1.04 at 16 tokens, 1.10 at 256 (kn 0.81 /
-        0.81): the first MXFP4 decode faster than bf16; tests/gpu/test_moe_gpu.py's k4 cases pass.
+        0.82): the first MXFP4 decode faster than bf16; tests/gpu/test_moe_gpu.py's k4 cases pass.
 Measured on the H200 (benchmarks/moe.py --mxfp4-variants, K3 EP16 shard, 2026-11-30, all variants correct;
 docs/results/moe_mxfp4_h200_2026-11-30e.json), bf16 ms / MXFP4 ms at 16 / 256 / 1024 tokens, best tiling each:
 "kn" (variant "kmajor") 0.81 / 0.84 / 0.59, "hf" ("interleave") 0.59 / 0.55 / 0.37. Tried and removed, all
