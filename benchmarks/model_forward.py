@@ -274,11 +274,6 @@ def copy_bandwidth(mib: int, reps: int = 10) -> float:
 # dispatch: which implementation each op ran
 
 
-def runs_own_kernel(op: str, backend_name: str) -> bool:
-    """Whether `op` under `backend_name` runs that backend's own implementation (else the reference)."""
-    return backend_name in backend.implemented(op)
-
-
 @contextlib.contextmanager
 def record_dispatch(backend_name: str):
     """Within the block, counts the ops the model looks up in the registry (`backend.get`) and which
@@ -292,7 +287,7 @@ def record_dispatch(backend_name: str):
     get = backend.get
 
     def recording_get(op, name="reference"):
-        calls[(op, name if runs_own_kernel(op, name) else "reference")] += 1
+        calls[(op, name if name in backend.implemented(op) else "reference")] += 1
         return get(op, name)
 
     def counted(path, fn):
@@ -446,7 +441,7 @@ def shadowed(backend_name: str, record: list):
 
     def shadow_get(op, name="reference"):
         fn = get(op, name)
-        if name != backend_name or not runs_own_kernel(op, name):
+        if name != backend_name or name not in backend.implemented(op):
             return fn
         twin = backend.twin(op)
 
