@@ -63,6 +63,7 @@ import numpy as np
 from pallas_kernels import kda_chunk as kc
 from pallas_kernels import kda_intra, kda_intra_lk
 from pallas_kernels.kda_decode import kda_decode
+from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu
 from pallas_kernels.kda_state_pass import kda_state_pass
 from pallas_kernels.kda_state_pass_split import kda_state_pass_split
 
@@ -540,12 +541,22 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
 
     def time_ours(block_v, num_warps, loop_v=False, **extra):
         tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v, **extra)
+        if "mgpu" in extra:  # the Mosaic GPU kernel (decode only); checked against the Triton default first
+            knobs = extra["mgpu"]
+            ref = kda_decode(qkv, conv, conv_w, z, beta, og, state, slots, lens, **kw)
+            got = jax.jit(lambda cv, st: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw,
+                                                         **knobs))(jnp.copy(conv), jnp.copy(state))
+            tag = "mgpu" + "".join(f"_{MGPU_KNOB_TAGS[k]}{v}" for k, v in knobs.items())
+            for name, a, r in zip(("y", "conv", "state"), got, ref):
+                row[f"rel_{name}_{tag}_vs_triton"] = rel(jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32))
+            fn = lambda cv, st: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw, **knobs)[1:]
+        else:
+            fn = lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw, **tiling)[1:]
         if verify:
             f = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, all_states=True,
                                                   **kw, **tiling))
             return 1e3 * time_jax(lambda: f(conv, state), args.trials), None
-        step = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw, **tiling)[1:],
-                       donate_argnums=(0, 1))
+        step = jax.jit(fn, donate_argnums=(0, 1))
         pools = [jnp.copy(conv), jnp.copy(state)]  # donated and replaced every step
 
         def run():
@@ -559,13 +570,14 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     combos = [(bv, nw, loop, {}) for nw in args.decode_warps
               for bv, loop in [(v, False) for v in args.decode_block_v] + [(v, True) for v in args.decode_loop_v]
               if bv <= D]
-    combos += [decode_variant(name) for name in args.decode_variants]
+    combos += [decode_variant(name) for name in args.decode_variants if not (verify and name.startswith("mgpu"))]
     for i, (bv, nw, loop, extra) in enumerate(combos):
         if i and time.monotonic() > deadline - 5:
             row["sweep_cut"] = True
             break
-        key = f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}" + "".join(
-            f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items())
+        key = (f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}" + "".join(
+            f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items())) if "mgpu" not in extra else (
+            "ours_mgpu" + "".join(f"_{MGPU_KNOB_TAGS[k]}{v}" for k, v in extra["mgpu"].items()))
         try:
             row[key + "_ms"], step = time_ours(bv, nw, loop, **extra)
         except CaseTimeout:
@@ -573,7 +585,14 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
         except Exception as e:  # noqa: BLE001 -- an unsupported tiling: keep the others
             row[key + "_error"] = repr(e)[:300]
             step = None
-        if step is not None and bv < D and not loop and "hlo_pool_copies" not in row and not args.interpret:
+        if step is not None and "mgpu" in extra and not args.interpret:
+            try:  # the pools are mutable refs inside: the kernel must update them in place, no copy
+                row["hlo_pool_copies_" + key[len("ours_"):]] = count_pool_copies(step, conv, state)
+            except CaseTimeout:
+                raise
+            except Exception as e:  # noqa: BLE001
+                row["hlo_pool_copies_error"] = repr(e)[:300]
+        elif step is not None and bv < D and not loop and "hlo_pool_copies" not in row and not args.interpret:
             try:  # blocked decode scatters the q|k conv state into the donated pool: it must stay in place
                 row["hlo_pool_copies"] = count_pool_copies(step, conv, state)
             except CaseTimeout:
@@ -581,7 +600,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             except Exception as e:  # noqa: BLE001
                 row["hlo_pool_copies_error"] = repr(e)[:300]
         timed = {k[len("ours_"):-3]: v for k, v in row.items()
-                 if (k.startswith("ours_bv") or k.startswith("ours_loop")) and k.endswith("_ms")}
+                 if k.startswith(("ours_bv", "ours_loop", "ours_mgpu")) and k.endswith("_ms")}
         if timed:
             row["ours_best"] = min(timed, key=timed.get)
             row["ours_ms"] = timed[row["ours_best"]]
@@ -604,9 +623,21 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
         print(f"decode B{b} T{t} H{h}: best tiling {row['ours_best']} ({row['ours_ms']:.3f} ms)", file=sys.stderr)
 
 
+MGPU_KNOB_TAGS = {"stages": "s", "num_ctas": "c"}  # decode variant mgpu_s<stages>_c<ctas>
+
+
 def decode_variant(name):
     """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold]",
-    e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True)."""
+    e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True);
+    or the Mosaic GPU kernel from "mgpu[_s<stages>][_c<ctas>]" (kda_decode_mgpu, decode only; key ours_mgpu_s<n>..)."""
+    m = re.fullmatch(r"mgpu((?:_s\d+)?)((?:_c\d+)?)", name)
+    if m is not None:
+        knobs = {}
+        if m.group(1):
+            knobs["stages"] = int(m.group(1)[2:])
+        if m.group(2):
+            knobs["num_ctas"] = int(m.group(2)[2:])
+        return 0, 0, False, {"mgpu": knobs}
     m = re.fullmatch(r"(loop|bv)(\d+)_w(\d+)((?:_pf\d+)?)((?:_fold)?)", name)
     if m is None:
         raise ValueError(f"decode variant {name!r}: expected {{loop|bv}}<rows>_w<warps>[_pf<n>][_fold]")
@@ -750,7 +781,8 @@ def main(argv=None):
                    help="kda_decode loop_v=True (one program per head walking V-blocks of this size; ours_loop{V}_w{W}),"
                         " crossed with --decode-warps after the --decode-block-v tilings")
     p.add_argument("--decode-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
-                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold] (see decode_variant)")
+                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold], or the Mosaic GPU "
+                        "kernel mgpu[_s<stages>][_c<ctas>] (see decode_variant)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],

@@ -341,3 +341,36 @@ def test_intra_pallas2_and_block_inverse_match_v2():
     off = int(checkpoint_offsets(x["cu_seqlens"], start, 256)[-1])
     assert rel(o, ro) < 2e-2 and rel(final, rfinal) < 2e-2 and rel(ckpt[:off], rckpt[:off]) < 2e-2
     assert rel(jnp.asarray(o, jnp.float32), jnp.asarray(o2, jnp.float32)) < 1e-2 and rel(final, final2) < 1e-2
+
+
+@pytest.mark.parametrize("t,gate,stages,num_ctas", [(1, "lower_bound", 3, None), (1, "softplus", 2, 3),
+                                                    (4, "lower_bound", 2, None), (8, "softplus", 3, 7)])
+def test_decode_mgpu_matches_reference(t, gate, stages, num_ctas):
+    """The Mosaic GPU decode kernel (TMA-streamed state) compiled for the H200, D128: shuffled slots, a padded
+    row, an idle row, fresh rows over NaN / inf garbage; few CTAs so each walks many items through its ring.
+    Rows outside the batch stay bit-identical. Tolerances as test_decode_fresh_rows_match_reference."""
+    from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu, kda_decode_mgpu_reference
+
+    rng = np.random.default_rng(5)
+    b, h, d, pool = 6, 5, 128, 11
+    arr = lambda *s: rng.standard_normal(s).astype(np.float32)
+    conv_pool, state_pool = arr(pool, 3, 3 * h * d), arr(pool, h, d, d)
+    conv_pool[8, 1, :4] = [np.nan, np.inf, -np.inf, 1e30]  # slot 8 is a fresh row's
+    state_pool[8, 2, 5, :4] = [np.nan, np.inf, -np.inf, 1e30]
+    slots, lengths = [7, 0, 3, 8, 1, 10], [t, max(t - 2, 1), 0, 1, t, t]
+    fresh = jnp.asarray([0, 0, 1, 1, 0, 1], jnp.int32)  # row 2 (slot 3) is fresh and idle
+    args = (jnp.asarray(arr(b, t, 3 * h * d)), jnp.asarray(conv_pool), jnp.asarray(arr(4, 3 * h * d) * 0.5),
+            jnp.asarray(arr(b, t, h, d)), jnp.asarray(arr(b, t, h)), jnp.asarray(arr(b, t, h, d)),
+            jnp.asarray(state_pool), jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    kw = dict(a_log=jnp.asarray(arr(h) * 0.5), dt_bias=jnp.asarray(arr(h * d)),
+              o_norm_weight=jnp.asarray(1 + 0.1 * arr(d)), gate=gate, fresh=fresh)
+    got = jax.device_get(kda_decode_mgpu(*args, **kw, stages=stages, num_ctas=num_ctas))
+    want = jax.device_get(kda_decode_mgpu_reference(*args, **kw))
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(got[0][valid], want[0][valid]) < 1e-5
+    for g, w in zip(got[1:], want[1:]):
+        assert np.isfinite(g[np.array(slots)]).all() and rel(g, w) < 1e-5
+    untouched = np.array([2, 4, 5, 6, 9])
+    np.testing.assert_array_equal(got[2][untouched], state_pool[untouched])
+    np.testing.assert_array_equal(got[1][untouched], conv_pool[untouched])
+    assert not got[2][3].any() and not got[1][3].any()

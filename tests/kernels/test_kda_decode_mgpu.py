@@ -1,0 +1,56 @@
+"""Mosaic GPU KDA decode kernel (Mosaic GPU's interpreter on CPU: TMA, barriers, layouts) against its reference.
+
+Run: python -m pytest -q tests/kernels/test_kda_decode_mgpu.py
+Tolerances as tests/kernels/test_kda_decode.py: fp32 activations, the kernel and the reference differ only in
+summation order (1e-5 relative is loose for fp32 and tight for a wrong slot, tap or decay, which are O(1)); rows
+and slots the step must not touch are compared exactly. Few CTAs, so every CTA walks several items through its
+ring of slots (the refill / store-drain order is what can go wrong).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda_decode_mgpu import default_stages, kda_decode_mgpu, kda_decode_mgpu_reference
+from test_kda_decode import call, decode_inputs, rel  # same inputs (tests/kernels is on sys.path under pytest)
+
+
+@pytest.mark.parametrize("t,gate,stages,num_ctas", [(1, "lower_bound", 2, 2), (3, "softplus", 3, 3),
+                                                    (2, "lower_bound", None, 1)])
+def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
+    """B5 x H3 = 15 items over 1-3 CTAs, K = V = 64, shuffled slots in a larger pool, a padded row, an idle row
+    and a fresh row whose slot holds NaN / inf: y (valid positions), both pools; untouched slots bit-identical."""
+    step, pools, params = decode_inputs(2, bsz=5, t=t, h=3, dk=64, pool=9)
+    pools["state"] = pools["state"].at[8, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
+    pools["conv_state"] = pools["conv_state"].at[8, 0, :2].set(jnp.asarray([np.nan, np.inf]))
+    slots, lengths = [4, 0, 8, 2, 6], [t, 0, t, max(t - 1, 1), t]
+    fresh = jnp.asarray([0, 0, 1, 0, 0], jnp.int32)
+    y, conv, state = call(kda_decode_mgpu, step, pools, params, slots, lengths, gate=gate, fresh=fresh,
+                          interpret=True, stages=stages, num_ctas=num_ctas)
+    ry, rconv, rstate = call(kda_decode_mgpu_reference, step, pools, params, slots, lengths, gate=gate, fresh=fresh)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(np.asarray(y)[valid], np.asarray(ry)[valid]) < 1e-5
+    assert np.isfinite(np.asarray(state)[np.array(slots)]).all()
+    assert rel(state, rstate) < 1e-5 and rel(conv, rconv) < 1e-5
+    untouched = np.array([1, 3, 5, 7])
+    np.testing.assert_array_equal(np.asarray(state)[untouched], np.asarray(pools["state"])[untouched])
+    np.testing.assert_array_equal(np.asarray(conv)[untouched], np.asarray(pools["conv_state"])[untouched])
+    np.testing.assert_array_equal(np.asarray(state)[0], np.asarray(pools["state"])[0])  # the idle row's slot
+    assert rel(state[4], pools["state"][4]) > 1e-3  # and the live rows did move
+
+
+def test_defaults_and_argument_errors():
+    """Ring depth from shared memory (3 slots at T1 D128, 2 at T8); bad sizes / knobs raise ValueError."""
+    sizes = dict(dv=128, dk=128, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4)
+    assert default_stages(num_tokens=1, **sizes) == 3 and default_stages(num_tokens=8, **sizes) == 2
+    step, pools, params = decode_inputs(3, bsz=2, t=1, h=2, dk=64, pool=3)
+    with pytest.raises(ValueError, match="num_ctas"):
+        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, num_ctas=5)
+    with pytest.raises(ValueError, match="stages"):
+        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, stages=1)
+    bad = dict(pools, conv_state=pools["conv_state"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="activation dtype"):
+        call(kda_decode_mgpu, step, bad, params, [0, 1], [1, 1], interpret=True)
+    step16, pools16, params16 = decode_inputs(3, bsz=2, t=1, h=2, dk=16, pool=3)
+    with pytest.raises(ValueError, match="V % 64"):
+        call(kda_decode_mgpu, step16, pools16, params16, [0, 1], [1, 1], interpret=True)
