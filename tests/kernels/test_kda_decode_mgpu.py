@@ -15,12 +15,13 @@ from pallas_kernels.kda_decode_mgpu import default_stages, kda_decode_mgpu, kda_
 from test_kda_decode import call, decode_inputs, rel  # same inputs (tests/kernels is on sys.path under pytest)
 
 
-@pytest.mark.parametrize("t,gate,stages,num_ctas", [(1, "lower_bound", 2, 2), (3, "softplus", 3, 3),
-                                                    (2, "lower_bound", None, 1)])
-def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
-    """B5 x H3 = 15 items over 1-3 CTAs, K = V = 64, shuffled slots in a larger pool, a padded row, an idle row
-    and a fresh row whose slot holds NaN / inf: y (valid positions), both pools; untouched slots bit-identical."""
-    step, pools, params = decode_inputs(2, bsz=5, t=t, h=3, dk=64, pool=9)
+@pytest.mark.parametrize("t,gate,stages,num_ctas,dk", [(1, "lower_bound", 2, 2, 64), (3, "softplus", 3, 3, 64),
+                                                       (2, "lower_bound", None, 1, 64), (2, "softplus", None, 4, 128)])
+def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas, dk):
+    """B5 x H3 = 15 items over 1-4 CTAs, shuffled slots in a larger pool, a padded row, an idle row and a fresh
+    row whose slot holds NaN / inf: y (valid positions), both pools; untouched slots bit-identical. K = V = 64 is
+    one warpgroup per CTA; 128 two, splitting each state's rows and sharing the output norm's mean square."""
+    step, pools, params = decode_inputs(2, bsz=5, t=t, h=3, dk=dk, pool=9)
     pools["state"] = pools["state"].at[8, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
     pools["conv_state"] = pools["conv_state"].at[8, 0, :2].set(jnp.asarray([np.nan, np.inf]))
     slots, lengths = [4, 0, 8, 2, 6], [t, 0, t, max(t - 1, 1), t]
@@ -54,3 +55,44 @@ def test_defaults_and_argument_errors():
     step16, pools16, params16 = decode_inputs(3, bsz=2, t=1, h=2, dk=16, pool=3)
     with pytest.raises(ValueError, match="V % 64"):
         call(kda_decode_mgpu, step16, pools16, params16, [0, 1], [1, 1], interpret=True)
+
+
+def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
+    """benchmarks/kda.py --decode-variants mgpu_s2_c3 on a tiny decode (B2 T1 H2, D128), interpreted: the variant
+    is parsed, checked against the Triton kernel (equal in interpret mode: both run the same jnp ops) and timed."""
+    import json
+
+    from benchmarks import kda as bench
+
+    assert bench.decode_variant("mgpu_s2_c3") == (0, 0, False, {"mgpu": {"stages": 2, "num_ctas": 3}})
+    with pytest.raises(ValueError):
+        bench.decode_variant("mgpu_x2")
+    out = tmp_path / "kda.json"
+    bench.main(["--order", "decode", "--decode", "2x1x2", "--decode-block-v", "", "--decode-warps", "4",
+                "--decode-loop-v", "64", "--decode-variants", "mgpu_s2_c3", "--trials", "1", "--interpret",
+                "--no-fla", "--case-limit", "600", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["ours_mgpu_s2_c3_ms"] > 0 and row["ours_loop64_w4_ms"] > 0
+    for name in ("y", "conv", "state"):
+        assert row[f"rel_{name}_mgpu_s2_c3_vs_triton"] < 1e-6
+
+
+@pytest.mark.parametrize("t,gate", [(1, "lower_bound"), (4, "softplus")])
+def test_lowers_for_the_h200_offline(t, gate, monkeypatch):
+    """The kernel lowers to Mosaic GPU for sm_90 at the benchmark's shape (B64 H96 D128, bf16, fp32 taps) on a
+    machine without a GPU: layouts, TMA shapes and the shared-memory budget (its limit is checked at lowering),
+    which the interpreter does not check. (`_infer_arch` asks the local GPU; here there is none.)"""
+    import jax
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (9, 0))
+    b, h, d, pool = 64, 96, 128, 80
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    args = (s((b, t, 3 * h * d), bf), s((pool, 3, 3 * h * d), bf), s((4, 3 * h * d), jnp.float32), s((b, t, h, d), bf),
+            s((b, t, h), jnp.float32), s((b, t, h, d), bf), s((pool, h, d, d), jnp.float32), s((b,), jnp.int32),
+            s((b,), jnp.int32))
+    kw = dict(a_log=s((h,), jnp.float32), dt_bias=s((h * d,), jnp.float32), o_norm_weight=s((d,), bf))
+    fn = lambda *a, **k: kda_decode_mgpu(*a, **k, gate=gate)
+    text = jax.jit(fn).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
