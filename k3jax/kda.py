@@ -298,6 +298,12 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
 # minutes to CI's model tests, and tests/kernels/test_kda_intra.py checks that kernel against v2 on its own.
 KDA_STAGE1 = "pallas"
 KDA_STAGE1_INTERPRET = "v2"
+# The fused decode kernel (read at trace time): "triton" (pallas_kernels/kda_decode.py) or "mosaic"
+# (pallas_kernels/kda_decode_mgpu.py: the state streamed by TMA; decode only, K a multiple of 128 -- verify and other
+# sizes keep the Triton kernel). On the H200 (2026-12-02, docs/benchmarks.md) "mosaic" is 1.05x / 1.08x the Triton
+# kernel at B64 / B256 T1 H96 (81.8 % of copy at B256). It stays opt-in until the whole model has run with it on a GPU
+# (benchmarks/model_forward.py --shadow-check); its kernel tests have (tests/gpu/test_kda_gpu.py -k mgpu).
+KDA_DECODE_KERNEL = "triton"
 
 
 def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound,
@@ -315,10 +321,22 @@ def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_
     return jnp.where(valid[..., None, None], o.reshape(b, t, h, -1), 0), final
 
 
+def _fused_decode(*args, interpret: bool, all_states: bool = False, **kw):
+    """The fused decode / verify op: KDA_DECODE_KERNEL's kernel where it applies, else the Triton one."""
+    from pallas_kernels.kda_decode import kda_decode
+    from pallas_kernels import kda_decode_mgpu
+
+    if KDA_DECODE_KERNEL not in ("triton", "mosaic"):
+        raise ValueError(f"KDA_DECODE_KERNEL must be 'triton' or 'mosaic'; got {KDA_DECODE_KERNEL!r}")
+    if KDA_DECODE_KERNEL == "mosaic" and not all_states and kda_decode_mgpu.supported(*args):
+        return kda_decode_mgpu.kda_decode_mgpu(*args, interpret=interpret, **kw)
+    return kda_decode(*args, interpret=interpret, all_states=all_states, **kw)
+
+
 def _register_pallas() -> None:
     """Registers the Pallas kernels (pallas_kernels/) for the GPU ("pallas") and CPU CI ("interpret")."""
     from pallas_kernels.kda_chunk import kda_chunk, kda_chunk_reference
-    from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
+    from pallas_kernels.kda_decode import kda_decode_reference
 
     for name, interpret in (("pallas", False), ("interpret", True)):
 
@@ -336,7 +354,7 @@ def _register_pallas() -> None:
 
         backend.register("kda_chunked", name)(chunked)
         backend.register("kda_chunked_fused", name)(chunked_fused)
-        backend.register("kda_decode_fused", name)(functools.partial(kda_decode, interpret=interpret))
+        backend.register("kda_decode_fused", name)(functools.partial(_fused_decode, interpret=interpret))
 
     backend.register_twin("kda_chunked_fused")(functools.partial(_packed_fused_chunk, kda_chunk_reference))
     backend.register_twin("kda_decode_fused")(kda_decode_reference)

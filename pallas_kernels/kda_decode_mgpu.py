@@ -10,31 +10,37 @@ gated RMSNorm -- one launch per layer, k3-model.md §3:
 Why a second kernel: the Triton one (loads into registers, one program per (sequence, head)) moves the state at
 73-77 % of the measured copy bandwidth at B64 / B256 H96, and nothing in its tiling, cache hints or a streamed
 scf.for got past that (kda_decode's docstring). The state is the whole memory floor (read once, written once), so
-this kernel is built around moving it: a persistent grid of one CTA per SM walks (sequence, head) items cta,
+this kernel is built around moving it. A persistent grid of one CTA per SM walks (sequence, head) items cta,
 cta + G, cta + 2G, ... (heads fastest, so neighbouring CTAs stream neighbouring memory). Each item's [V, K] state
-(64 KB at 128 x 128) and its few KB of operands (q|k|v inputs, conv windows and taps, z, output gate) arrive by TMA
-into a ring of `stages` shared-memory slots, issued `stages - 1` items ahead. V / 64 warpgroups split each state's
-rows (the delta rule is row-separable over V); each updates its [64, K] tile in registers in the WGMMA layout (K
-along a row spread over 4 lanes, so S k and S q are in-register sums plus two shuffles), writes it back into the
-slot, and warpgroup 0 returns the slot to the pool with one TMA store once all are done (a barrier). A slot is
-refilled only after its store has read it (`wait_smem_to_gmem(0, wait_read_only=True)` at the top of the next
-item). K-vectors (q, k, e^g) live in the WGMMA layout's column form (`reduce(0)`: broadcast down a tile's rows),
-V-rows (v, o, y) in its row form (`reduce(1)`); the output norm's mean square is shared through shared memory.
+(64 KB at 128 x 128) and its few KB of operands (q|k|v inputs, conv windows, z, output gate) arrive by TMA into a
+ring of `stages` shared-memory slots, issued ahead. The CTA's warpgroups are specialised:
+- V / 64 *update* warpgroups each own 64 rows of every state (the delta rule is row-separable over V): they wait for
+  the item's prepared vectors, update their [64, K] tile in registers in the WGMMA layout (K along a row spread over
+  4 lanes, so S k and S q are in-register sums plus two shuffles), write it back into the slot, write o, and arrive;
+- one *prep* warpgroup issues the TMA ring, does the item's vector work one item ahead of the updates (short convs +
+  SiLU, q / k L2 norms, gate, beta; vectors in the strided layout, K / 128 elements a thread) into two-deep operand
+  buffers (q^, k^, beta k^, e^g, beta v), then, once the updates are done, stores the state back with one TMA copy,
+  applies the gated RMSNorm and refills the slot (only after the store has read it).
+The update warpgroups read K-vectors in the WGMMA layout's column form (`reduce(0)`: broadcast down a tile's rows)
+and V-rows in its row form (`reduce(1)`).
+Hazard kept out by design: Mosaic GPU lowers a full reduction (jnp.sum to a scalar) through one shared-memory
+scratch buffer for the whole CTA, so two warpgroups must never run one at the same time. Only the prep warpgroup
+does (L2 norms, the RMSNorm's mean square); the updates reduce within warps only. (A version with the RMSNorm in the
+update warpgroups ran its reductions against the prep's and gave wrong y on the H200; the interpreter does not
+model that scratch.)
 
 Measured on the H200 (2026-12-02, benchmarks/kda.py --decode-variants mgpu,mgpu_s2, raw JSON
-docs/results/kda_decode_mgpu_h200_2026-12-02.json; torch copy 4.15 TB/s): correct (state equal to the Triton
-kernel's to 9e-6, y to bf16 rounding; tests/gpu/test_kda_gpu.py -k mgpu), in place (no pool copy in the HLO), but
-**slower than the Triton kernel, so it is not wired into the model**: B64 T1 H96 0.370 ms (Triton 0.263, fla 0.286),
-B256 1.372 ms (Triton 1.014). Where the time goes (an ablation of the first version at B64: parts replaced by
-constants): TMA streaming alone, state read and written, 0.228 ms = 3.53 TB/s = 84 % of copy; with the state
-update 0.236 ms (3.42 TB/s, 81 %), i.e. the streaming design itself clears the issue's 80 % bar. The rest is the
-per-item vector work (two short convs + SiLU, two L2 norms, the gate, the output norm): with one warpgroup per SM
-it is latency-bound (a single warp per scheduler hides nothing) and ran ~10 us per item against ~5 us of memory
-time. Loading the operands by TMA instead of from global memory took B64 from 0.61 to 0.47 ms; two warpgroups per
-CTA and MUFU math (APPROX_MATH) to 0.37. Next (not done): keep the vector work off the critical path -- compute item
-i + 1's q / k / gate while item i's state streams (software pipelining in registers), or a third warpgroup doing
-only that work for the others, or precompute q / k / e^g / beta in the projection epilogue so the kernel only
-streams the state.
+docs/results/kda_decode_mgpu_h200_2026-12-02.json; torch copy 4.15 TB/s), decode T1 H96:
+B64 0.2535 ms = 3.18 TB/s of state = 76.5 % of copy (Triton kernel 0.2658 in the same run: 1.05x; fla 0.2835:
+1.12x); B256 0.9488 ms = 3.40 TB/s = **81.8 % of copy** (Triton 1.0273: 1.08x; fla 1.1953: 1.26x). 2 ring slots
+instead of 3: 0.266 / 0.982 ms. State equal to the Triton kernel's to 9e-6 / 1.3e-5 relative (MUFU math), y to
+bf16 rounding (5e-5); in place (no pool copy in the optimized HLO). The way there, same benchmark at B64: one warpgroup doing
+everything with operands from global memory 0.61 ms (ablation: its TMA streaming alone 0.228 ms = 84 % of copy,
+with the state update 0.236); operands by TMA 0.47; two warpgroups sharing the vector work 0.37; prep specialised
+(vectors in the WGMMA column form, 32 replicated values a thread) 0.46; prep in the strided layout 0.25.
+The model uses it with k3jax.kda.KDA_DECODE_KERNEL = "mosaic" (opt-in: see there). Not done: verify (all_states:
+every position's state written) stays on the Triton kernel; B64 is still under 80 % (fewer items per CTA: 47, so
+the ring's fill and drain weigh more; a deeper ring needs smaller slots).
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
@@ -66,6 +72,7 @@ _L2_EPS = 1e-6
 _COL = plgpu.Layout.WGMMA.reduce(0)  # a [K] vector as a tile's columns (broadcast down the rows)
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector as a tile's rows (one value per row)
 _TILE = plgpu.Layout.WGMMA
+TMA_COPIES_PER_ITEM = 9  # the item's state; q|k|v inputs and conv windows (3 x 2); z; output gate
 APPROX_MATH = True  # MUFU exp / reciprocal / rsqrt: the vector code is latency-bound (see the module docstring)
 
 # kda_decode_mgpu's reference: the decode path of kda_decode's (same arguments, same results)
@@ -74,6 +81,11 @@ kda_decode_mgpu_reference = functools.partial(kda_decode_reference, all_states=F
 
 def _cols(ref):
     return plgpu.load(ref, layout=_COL, optimized=False).astype(jnp.float32)
+
+
+def _vec(ref):  # a [K] vector, K / 128 elements a thread (the prep warpgroup's layout)
+    return plgpu.load(ref, layout=plgpu.Layout.WG_STRIDED(ref.shape, vec_size=ref.shape[-1] // 128)).astype(
+        jnp.float32)
 
 
 def _rows(ref):
@@ -111,52 +123,56 @@ def _gate(z, a, dt_bias, gate, lower_bound):
     return -a * _select_vec(x > 20.0, x, _log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def _conv_positions(weights, window, inputs, valids, act_dtype):
-    """Causal short conv + SiLU of one channel segment over its T positions (vectors in one layout).
+def _conv_positions(tap, window, x_at, valids, act_dtype, store):
+    """Causal short conv + SiLU of one channel segment over its T positions (vectors in one layout), loading each
+    tap (`tap(j)`, fp32, oldest tap first) and input (`x_at(t)`) where it is used, to keep few vectors live.
 
-    weights: W tap vectors (fp32, oldest tap first); window: the W-1 previous inputs (activation dtype); inputs: T
-    vectors; valids: T scalar bools. Returns (acts [T] fp32, each rounded to the activation dtype as the reference
-    rounds it; kept: the last W-1 valid inputs, the new conv state)."""
+    window: the W-1 previous inputs (activation dtype); valids: T scalar bools. Calls store(t, act) with each
+    position's SiLU output (fp32, rounded to the activation dtype as the reference rounds it). Returns the last W-1
+    valid inputs (the new conv state)."""
     f32 = jnp.float32
-    acts, kept = [], list(window)
-    for x_t, valid in zip(inputs, valids):
-        acc = weights[-1] * x_t.astype(f32)
+    kept = list(window)
+    for t, valid in enumerate(valids):
+        x_t = x_at(t)
+        acc = tap(len(window)) * x_t.astype(f32)
         for i, w_prev in enumerate(window):
-            acc = acc + weights[i] * w_prev.astype(f32)
+            acc = acc + tap(i) * w_prev.astype(f32)
         window = window[1:] + [x_t.astype(act_dtype)]
         kept = [_select(valid, new, old) for new, old in zip(window, kept)]
-        acts.append(jax.nn.silu(acc).astype(act_dtype).astype(f32))
-    return acts, kept
+        store(t, jax.nn.silu(acc).astype(act_dtype).astype(f32))
+    return kept
 
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
-                 onw_ref, conv_ref, state_ref, y_ref, st_smem, x_smem, win_smem, cw_smem, z_smem, og_smem, o_smem,
-                 bars, done_bars, *, num_items, num_heads, num_tokens, stages, gate, lower_bound, eps,
-                 act_dtype):
+                 onw_ref, conv_ref, state_ref, y_ref, st_smem, x_smem, win_smem, z_smem, og_smem, cw_smem, prep_smem,
+                 vb_smem, o_smem, bars, taps_bars, prep_bars, done_bars, *, num_items, num_heads, num_tokens, stages, gate, lower_bound,
+                 eps, act_dtype):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   alog_ref: [H] fp32; dtb_ref: [H, K] fp32; onw_ref: [V] o_norm weight
     #   conv_ref: [P, W-1, 3*H*K] conv-state pool, read by TMA and written in place (a mutable ref)
     #   state_ref: [P, H, V, K] fp32 state pool, read and written in place by TMA (a mutable ref)
     #   y_ref: [B, T, H, V] activation dtype, the gated-normed output
-    # SMEM, one slot per item in flight: st_smem [S, V, K] fp32 (tiled 8 x 32, 128-byte swizzle) the state;
-    #   x_smem [S, 3, T, K] the item's q|k|v inputs; win_smem [S, 3, W-1, K] its conv windows; cw_smem [S, 3, W, K]
-    #   the head's conv taps; z_smem [S, T, K]; og_smem [S, T, V]; bars [S]: one barrier per slot, 12 TMA
-    #   arrivals (state, 3 x (inputs, window, taps), z, output gate)
-    # o_smem [2, T, V] fp32: each warpgroup's o rows, for the others' RMSNorm (two buffers: step parity)
-    # done_bars [S]: every warpgroup is done with the slot's state (V / 64 arrivals) before warpgroup 0 stores it
-    # Warpgroup wg owns state rows [64 wg, 64 wg + 64) of every item (the delta rule is row-separable over V) and
-    # redoes the head's q / k / gate work (latency-bound vector code: V / 64 warpgroups hide each other's latency).
+    # SMEM ring, one slot per item in flight: st_smem [S, V, K] fp32 (tiled 8 x 32, 128-byte swizzle) the state;
+    #   x_smem [S, 3, T, K] the item's q|k|v inputs; win_smem [S, 3, W-1, K] its conv windows; z_smem [S, T, K];
+    #   og_smem [S, T, V]; bars [S]: the slot's TMA_COPIES_PER_ITEM copies (see `issue`) have landed
+    # SMEM, the head's conv taps for prep, two buffers (item parity): cw_smem [2, 3, W, K]; taps_bars [2] (3 copies)
+    # SMEM, the prepared operands, two buffers (item parity: prep runs one item ahead of the update): prep_smem
+    #   [2, T, 4, K] fp32 (q^, k^, beta k^, e^g); vb_smem [2, T, V] fp32 (beta v); prep_bars [S]: item's written
+    # o_smem [2, T, V] fp32: the update warpgroups' o rows, for the prep warpgroup's RMSNorm (item parity)
+    # done_bars [S]: every update warpgroup is done with the slot (V / 64 arrivals) before it is stored and refilled
+    # Warpgroups: wg < V / 64 update state rows [64 wg, 64 wg + 64) of every item (the delta rule is row-separable
+    # over V); the last one ("prep") issues the TMA ring, runs the vector work of item j + 1 (short convs, SiLU, L2
+    # norms, gate, beta) while the others update item j's state, then stores item j's state back and applies its
+    # gated RMSNorm.
     f32 = jnp.float32
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
     wg = lax.axis_index("wg")
     num_steps = (num_items - 1 - cta) // num_ctas + 1  # items cta, cta + G, ...: the grid never exceeds num_items
     dv, dk = st_smem.shape[1], st_smem.shape[2]
-    width = cw_smem.shape[2]
+    num_update = dv // ROWS
+    width = convw_ref.shape[0]
     tile = (ROWS, dk)
-    blk = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's state rows / v channels / o rows
-    row_blocks = [pl.ds(j * ROWS, ROWS) for j in range(dv // ROWS)]
-    norm_w = _rows(onw_ref.at[blk])  # the same for every item
 
     def item_of(step):
         item = cta + step * num_ctas
@@ -165,121 +181,162 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     def segs_of(h):  # the head's q, k and v channels
         return [pl.ds((i * num_heads + h) * dk, dk) for i in range(3)]
 
-    def issue(step):
-        b, h = item_of(step)
-        slot, sl = lax.rem(step, stages), slots_ref[b]
-        bar = bars.at[slot]
-        plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], bar)
-        for i, seg in enumerate(segs_of(h)):
-            plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], x_smem.at[slot, i], bar)
-            plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], win_smem.at[slot, i], bar)
-            plgpu.copy_gmem_to_smem(convw_ref.at[:, seg], cw_smem.at[slot, i], bar)
-        plgpu.copy_gmem_to_smem(z_ref.at[b, :, h, :], z_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(og_ref.at[b, :, h, :], og_smem.at[slot], bar)
+    @pl.when(wg == num_update)
+    def _prep_warpgroup():
+        def issue(step):
+            b, h = item_of(step)
+            slot, sl = lax.rem(step, stages), slots_ref[b]
+            bar = bars.at[slot]
+            plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], bar)
+            for i, seg in enumerate(segs_of(h)):
+                plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], x_smem.at[slot, i], bar)
+                plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], win_smem.at[slot, i], bar)
+            plgpu.copy_gmem_to_smem(z_ref.at[b, :, h, :], z_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(og_ref.at[b, :, h, :], og_smem.at[slot], bar)
 
-    @pl.when(wg == 0)
-    def _():
-        for first in range(stages - 1):
-            pl.when(first < num_steps)(functools.partial(issue, first))
+        def store(step):  # item `step`'s state back to the pool once every update warpgroup is done with it
+            b, h = item_of(step)
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(done_bars.at[slot])
+            plgpu.copy_smem_to_gmem(st_smem.at[slot], state_ref.at[slots_ref[b], h])
 
-    @pl.loop(0, num_steps)
-    def _step(step):
-        @pl.when(wg == 0)
-        def _():  # the slot of item step - 1 is refilled (with item step + stages - 1) once its store has read it
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            pl.when(step + stages - 1 < num_steps)(lambda: issue(step + stages - 1))
+        def issue_taps(step):  # the head's conv taps into their own two-deep ring (prep is their only reader)
+            _, h = item_of(step)
+            buf = lax.rem(step, 2)
+            for i, seg in enumerate(segs_of(h)):
+                plgpu.copy_gmem_to_smem(convw_ref.at[:, seg], cw_smem.at[buf, i], taps_bars.at[buf])
 
-        b, h = item_of(step)
-        slot = lax.rem(step, stages)
-        state = st_smem.at[slot]
-        sl, length = slots_ref[b], lens_ref[b]
-        fresh = fresh_ref[b] != 0
-        a = jnp.exp(alog_ref[h])
-        betas = [beta_ref[b, t, h] for t in range(num_tokens)]
-        valids = [t < length for t in range(num_tokens)]
-        segs = segs_of(h)
-        dtb = _cols(dtb_ref.at[h])  # (from global memory: its latency overlaps the wait)
-        plgpu.barrier_wait(bars.at[slot])
-
-        def window_of(load, i, cols=slice(None)):  # the last W-1 inputs, or zeros for a fresh row (not their bytes)
-            rows = [load(win_smem.at[slot, i, r, cols]).astype(act_dtype) for r in range(width - 1)]
-            return [_select(fresh, jnp.zeros_like(w), w) for w in rows]
-
-        # q and k: conv + SiLU per position (column vectors); warpgroup 0 writes their new conv state to the pool
-        qk = []
-        for i in range(2):
-            acts, kept = _conv_positions([_cols(cw_smem.at[slot, i, j]) for j in range(width)], window_of(_cols, i),
-                                         [_cols(x_smem.at[slot, i, t]) for t in range(num_tokens)], valids, act_dtype)
-            qk.append(acts)
-
-            @pl.when(wg == 0)
-            def _(kept=kept, i=i):
+        def prep(step):
+            # [K] vectors in the strided layout (K / 128 elements a thread; loads and stores vectorised): the
+            # update warpgroups' WGMMA column form holds 32 replicated values a thread, 32x the work for this code.
+            # Two passes through shared memory: (1) per channel segment, the short conv + SiLU of every position
+            # into the operand buffers, the new conv state to the pool; (2) per position, the norms, gate and beta
+            # applied in place
+            b, h = item_of(step)
+            slot, buf = lax.rem(step, stages), lax.rem(step, 2)
+            sl, length = slots_ref[b], lens_ref[b]
+            fresh = fresh_ref[b] != 0
+            valids = [t < length for t in range(num_tokens)]
+            a = jnp.exp(alog_ref[h])
+            betas = [jnp.where(valids[t], jax.nn.sigmoid(beta_ref[b, t, h].astype(f32)), 0.0)
+                     for t in range(num_tokens)]
+            plgpu.barrier_wait(taps_bars.at[buf])
+            plgpu.barrier_wait(bars.at[slot])
+            acts_out = [lambda t: prep_smem.at[buf, t, 0], lambda t: prep_smem.at[buf, t, 1],
+                        lambda t: vb_smem.at[buf, t]]
+            for i, seg in enumerate(segs_of(h)):
+                window = [_vec(win_smem.at[slot, i, r]).astype(act_dtype) for r in range(width - 1)]
+                window = [_select(fresh, jnp.zeros_like(w), w) for w in window]  # zeros, not a fresh slot's bytes
+                kept = _conv_positions(lambda j, i=i: _vec(cw_smem.at[buf, i, j]), window,
+                                       lambda t, i=i: _vec(x_smem.at[slot, i, t]), valids, act_dtype,
+                                       store=lambda t, act, i=i: acts_out[i](t).__setitem__(..., act))
                 for r in range(width - 1):
-                    conv_ref.at[sl, r, segs[i]][...] = kept[r].astype(conv_ref.dtype)
-        # v: this warpgroup's 64 channels (row vectors), conv + SiLU per position; their new conv state
-        vs, kept = _conv_positions([_rows(cw_smem.at[slot, 2, w, blk]) for w in range(width)], window_of(_rows, 2, blk),
-                                   [_rows(x_smem.at[slot, 2, t, blk]) for t in range(num_tokens)], valids, act_dtype)
-        v_seg = pl.ds(pl.multiple_of((2 * num_heads + h) * dk + wg * ROWS, ROWS), ROWS)
-        for r in range(width - 1):
-            conv_ref.at[sl, r, v_seg][...] = kept[r].astype(conv_ref.dtype)
-        rows = state.at[blk]
+                    conv_ref.at[sl, r, seg][...] = kept[r].astype(conv_ref.dtype)
+            dtb = _vec(dtb_ref.at[h])
+            plgpu.commit_smem()
+            for t in range(num_tokens):
+                ops = prep_smem.at[buf, t]
+                q, k = _vec(ops.at[0]), _vec(ops.at[1])
+                q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk ** -0.5
+                k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
+                g = _gate(_vec(z_smem.at[slot, t]), a, dtb, gate, lower_bound)
+                ops.at[0][...] = q
+                ops.at[1][...] = k
+                ops.at[2][...] = betas[t] * k
+                ops.at[3][...] = jnp.exp(_select(valids[t], g, jnp.zeros_like(g)))
+                vb_smem.at[buf, t][...] = betas[t] * _vec(vb_smem.at[buf, t])
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(prep_bars.at[slot])
 
-        @pl.when(fresh)
-        def _():
-            rows[...] = plgpu.layout_cast(jnp.zeros(tile, f32), _TILE)
+        for first in range(stages):
+            pl.when(first < num_steps)(functools.partial(issue, first))
+        issue_taps(0)
 
-        outs = []
-        parity = lax.rem(step, 2)
-        for t in range(num_tokens):
-            q, k = qk[0][t], qk[1][t]
-            q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk ** -0.5
-            k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
-            g = _gate(_cols(z_smem.at[slot, t]), a, dtb, gate, lower_bound)
-            decay = jnp.exp(_select(valids[t], g, jnp.zeros_like(g)))
-            beta = jnp.where(valids[t], jax.nn.sigmoid(betas[t].astype(f32)), 0.0)
-            k_t = _down_rows(k, tile)
-            s = plgpu.load(rows, layout=_TILE) * _down_rows(decay, tile)
-            err = beta * (vs[t] - jnp.sum(s * k_t, axis=1))
-            s = s + _across_cols(err, tile) * k_t
-            o = jnp.sum(s * _down_rows(q, tile), axis=1).astype(act_dtype).astype(f32)
-            rows[...] = s
-            o_smem.at[parity, t, blk][...] = o
-            outs.append(o)
-        plgpu.commit_smem()  # this warpgroup's new state rows and o are visible to TMA and the other warpgroups
-        plgpu.barrier_arrive(done_bars.at[slot])
-        plgpu.barrier_wait(done_bars.at[slot])
+        norm_w = _vec(onw_ref)  # the same for every item
 
-        @pl.when(wg == 0)
-        def _():
-            plgpu.copy_smem_to_gmem(state, state_ref.at[sl, h])
+        def gated_norm(step):
+            # the item's gated RMSNorm over all V, once every update warpgroup has written its o rows (after
+            # `store`'s wait), before its slot (the output gate) is refilled. Here, in the one warpgroup whose
+            # vectors are strided: Mosaic's full reductions share one shared-memory scratch, so they must not run
+            # in two warpgroups at once (only this one does them; the update warpgroups reduce within warps).
+            b, h = item_of(step)
+            slot, buf = lax.rem(step, stages), lax.rem(step, 2)
+            for t in range(num_tokens):
+                o = _vec(o_smem.at[buf, t])
+                y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[slot, t]))
+                y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
 
-        # gated RMSNorm over all V: the mean square from every warpgroup's o rows, then this warpgroup's rows
-        for t in range(num_tokens):
-            sum_sq = None
-            for other in row_blocks:
-                o_other = _rows(o_smem.at[parity, t, other])
-                sum_sq = jnp.sum(o_other * o_other) if sum_sq is None else sum_sq + jnp.sum(o_other * o_other)
-            inv_rms = lax.rsqrt(sum_sq / dv + eps)
-            y = outs[t] * inv_rms * norm_w * jax.nn.sigmoid(_rows(og_smem.at[slot, t, blk]))
-            y_ref.at[b, t, h, blk][...] = y.astype(y_ref.dtype)
+        @pl.loop(0, num_steps)
+        def _prep_step(step):
+            pl.when(step + 1 < num_steps)(lambda: issue_taps(step + 1))  # its buffer's reader, prep(step - 1), is done
+            prep(step)
 
-    @pl.when(wg == 0)
-    def _():
+            @pl.when(step >= 1)
+            def _():  # the previous item's state goes back, and its slot is refilled once the store has read it
+                store(step - 1)
+                gated_norm(step - 1)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                pl.when(step - 1 + stages < num_steps)(lambda: issue(step - 1 + stages))
+
+        store(num_steps - 1)
+        gated_norm(num_steps - 1)
         plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg < num_update)
+    def _update_warpgroup():
+        blk = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's state rows / v channels / o rows
+
+        @pl.loop(0, num_steps)
+        def _update_step(step):
+            b, _ = item_of(step)
+            slot, buf = lax.rem(step, stages), lax.rem(step, 2)
+            rows = st_smem.at[slot, blk]
+            plgpu.barrier_wait(bars.at[slot])
+            plgpu.barrier_wait(prep_bars.at[slot])
+
+            @pl.when(fresh_ref[b] != 0)
+            def _():  # a fresh row starts from zeros, whatever its slot held (a select: exact over NaN / inf)
+                rows[...] = plgpu.layout_cast(jnp.zeros(tile, f32), _TILE)
+
+            for t in range(num_tokens):
+                ops = prep_smem.at[buf, t]
+                s = plgpu.load(rows, layout=_TILE) * _down_rows(_cols(ops.at[3]), tile)
+                err = _rows(vb_smem.at[buf, t, blk]) - jnp.sum(s * _down_rows(_cols(ops.at[2]), tile), axis=1)
+                s = s + _across_cols(err, tile) * _down_rows(_cols(ops.at[1]), tile)
+                rows[...] = s
+                o_smem.at[buf, t, blk][...] = jnp.sum(s * _down_rows(_cols(ops.at[0]), tile), axis=1).astype(
+                    act_dtype).astype(f32)
+            plgpu.commit_smem()  # the new state rows and o are visible to the TMA engine and the prep warpgroup
+            plgpu.barrier_arrive(done_bars.at[slot])
 
 
 def smem_bytes(dv: int, dk: int, stages: int, num_tokens: int, width: int, act_bytes: int, conv_bytes: int,
                taps_bytes: int) -> int:
-    """Shared memory of the kernel's ring (barriers not counted): per slot the fp32 state and the item's operands."""
-    operands = (3 * num_tokens * dk * act_bytes + 3 * (width - 1) * dk * conv_bytes + 3 * width * dk * taps_bytes
-                + num_tokens * dk * act_bytes + num_tokens * dv * act_bytes)
-    return stages * (dv * dk * 4 + operands) + 2 * num_tokens * dv * 4  # + o_smem
+    """Shared memory of the kernel (barriers and Mosaic's reduction scratch not counted): per ring slot the fp32
+    state, the item's operands and its prepared vectors; the output rows' exchange buffer."""
+    operands = (3 * num_tokens * dk * act_bytes + 3 * (width - 1) * dk * conv_bytes + num_tokens * dk * act_bytes
+                + num_tokens * dv * act_bytes)
+    prepared = 2 * (3 * width * dk * taps_bytes + num_tokens * (4 * dk + dv) * 4)
+    return stages * (dv * dk * 4 + operands) + prepared + 2 * num_tokens * dv * 4
 
 
 def default_stages(**sizes) -> int:
     """The most slots (<= 3) whose ring fits the shared memory (3 at T = 1, K = V = 128; 2 for long verify-size T)."""
     fitting = [s for s in (3, 2) if smem_bytes(stages=s, **sizes) <= SMEM_LIMIT]
     return fitting[0] if fitting else 2
+
+
+def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_) -> bool:
+    """Whether kda_decode_mgpu takes these operands (kda_decode's argument order): V == K, K a multiple of 128 up
+    to 256, an fp32 state, the conv pool in the activation dtype, and a ring of 2 slots fitting shared memory."""
+    if state.ndim != 4 or qkv.ndim != 3:
+        return False
+    dv, dk = state.shape[2:]
+    if dv != dk or dk % 128 or dv > 4 * ROWS or state.dtype != jnp.float32 or conv_state.dtype != qkv.dtype:
+        return False
+    sizes = dict(dv=dv, dk=dk, num_tokens=qkv.shape[1], width=conv_weight.shape[0], act_bytes=qkv.dtype.itemsize,
+                 conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize)
+    return smem_bytes(stages=2, **sizes) <= SMEM_LIMIT
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages"))
@@ -293,16 +350,16 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
 
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
-    Sizes: V a multiple of 64, K of 32; conv_state in the activation dtype.
+    Sizes: V a multiple of 64 up to 256, K of 128; conv_state in the activation dtype.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
            o_norm_weight, gate)
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     width = conv_weight.shape[0]
-    if dv % ROWS or dv > 4 * ROWS or dk % 32:
+    if dv % ROWS or dv > 4 * ROWS or dk % 128:
         raise ValueError(f"the Mosaic GPU decode kernel needs V % {ROWS} == 0, V <= {4 * ROWS} (a warpgroup per "
-                         f"{ROWS} rows) and K % 32 == 0; got V={dv}, K={dk}")
+                         f"{ROWS} rows) and K % 128 == 0 (a warpgroup's strided vector); got V={dv}, K={dk}")
     if state.dtype != jnp.float32:
         raise ValueError(f"the state pool must be fp32; got {state.dtype}")
     if conv_state.dtype != qkv.dtype:
@@ -322,10 +379,13 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     ring = lambda *shape, dtype=act, **kw: plgpu.SMEM((stages, *shape), dtype, **kw)
     scratch = [
         ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-        ring(3, t, dk), ring(3, width - 1, dk, dtype=conv_state.dtype), ring(3, width, dk, dtype=conv_weight.dtype),
-        ring(t, dk, dtype=z.dtype), ring(t, dv, dtype=out_gate.dtype),
+        ring(3, t, dk), ring(3, width - 1, dk, dtype=conv_state.dtype), ring(t, dk, dtype=z.dtype),
+        ring(t, dv, dtype=out_gate.dtype), plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
+        plgpu.SMEM((2, t, 4, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.SMEM((2, t, dv), jnp.float32),
-        plgpu.Barrier(num_arrivals=12, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=TMA_COPIES_PER_ITEM, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=3, num_barriers=2),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=dv // ROWS, num_barriers=stages),
     ]
     kernel = plgpu.kernel(
@@ -335,7 +395,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        num_threads=dv // ROWS,
+        num_threads=dv // ROWS + 1,  # the update warpgroups and the prep warpgroup
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=APPROX_MATH),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

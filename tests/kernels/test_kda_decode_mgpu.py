@@ -15,13 +15,13 @@ from pallas_kernels.kda_decode_mgpu import default_stages, kda_decode_mgpu, kda_
 from test_kda_decode import call, decode_inputs, rel  # same inputs (tests/kernels is on sys.path under pytest)
 
 
-@pytest.mark.parametrize("t,gate,stages,num_ctas,dk", [(1, "lower_bound", 2, 2, 64), (3, "softplus", 3, 3, 64),
-                                                       (2, "lower_bound", None, 1, 64), (2, "softplus", None, 4, 128)])
-def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas, dk):
+@pytest.mark.parametrize("t,gate,stages,num_ctas", [(1, "lower_bound", 2, 2), (3, "softplus", 2, 3),
+                                                    (2, "lower_bound", None, 1)])
+def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
     """B5 x H3 = 15 items over 1-4 CTAs, shuffled slots in a larger pool, a padded row, an idle row and a fresh
-    row whose slot holds NaN / inf: y (valid positions), both pools; untouched slots bit-identical. K = V = 64 is
-    one warpgroup per CTA; 128 two, splitting each state's rows and sharing the output norm's mean square."""
-    step, pools, params = decode_inputs(2, bsz=5, t=t, h=3, dk=dk, pool=9)
+    row whose slot holds NaN / inf: y (valid positions), both pools; untouched slots bit-identical. K = V = 128:
+    two update warpgroups per CTA (each state's rows split, the output norm's mean square shared) and the prep one."""
+    step, pools, params = decode_inputs(2, bsz=5, t=t, h=3, dk=128, pool=9)
     pools["state"] = pools["state"].at[8, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
     pools["conv_state"] = pools["conv_state"].at[8, 0, :2].set(jnp.asarray([np.nan, np.inf]))
     slots, lengths = [4, 0, 8, 2, 6], [t, 0, t, max(t - 1, 1), t]
@@ -44,7 +44,7 @@ def test_defaults_and_argument_errors():
     """Ring depth from shared memory (3 slots at T1 D128, 2 at T8); bad sizes / knobs raise ValueError."""
     sizes = dict(dv=128, dk=128, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4)
     assert default_stages(num_tokens=1, **sizes) == 3 and default_stages(num_tokens=8, **sizes) == 2
-    step, pools, params = decode_inputs(3, bsz=2, t=1, h=2, dk=64, pool=3)
+    step, pools, params = decode_inputs(3, bsz=2, t=1, h=2, dk=128, pool=3)
     with pytest.raises(ValueError, match="num_ctas"):
         call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, num_ctas=5)
     with pytest.raises(ValueError, match="stages"):
@@ -52,8 +52,8 @@ def test_defaults_and_argument_errors():
     bad = dict(pools, conv_state=pools["conv_state"].astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="activation dtype"):
         call(kda_decode_mgpu, step, bad, params, [0, 1], [1, 1], interpret=True)
-    step16, pools16, params16 = decode_inputs(3, bsz=2, t=1, h=2, dk=16, pool=3)
-    with pytest.raises(ValueError, match="V % 64"):
+    step16, pools16, params16 = decode_inputs(3, bsz=2, t=1, h=2, dk=64, pool=3)
+    with pytest.raises(ValueError, match="K % 128"):
         call(kda_decode_mgpu, step16, pools16, params16, [0, 1], [1, 1], interpret=True)
 
 

@@ -85,3 +85,37 @@ def test_prefill_decode_verify_interpret_equals_reference(cfg):
     assert rel(ver["interpret"][2].kda, ver["reference"][2].kda) < 1e-5
     assert rel(ver["interpret"][2].conv, ver["reference"][2].conv) < 1e-5
     np.testing.assert_array_equal(ver["interpret"][1].kda, int_state.kda)  # verify leaves the pool alone
+
+
+def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch):
+    """k3jax.kda.KDA_DECODE_KERNEL = "mosaic": the model's decode step runs kda_decode_mgpu (interpreted; K = 128,
+    the size it takes) and matches the reference path's logits and pools; verify keeps the Triton kernel.
+    Two rows in shuffled slots, one idle (its slot untouched)."""
+    from k3jax import kda as kda_mod
+    from pallas_kernels import kda_decode_mgpu
+
+    calls = []
+    real = kda_decode_mgpu.kda_decode_mgpu
+    monkeypatch.setattr(kda_decode_mgpu, "kda_decode_mgpu", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(kda_mod, "KDA_DECODE_KERNEL", "mosaic")
+    cfg = CONFIGS[0].replace(kda_head_dim=128, kda_num_heads=2, name="k3-tiny-kda1-d128")
+    params = k3jax.init_params(cfg, jax.random.key(6))
+    rng = np.random.default_rng(1)
+    b, prompt = 2, np.array([5, 3])
+    tokens = rng.integers(0, cfg.vocab_size, (b, 8))
+    table = shuffled_page_tables(rng, b, 2, 2 * b + 3)
+    slots = [2, 0]
+    padded = np.where(np.arange(5)[None] < prompt[:, None], tokens[:, :5], cfg.pad_token_id)
+    state = k3jax.init_state(cfg, num_slots=3, num_pages=table.size + 3, page_size=PAGE)
+    _, state = k3jax.prefill(params, cfg, state, jnp.asarray(padded), step_meta(slots, table, [0, 0], prompt),
+                             backend_name="reference")
+    nxt = tokens[np.arange(b), prompt]
+    dec = {}
+    for name in ("reference", "interpret"):
+        dec[name] = k3jax.decode(params, cfg, jax.tree.map(jnp.copy, state), jnp.asarray(nxt),
+                                 step_meta(slots, table, prompt, [1, 0]), backend_name=name)
+    assert calls, "the decode step did not reach kda_decode_mgpu"
+    assert rel(dec["interpret"][0][0], dec["reference"][0][0]) < 1e-5  # row 1 idles (length 0)
+    assert rel(dec["interpret"][1].kda, dec["reference"][1].kda) < 1e-5
+    assert rel(dec["interpret"][1].conv, dec["reference"][1].conv) < 1e-5
+    np.testing.assert_array_equal(dec["interpret"][1].kda[:, 0], state.kda[:, 0])  # idle slot untouched
