@@ -32,6 +32,9 @@ sigmoid / q-k L2 norm fused on both sides:
            whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
            decode step's optimized HLO (0 = the q|k conv-state scatter stays in place in the donated pool).
+           --decode-variants mgpu[_s<stages>][_c<ctas>] adds the Mosaic GPU kernel (kda_decode_mgpu, decode
+           cases only): ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and
+           its pool copies (hlo_pool_copies_mgpu*); it competes for ours_best like any tiling.
   copy     torch and XLA device copies (bytes read + written) measured in the same run: the bandwidth limit.
 Timing: one warm-up (compile) call, then reps sized to ~25 ms per trial, median over --trials.
 Every case runs under --case-limit seconds (SIGALRM; a compile in progress is only interrupted when it

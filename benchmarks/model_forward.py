@@ -66,6 +66,7 @@ import numpy as np
 
 import k3jax
 from k3jax import StepMeta, backend
+from k3jax import kda as k3_kda
 from k3jax import layers as k3_layers
 from k3jax import mla as k3_mla
 
@@ -146,6 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mla-kernel", choices=("triton", "mosaic"), default=k3_mla.MLA_DECODE_KERNEL,
                    help="the MLA decode kernel of the pallas backend (k3jax.mla.MLA_DECODE_KERNEL; default "
                         f"{k3_mla.MLA_DECODE_KERNEL})")
+    p.add_argument("--kda-decode-kernel", choices=("triton", "mosaic"), default=k3_kda.KDA_DECODE_KERNEL,
+                   help="the KDA fused decode kernel of the pallas backend (k3jax.kda.KDA_DECODE_KERNEL; default "
+                        f"{k3_kda.KDA_DECODE_KERNEL}); mosaic: pallas_kernels/kda_decode_mgpu.py, decode only")
     p.add_argument("--dense-kernel", choices=k3_layers.DENSE_KERNELS, default=k3_layers.DENSE_DECODE_KERNEL,
                    help="the pallas backend's dense GEMMs at decode sizes (k3jax.layers.DENSE_DECODE_KERNEL; default "
                         f"{k3_layers.DENSE_DECODE_KERNEL}): xla, or skinny (pallas_kernels/skinny_gemm.py)")
@@ -1019,6 +1023,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     budget = Budget(args.budget_s, started)
     k3_mla.MLA_DECODE_KERNEL = args.mla_kernel
+    k3_kda.KDA_DECODE_KERNEL = args.kda_decode_kernel
     k3_layers.use_dense_kernel(args.dense_kernel)
     if args.kda_loop_v is not None:
         from pallas_kernels import kda_decode

@@ -346,7 +346,7 @@ def test_intra_pallas2_and_block_inverse_match_v2():
 @pytest.mark.parametrize("t,gate,stages,num_ctas", [(1, "lower_bound", None, None), (1, "softplus", 2, 3),
                                                     (4, "lower_bound", 2, None), (5, "softplus", None, 7)])
 def test_decode_mgpu_matches_reference(t, gate, stages, num_ctas):
-    """The Mosaic GPU decode kernel (TMA-streamed state, two warpgroups per CTA at D128) compiled for the H200:
+    """The Mosaic GPU decode kernel (TMA-streamed state; two update warpgroups and a prep one at D128) on the H200:
     shuffled slots, a padded row, an idle row, fresh rows over NaN / inf garbage; few CTAs so each walks many
     items through its ring (stages None: the most slots that fit; fp32 activations fit 2).
     Rows outside the batch stay bit-identical. Tolerances as test_decode_fresh_rows_match_reference."""
