@@ -58,7 +58,7 @@ from k3jax.config import ModelConfig
 from k3jax.hf_config import model_config_to_hf
 from k3jax.params import param_shapes
 from k3jax.quant import GROUP_SIZE, is_packed, mxfp4_dequantize, mxfp4_quantize
-from pallas_kernels.moe_gemm import PLANE_BLOCK, mxfp4_checkpoint_layout, mxfp4_layout, prepare_mxfp4
+from pallas_kernels.moe_gemm import PLANE_BLOCK, expert_weight_dims, mxfp4_checkpoint_layout, prepare_mxfp4
 
 SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
 SINGLE_FILE = "model.safetensors"
@@ -642,15 +642,13 @@ def _check_params(cfg: ModelConfig, params: dict) -> None:
         if path not in want:
             raise ValueError(f"params has unexpected leaf {path} for config {cfg.name!r}")
         shape = want[path].shape
-        if is_packed(leaf):
-            e, n_in, n_out = shape
-            want_shapes = {
-                "hf": {"packed": (e, n_out, n_in // 2), "scale": (e, n_out, n_in // GROUP_SIZE)},
-                "kn": {"planes_kn": (e, n_in // 2, n_out), "scales_gn": (e, n_in // GROUP_SIZE, n_out)},
-                "k4": {"planes_k4": (e, n_in // 8, 4 * n_out), "scales_gn": (e, n_in // GROUP_SIZE, n_out)},
-            }[mxfp4_layout(leaf)]
-            if any(tuple(leaf[k].shape) != v for k, v in want_shapes.items()):
-                raise ValueError(f"params leaf {path}: packed experts do not match expert shape {shape}")
+        if is_packed(leaf):  # any MXFP4 layout: its (E, in, out) as the kernels derive and check them
+            try:
+                dims = expert_weight_dims(leaf)
+            except ValueError as e:
+                raise ValueError(f"params leaf {path}: packed experts do not match expert shape {shape}: {e}") from e
+            if tuple(dims) != tuple(shape):
+                raise ValueError(f"params leaf {path}: packed experts {tuple(dims)} do not match expert shape {shape}")
         elif tuple(leaf.shape) != tuple(shape):
             raise ValueError(f"params leaf {path} has shape {tuple(leaf.shape)}, expected {tuple(shape)}")
     missing = sorted(set(want) - set(got), key=str)

@@ -293,7 +293,7 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
         raise ValueError(f"layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
     if mxfp4_layout(w) != "hf":
         raise ValueError(f"prepare_mxfp4 takes the checkpoint layout {{'packed', 'scale'}}, got {sorted(w)}")
-    e, n_in, n_out = _weight_dims(w)
+    e, n_in, n_out = expert_weight_dims(w)
     if n_in % PLANE_BLOCK:
         raise ValueError(f"input dim {n_in} must be a multiple of {PLANE_BLOCK} for the kernel layout")
     packed, scale = w["packed"], w["scale"]
@@ -314,7 +314,7 @@ def mxfp4_checkpoint_layout(w: dict) -> dict:
         return w
     if layout not in KERNEL_LAYOUTS:
         raise ValueError("mxfp4_checkpoint_layout takes an MXFP4 dict")
-    e, n_in, n_out = _weight_dims(w)
+    e, n_in, n_out = expert_weight_dims(w)
     if layout == "k4":
         codes = _k4_codes(w["planes_k4"])  # [E, out, in], input order
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -607,7 +607,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _weight_dims(w) -> tuple[int, int, int]:
+def expert_weight_dims(w) -> tuple[int, int, int]:
     """(experts, in, out) of a float [E, in, out] weight or an MXFP4 one in either layout (`mxfp4_layout`)."""
     layout = mxfp4_layout(w)
     if layout == "float":
@@ -646,7 +646,7 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
         if (i, o) != (n_in, n_out):
             w = jnp.pad(w, ((0, 0), (0, n_in - i), (0, n_out - o)))
         return (w,)
-    _, i, o = _weight_dims(w)
+    _, i, o = expert_weight_dims(w)
     packed, scale = (w[k] for k in MXFP4_LAYOUT_KEYS[layout])
     if (i, o) == (n_in, n_out):
         return packed, scale
@@ -739,9 +739,9 @@ def _check_inputs(x, ids, weights, experts, activation):
                          "activation tile and the accumulator orientation)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    eg, kg, ig = _weight_dims(experts["gate"])
-    eu, ku, iu = _weight_dims(experts["up"])
-    ed, id_, dd = _weight_dims(experts["down"])
+    eg, kg, ig = expert_weight_dims(experts["gate"])
+    eu, ku, iu = expert_weight_dims(experts["up"])
+    ed, id_, dd = expert_weight_dims(experts["down"])
     if not (eg == eu == ed and kg == ku == dd <= x.shape[1] and ig == iu == id_):
         raise ValueError(
             f"expert shapes disagree: gate [{eg}, {kg}, {ig}], up [{eu}, {ku}, {iu}], down [{ed}, {id_}, {dd}] "
@@ -832,7 +832,7 @@ def mxfp4_weight_reference(w: dict, dtype=jnp.float32) -> jax.Array:
     if layout in ("hf", "k4"):
         w = mxfp4_checkpoint_layout(w)
         return mxfp4_dequantize_reference(w["packed"], w["scale"], dtype)
-    e, n_in, n_out = _weight_dims(w)
+    e, n_in, n_out = expert_weight_dims(w)
     planes = jnp.swapaxes(w["planes_kn"], -1, -2)  # [E, out, in/2]
     blocks = planes.reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
     codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-2).reshape(e, n_out, n_in).astype(jnp.int32)
