@@ -34,10 +34,10 @@ docs/results/kda_decode_mgpu_h200_2026-12-02.json; torch copy 4.15 TB/s), decode
 B64 0.2535 ms = 3.18 TB/s of state = 76.5 % of copy (Triton kernel 0.2658 in the same run: 1.05x; fla 0.2835:
 1.12x); B256 0.9488 ms = 3.40 TB/s = **81.8 % of copy** (Triton 1.0273: 1.08x; fla 1.1953: 1.26x). 2 ring slots
 instead of 3: 0.266 / 0.982 ms. State equal to the Triton kernel's to 9e-6 / 1.3e-5 relative (MUFU math), y to
-bf16 rounding (5e-5); in place (no pool copy in the optimized HLO). The way there, same benchmark at B64: one warpgroup doing
-everything with operands from global memory 0.61 ms (ablation: its TMA streaming alone 0.228 ms = 84 % of copy,
-with the state update 0.236); operands by TMA 0.47; two warpgroups sharing the vector work 0.37; prep specialised
-(vectors in the WGMMA column form, 32 replicated values a thread) 0.46; prep in the strided layout 0.25.
+bf16 rounding (5e-5); in place (no pool copy in the optimized HLO). The way there, same benchmark at B64: one
+warpgroup doing everything with operands from global memory 0.61 ms (ablation: its TMA streaming alone 0.228 ms =
+84 % of copy, with the state update 0.236); operands by TMA 0.47; two warpgroups sharing the vector work 0.37; prep
+specialised (vectors in the WGMMA column form, 32 replicated values a thread) 0.46; prep in the strided layout 0.25.
 The model uses it with k3jax.kda.KDA_DECODE_KERNEL = "mosaic" (opt-in: see there). Not done: verify (all_states:
 every position's state written) stays on the Triton kernel; B64 is still under 80 % (fewer items per CTA: 47, so
 the ring's fill and drain weigh more; a deeper ring needs smaller slots).
@@ -141,8 +141,8 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
                  onw_ref, conv_ref, state_ref, y_ref, st_smem, x_smem, win_smem, z_smem, og_smem, cw_smem, prep_smem,
-                 vb_smem, o_smem, bars, taps_bars, prep_bars, done_bars, *, num_items, num_heads, num_tokens, stages, gate, lower_bound,
-                 eps, act_dtype):
+                 vb_smem, o_smem, bars, taps_bars, prep_bars, done_bars, *, num_items, num_heads, num_tokens, stages,
+                 gate, lower_bound, eps, act_dtype):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   alog_ref: [H] fp32; dtb_ref: [H, K] fp32; onw_ref: [V] o_norm weight
@@ -219,13 +219,16 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             plgpu.barrier_wait(taps_bars.at[buf])
             plgpu.barrier_wait(bars.at[slot])
             acts_out = [lambda t: prep_smem.at[buf, t, 0], lambda t: prep_smem.at[buf, t, 1],
-                        lambda t: vb_smem.at[buf, t]]
+                        lambda t: vb_smem.at[buf, t]]  # where each segment's raw activations go (q, k, v)
+
+            def put(ref, value):
+                ref[...] = value
             for i, seg in enumerate(segs_of(h)):
                 window = [_vec(win_smem.at[slot, i, r]).astype(act_dtype) for r in range(width - 1)]
                 window = [_select(fresh, jnp.zeros_like(w), w) for w in window]  # zeros, not a fresh slot's bytes
                 kept = _conv_positions(lambda j, i=i: _vec(cw_smem.at[buf, i, j]), window,
                                        lambda t, i=i: _vec(x_smem.at[slot, i, t]), valids, act_dtype,
-                                       store=lambda t, act, i=i: acts_out[i](t).__setitem__(..., act))
+                                       store=lambda t, act, i=i: put(acts_out[i](t), act))
                 for r in range(width - 1):
                     conv_ref.at[sl, r, seg][...] = kept[r].astype(conv_ref.dtype)
             dtb = _vec(dtb_ref.at[h])
