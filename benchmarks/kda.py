@@ -549,7 +549,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             ref = kda_decode(qkv, conv, conv_w, z, beta, og, state, slots, lens, **kw)
             got = jax.jit(lambda cv, st: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw,
                                                          **knobs))(jnp.copy(conv), jnp.copy(state))
-            tag = "mgpu" + "".join(f"_{MGPU_KNOB_TAGS[k]}{v}" for k, v in knobs.items())
+            tag = mgpu_tag(knobs)
             for name, a, r in zip(("y", "conv", "state"), got, ref):
                 row[f"rel_{name}_{tag}_vs_triton"] = rel(jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32))
             fn = lambda cv, st: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw, **knobs)[1:]
@@ -578,9 +578,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
         if i and time.monotonic() > deadline - 5:
             row["sweep_cut"] = True
             break
-        key = (f"ours_{'loop' if loop else 'bv'}{bv}_w{nw}" + "".join(
-            f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items())) if "mgpu" not in extra else (
-            "ours_mgpu" + "".join(f"_{MGPU_KNOB_TAGS[k]}{v}" for k, v in extra["mgpu"].items()))
+        key = "ours_" + (mgpu_tag(extra["mgpu"]) if "mgpu" in extra else f"{'loop' if loop else 'bv'}{bv}_w{nw}"
+                         + "".join(f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items()))
         try:
             row[key + "_ms"], step = time_ours(bv, nw, loop, **extra)
         except CaseTimeout:
@@ -588,16 +587,13 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
         except Exception as e:  # noqa: BLE001 -- an unsupported tiling: keep the others
             row[key + "_error"] = repr(e)[:300]
             step = None
-        if step is not None and "mgpu" in extra and not args.interpret:
-            try:  # the pools are mutable refs inside: the kernel must update them in place, no copy
-                row["hlo_pool_copies_" + key[len("ours_"):]] = count_pool_copies(step, conv, state)
-            except CaseTimeout:
-                raise
-            except Exception as e:  # noqa: BLE001
-                row["hlo_pool_copies_error"] = repr(e)[:300]
-        elif step is not None and bv < D and not loop and "hlo_pool_copies" not in row and not args.interpret:
-            try:  # blocked decode scatters the q|k conv state into the donated pool: it must stay in place
-                row["hlo_pool_copies"] = count_pool_copies(step, conv, state)
+        # pools that must stay in place in the donated step: the blocked decode scatters the q|k conv state into
+        # them (checked once), the Mosaic kernel writes them through mutable refs (checked per variant)
+        copies_key = ("hlo_pool_copies_" + key[len("ours_"):] if "mgpu" in extra
+                      else "hlo_pool_copies" if bv < D and not loop and "hlo_pool_copies" not in row else None)
+        if step is not None and copies_key and not args.interpret:
+            try:
+                row[copies_key] = count_pool_copies(step, conv, state)
             except CaseTimeout:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -627,6 +623,11 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
 
 
 MGPU_KNOB_TAGS = {"stages": "s", "num_ctas": "c"}  # decode variant mgpu_s<stages>_c<ctas>
+
+
+def mgpu_tag(knobs: dict) -> str:
+    """The Mosaic decode variant's name from its kda_decode_mgpu knobs (decode_variant's inverse)."""
+    return "mgpu" + "".join(f"_{MGPU_KNOB_TAGS[k]}{v}" for k, v in knobs.items())
 
 
 def decode_variant(name):

@@ -325,17 +325,34 @@ def default_stages(**sizes) -> int:
     return fitting[0] if fitting else 2
 
 
+def _ring_sizes(qkv, conv_state, conv_weight, state) -> dict:
+    """`smem_bytes`' size arguments for these operands."""
+    dv, dk = state.shape[2:]
+    return dict(dv=dv, dk=dk, num_tokens=qkv.shape[1], width=conv_weight.shape[0], act_bytes=qkv.dtype.itemsize,
+                conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize)
+
+
+def _unsupported(qkv, conv_state, conv_weight, state) -> str | None:
+    """Why kda_decode_mgpu cannot take these (kda_decode-valid) operands, or None; the ring's depth apart."""
+    dv, dk = state.shape[2:]
+    if dv != dk or dv % ROWS or dv > 4 * ROWS or dk % 128:
+        return (f"the Mosaic GPU decode kernel needs V == K, V % {ROWS} == 0, V <= {4 * ROWS} (a warpgroup per {ROWS} "
+                f"rows) and K % 128 == 0 (a warpgroup's strided vector); got V={dv}, K={dk}")
+    if state.dtype != jnp.float32:
+        return f"the state pool must be fp32; got {state.dtype}"
+    if conv_state.dtype != qkv.dtype:
+        return f"conv_state must be in the activation dtype {qkv.dtype}; got {conv_state.dtype}"
+    if smem_bytes(stages=2, **_ring_sizes(qkv, conv_state, conv_weight, state)) > SMEM_LIMIT:
+        return f"a ring of 2 slots exceeds {SMEM_LIMIT} bytes of shared memory at T={qkv.shape[1]}"
+    return None
+
+
 def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_) -> bool:
     """Whether kda_decode_mgpu takes these operands (kda_decode's argument order): V == K, K a multiple of 128 up
     to 256, an fp32 state, the conv pool in the activation dtype, and a ring of 2 slots fitting shared memory."""
     if state.ndim != 4 or qkv.ndim != 3:
         return False
-    dv, dk = state.shape[2:]
-    if dv != dk or dk % 128 or dv > 4 * ROWS or state.dtype != jnp.float32 or conv_state.dtype != qkv.dtype:
-        return False
-    sizes = dict(dv=dv, dk=dk, num_tokens=qkv.shape[1], width=conv_weight.shape[0], act_bytes=qkv.dtype.itemsize,
-                 conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize)
-    return smem_bytes(stages=2, **sizes) <= SMEM_LIMIT
+    return _unsupported(qkv, conv_state, conv_weight, state) is None
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages"))
@@ -356,15 +373,10 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     width = conv_weight.shape[0]
-    if dv % ROWS or dv > 4 * ROWS or dk % 128:
-        raise ValueError(f"the Mosaic GPU decode kernel needs V % {ROWS} == 0, V <= {4 * ROWS} (a warpgroup per "
-                         f"{ROWS} rows) and K % 128 == 0 (a warpgroup's strided vector); got V={dv}, K={dk}")
-    if state.dtype != jnp.float32:
-        raise ValueError(f"the state pool must be fp32; got {state.dtype}")
-    if conv_state.dtype != qkv.dtype:
-        raise ValueError(f"conv_state must be in the activation dtype {qkv.dtype}; got {conv_state.dtype}")
-    sizes = dict(dv=dv, dk=dk, num_tokens=t, width=width, act_bytes=qkv.dtype.itemsize,
-                 conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize)
+    reason = _unsupported(qkv, conv_state, conv_weight, state)
+    if reason is not None:
+        raise ValueError(reason)
+    sizes = _ring_sizes(qkv, conv_state, conv_weight, state)
     stages = default_stages(**sizes) if stages is None else stages
     if not isinstance(stages, int) or stages < 2 or smem_bytes(stages=stages, **sizes) > SMEM_LIMIT:
         raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(stages=2, **sizes)} bytes per 2 slots) "
