@@ -605,6 +605,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             row["ours_ms"] = timed[row["ours_best"]]
             row["ours_state_TBps"] = ours_bytes / (row["ours_ms"] * 1e-3) / 1e12
             row["ours_frac_of_copy"] = row["ours_state_TBps"] / copy_tbps
+            if "copy_torch_state_size_TBps" in row:  # (probed after the first variant; the best may come later)
+                row["ours_frac_of_state_size_copy"] = row["ours_state_TBps"] / row["copy_torch_state_size_TBps"]
             if "fla_ms" in row:
                 row["ratio"] = row["fla_ms"] / row["ours_ms"]
             if "fla_pooled_ms" in row:

@@ -86,7 +86,10 @@ def parse_args(argv=None):
                    help="comma list of NxD decode shapes (e.g. 64x2048,64x7168): AttnRes mix + norm at 3 / 6 / 10 "
                         "sources, default tiling vs the previous rule vs the unfused XLA code (section norms_decode)")
     p.add_argument("--sweep-tokens", type=str, default=None,
-                   help="comma list of k3-ep16 token counts for the sweep (default: the first and second-last of --tokens)")
+                   help="comma list of token counts for the sweep (default: the first and second-last of the "
+                        "shape's --tokens / --small-tokens)")
+    p.add_argument("--sweep-shape", choices=sorted(SHAPES), default="k3-ep16",
+                   help="the sweep's expert shape (k3-small: the model benchmarks/model_forward.py decodes)")
     p.add_argument("--mxfp4-variants", type=str, default="",
                    help="comma list of moe_gemm.MXFP4_VARIANTS to time against bf16 at --sweep-tokens (k3-ep16)")
     p.add_argument("--mxfp4-configs", type=str, default="16/64/64/128/4/4,16/128/128/128/4/3",
@@ -766,7 +769,7 @@ def main(argv=None) -> dict:
             result["moe"] += bench_moe(name, shape, tokens[name], limits, args, interpret)
             save()
     if "sweep" not in skip:
-        name = "tiny" if args.smoke else "k3-ep16"
+        name = "tiny" if args.smoke else args.sweep_shape
         sweep_tokens = [tokens[name][0], tokens[name][-2]] if not args.smoke else [5]
         if args.sweep_tokens:
             sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
