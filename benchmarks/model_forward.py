@@ -150,6 +150,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kda-decode-kernel", choices=("triton", "mosaic"), default=k3_kda.KDA_DECODE_KERNEL,
                    help="the KDA fused decode kernel of the pallas backend (k3jax.kda.KDA_DECODE_KERNEL; default "
                         f"{k3_kda.KDA_DECODE_KERNEL}); mosaic: pallas_kernels/kda_decode_mgpu.py, decode only")
+    p.add_argument("--moe-rank-in-kernel", type=int, choices=(0, 1), default=1,
+                   help="1 (default): the MoE kernels rank their own rows at decode sizes "
+                        "(pallas_kernels.moe_gemm.ranks_in_kernel); 0: one XLA sort per MoE layer, as before")
+    p.add_argument("--moe-decode-tiling", default=None,
+                   help="pallas_kernels.moe_gemm.DECODE_CONFIG for this run, as bm/gn/dn/bk/warps/stages "
+                        "(the grouped GEMMs' tiling at <= 16 rows per expert)")
     p.add_argument("--dense-kernel", choices=k3_layers.DENSE_KERNELS, default=k3_layers.DENSE_DECODE_KERNEL,
                    help="the pallas backend's dense GEMMs at decode sizes (k3jax.layers.DENSE_DECODE_KERNEL; default "
                         f"{k3_layers.DENSE_DECODE_KERNEL}): xla, or skinny (pallas_kernels/skinny_gemm.py)")
@@ -1025,6 +1031,13 @@ def main(argv=None) -> dict:
     k3_mla.MLA_DECODE_KERNEL = args.mla_kernel
     k3_kda.KDA_DECODE_KERNEL = args.kda_decode_kernel
     k3_layers.use_dense_kernel(args.dense_kernel)
+    if not args.moe_rank_in_kernel or args.moe_decode_tiling:
+        from pallas_kernels import moe_gemm
+
+        if not args.moe_rank_in_kernel:
+            moe_gemm.RANK_IN_KERNEL_MAX_ELEMENTS = 0
+        if args.moe_decode_tiling:
+            moe_gemm.DECODE_CONFIG = moe_gemm.MoeGemmConfig(*(int(v) for v in args.moe_decode_tiling.split("/")))
     if args.kda_loop_v is not None:
         from pallas_kernels import kda_decode
 

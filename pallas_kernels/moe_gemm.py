@@ -7,7 +7,11 @@ a pad of `order` when M is not a multiple of block_m) and an elementwise combine
 kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-small decode step, H200 profile of
 2026-11-30):
   1. one stable sort of the flat expert ids: `order`, the assignment (token * top_k + slot) of each expert-sorted
-     row, expert e owning the contiguous rows bounds[e] .. bounds[e+1] (ragged groups; an expert may own none);
+     row, expert e owning the contiguous rows bounds[e] .. bounds[e+1] (ragged groups; an expert may own none).
+     At decode sizes (`ranks_in_kernel`) there is no sort: each GLU program ranks its own rows from the flat ids
+     (`_assignments`) and hands them to the down kernel as a second output. On the H200 (k3-small decode B64,
+     2026-12-02) that cut 48 kernels per step and the step from 8.24 to 8.14 ms back to back, though the GLU
+     kernels' own time rose by ~6 us per layer (the ranking) as the sort's ~5 us went;
   2. one compare-and-count, `row_bounds` (no bincount scatter, no cumsum);
   3. `grouped_glu`: program (item, column tile) derives its work item from the bounds (`work_item`: the
      (tile, expert) pairs that overlap -- at most cdiv(M, block_m) + min(E, M) - 1 items, a bound known at trace
@@ -131,6 +135,10 @@ LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n
 LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64)
 
 
+# decode-sized groups (<= 16 rows per expert)
+DECODE_CONFIG = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4)
+
+
 def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
     """Tiles by the mean rows per expert: decode-sized groups take 16-row tiles (the step is a weight
     read, so the MMA shape hardly matters and fewer padded rows are computed), large groups take 128x128
@@ -142,7 +150,7 @@ def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
     gives every 128-row item 14 wide tiles."""
     per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 16:
-        return MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return DECODE_CONFIG
     if per_expert <= 64:
         return MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64, num_warps=4, num_stages=3)
     if per_expert >= 256:
@@ -152,6 +160,16 @@ def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
 
 # ----------------------------------------------------------------------------------------------------
 # schedule
+
+
+RANK_IN_KERNEL_MAX_ELEMENTS = 16 * 2048  # block_m x M_p2 of `_assignments`' compare (decode: 16-row tiles, <= 2048 rows)
+
+
+def ranks_in_kernel(num_rows: int, block_m: int) -> bool:
+    """Whether the kernels rank their own rows (`_assignments`) instead of reading a sorted `order`: at decode sizes
+    the sort is a ~5 us XLA kernel per MoE layer (k3-small decode B64 on the H200, 24 per step), while each program's
+    [block_m, M_p2] compare is a few hundred instructions beside its weight tile."""
+    return block_m * (1 << max(num_rows - 1, 0).bit_length()) <= RANK_IN_KERNEL_MAX_ELEMENTS
 
 
 def num_work_items(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -512,13 +530,15 @@ def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_be
 
 def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, up_layout: str, config: MoeGemmConfig,
                         top_k: int, in_dim: int, block_n: int, block_k: int, activation: str, beta: float,
-                        linear_beta: float | None, interpret: bool = False):
+                        linear_beta: float | None, ranked: bool, interpret: bool = False):
     # bounds_ref [P + 1] int32 first expert-sorted row of each expert (`row_bounds`)
-    # order_ref  [M_pad] int32 assignment (token * top_k + slot) of each expert-sorted row (pad rows: M)
+    # order_ref  [M_pad] int32 assignment (token * top_k + slot) of each expert-sorted row (pad rows: M);
+    #            ranked: [M_p2] int32 the flat expert ids instead (-1 past M), the rows ranked here (`_assignments`)
     # x_ref      [N, >= in_dim] tokens (columns past in_dim unread); rows gathered by token = assignment // top_k
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
     #       planes [E, K_pad/2, I_pad] u8 | words [E, K_pad/8, 4 I_pad] u8, + scales [E, K_pad/32, I_pad] u8),
-    #       up refs (same layout), h_ref [M_pad, I_pad] output in expert-sorted row order
+    #       up refs (same layout), h_ref [M_pad, I_pad] output in expert-sorted row order; ranked: then
+    #       order_out_ref [M_pad] int32, each stored row's assignment (rows of no item stay unwritten)
     n_gate = 1 if gate_layout == "float" else 2
     n_up = 1 if up_layout == "float" else 2
     gate = _WeightRefs(rest[:n_gate], gate_layout, interpret)
@@ -529,7 +549,12 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
     def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
         n0 = col * block_n
         last = x_ref.shape[0] * top_k - 1  # pad rows (assignment M) read the last token; never stored
-        token = jax.lax.div(jnp.minimum(order_ref[pl.ds(row_start, rows)], last), top_k)  # [rows] rows of x
+        assignment = _assignments(order_ref, bounds_ref, ranked, row_start, rows, expert, last + 1)
+        token = jax.lax.div(jnp.minimum(assignment, last), top_k)  # [rows] rows of x
+        if ranked:  # the item's first column program hands its rows' assignments on to the down kernel
+            row_ids = row_start + jnp.arange(rows)
+            pl.when(col == 0)(lambda: plgpu.store(rest[n_gate + n_up + 1].at[pl.ds(row_start, rows)], assignment,
+                                                  mask=(row_ids >= lo) & (row_ids < hi)))
 
         def step(kb, carry):
             acc_gate, acc_up = carry
@@ -551,7 +576,8 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
 def _grouped_down_kernel(bounds_ref, order_ref, routing_ref, h_ref, *rest, layout: str, config: MoeGemmConfig,
                          block_n: int, block_k: int, interpret: bool = False):
     # bounds_ref  [P + 1] int32 (`row_bounds`)
-    # order_ref   [M_pad] int32 assignment of each expert-sorted row (pad rows: M, out of range, never stored)
+    # order_ref   [M_pad] int32 assignment of each expert-sorted row (pad rows: M, out of range, never stored);
+    #             ranked: the GLU kernel's order_out, written at the stored rows only (the others are not read)
     # routing_ref [M] fp32 routing weight of each assignment (token * top_k + slot)
     # h_ref       [M_pad, I_pad] GLU output rows, expert-sorted
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
@@ -569,16 +595,38 @@ def _grouped_down_kernel(bounds_ref, order_ref, routing_ref, h_ref, *rest, layou
             return down.accumulate(acc, h_ref, sorted_rows, expert, kb * block_k, n0, block_k, block_n)
 
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((rows, block_n), jnp.float32))
-        assignment = order_ref[sorted_rows]  # [rows]
-        scale = routing_ref[jnp.minimum(assignment, routing_ref.shape[0] - 1)]  # [rows], pad rows clamped
+        m = routing_ref.shape[0]
         row_ids = row_start + jnp.arange(rows)
-        keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
+        mine = (row_ids >= lo) & (row_ids < hi)
+        # other rows target row M (pad rows hold M; with ranked, the neighbours' rows may hold anything)
+        assignment = jnp.where(mine, order_ref[sorted_rows], m)  # [rows]
+        scale = routing_ref[jnp.minimum(assignment, m - 1)]  # [rows], pad rows clamped
+        keep = jnp.broadcast_to(mine[:, None], (rows, block_n))
         cols = n0 + jnp.arange(block_n)
         # scatter store as a pair of broadcast index arrays (interpret mode's masked store takes no array-and-slice
         # mix); pad rows target row M: masked on the GPU, and dropped (not a duplicate of a real row) when interpreted
         plgpu.store(y_ref.at[assignment[:, None], cols[None, :]], acc * scale[:, None], mask=keep)
 
     _for_item_rows(bounds_ref, item, config, tile)
+
+
+def _assignments(order_ref, bounds_ref, ranked: bool, row_start, rows: int, expert, m: int):
+    """[rows] int32 assignment (token * top_k + slot) of expert-sorted rows row_start .. row_start + rows - 1, for
+    a tile whose stored rows all belong to `expert`: order_ref's entries, or -- ranked -- computed from the flat
+    ids. A stable sort puts expert e's assignments in increasing order at rows bounds[e] ..., so row r is e's
+    (r - bounds[e])-th assignment: a cumulative count of e over the ids and one [rows, M_p2] compare-and-sum.
+    Rows that are not e's (the neighbours' rows of a straddling tile, pad rows) get m, as the sort's pad rows do."""
+    if not ranked:
+        return order_ref[pl.ds(row_start, rows)]
+    p = bounds_ref.shape[0] - 1
+    start = jnp.sum(jnp.where(jnp.arange(p, dtype=jnp.int32) == expert, bounds_ref[pl.ds(0, p)], 0))
+    ids = order_ref[...]  # [M_p2]
+    mine = ids == expert
+    seen = jnp.cumsum(mine.astype(jnp.int32)) - 1  # at e's assignments: how many of e come before
+    wanted = row_start + jnp.arange(rows, dtype=jnp.int32) - start  # [rows]
+    hit = mine[None, :] & (seen[None, :] == wanted[:, None])  # [rows, M_p2], at most one per row
+    shifted = jnp.arange(ids.shape[0], dtype=jnp.int32) - m
+    return jnp.sum(jnp.where(hit, shifted[None, :], 0), axis=1) + m
 
 
 def _for_item_rows(bounds_ref, item, config: MoeGemmConfig, tile):
@@ -676,28 +724,32 @@ def _block(cap: int, dim: int, minimum: int = 16) -> int:
 
 def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, top_k: int, config: MoeGemmConfig,
                 num_items: int, in_dim: int, out_dim: int, activation: str = "situ", situ_beta: float = 4.0,
-                situ_linear_beta: float | None = 25.0, interpret: bool = False) -> jax.Array:
+                situ_linear_beta: float | None = 25.0, ranked: bool = False, num_rows: int | None = None,
+                interpret: bool = False) -> jax.Array:
     """GLU(x_t @ gate_e, x_t @ up_e) per expert-sorted row: h [M_pad, out_dim] in x.dtype, row r of h for token
     t = order[r] // top_k (rows gathered inside the kernel: no sorted copy of x is materialised).
 
     x [N, >= in_dim]: its first in_dim columns are the experts' input (a wider x, e.g. a fused projection's
     output, is read in place). in_dim and out_dim must be tile multiples (weights are zero-padded up to them;
     `moe_grouped_mlp` picks the sizes); order [M_pad] int32 (M_pad a multiple of block_m); bounds from
-    `row_bounds`; num_items the grid's work items (`num_work_items`, >= the real count).
+    `row_bounds`; num_items the grid's work items (`num_work_items`, >= the real count). ranked: `order` holds
+    the flat expert ids instead ([M_p2], -1 past M; `ranks_in_kernel`), each program ranks its own rows, and the
+    result is (h, order [M_pad]: the stored rows' assignments, for `grouped_down`); num_rows = M_pad must be given.
     """
     k_pad = in_dim
-    m_pad = order.shape[0]
+    m_pad = num_rows if ranked else order.shape[0]
     i_pad = out_dim
     kernel = functools.partial(
         _grouped_glu_kernel, gate_layout=mxfp4_layout(gate), up_layout=mxfp4_layout(up), config=config, top_k=top_k,
         in_dim=in_dim,
         block_n=config.glu_block_n, block_k=config.block_k, activation=activation, beta=situ_beta,
-        linear_beta=situ_linear_beta, interpret=interpret,
+        linear_beta=situ_linear_beta, ranked=ranked, interpret=interpret,
     )
     args = (bounds, order, x, *_pad_weight(gate, k_pad, i_pad), *_pad_weight(up, k_pad, i_pad))
+    h_shape = jax.ShapeDtypeStruct((m_pad, i_pad), x.dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, i_pad), x.dtype),
+        out_shape=(h_shape, jax.ShapeDtypeStruct((m_pad,), jnp.int32)) if ranked else h_shape,
         grid=(num_items, i_pad // config.glu_block_n),
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
@@ -709,7 +761,8 @@ def grouped_down(h: jax.Array, order: jax.Array, bounds: jax.Array, routing: jax
                  config: MoeGemmConfig, num_items: int, out_dim: int, interpret: bool = False) -> jax.Array:
     """routing[a] * (h_r @ down_e) of each expert-sorted row r, stored at its assignment a = order[r]:
     h [M_pad, I_pad] -> y [M, out_dim] float32 in (token, slot) order, M = routing.shape[0] (the weighted combine
-    is then a plain sum over each token's top_k rows, no inverse permutation)."""
+    is then a plain sum over each token's top_k rows, no inverse permutation). order: the sort's, or the ranked
+    `grouped_glu`'s second result (only the rows some item stores are read)."""
     m_pad, i_pad = h.shape
     kernel = functools.partial(
         _grouped_down_kernel, layout=mxfp4_layout(down), config=config,
@@ -784,11 +837,17 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     m_pad = _round_up(m, config.block_m)
 
     flat = ids.reshape(-1).astype(jnp.int32)
-    # the only XLA ops of the schedule: one sort (rows grouped by expert) and one compare-and-count (row_bounds);
-    # the kernels derive their work items from the bounds and gather x rows / routing weights by assignment
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    if m_pad > m:  # (a zero-width pad would still be an XLA op)
-        order = jnp.pad(order, (0, m_pad - m), constant_values=m)
+    # the only XLA ops of the schedule: one compare-and-count (row_bounds) and, past decode sizes, one sort (rows
+    # grouped by expert); the kernels derive their work items from the bounds and gather x rows / routing
+    # weights by assignment
+    ranked = ranks_in_kernel(m, config.block_m)
+    if ranked:  # decode sizes: each program ranks its own rows (`_assignments`), no sort kernel
+        m_p2 = 1 << max(m - 1, 0).bit_length()
+        order = flat if m_p2 == m else jnp.pad(flat, (0, m_p2 - m), constant_values=-1)
+    else:
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        if m_pad > m:  # (a zero-width pad would still be an XLA op)
+            order = jnp.pad(order, (0, m_pad - m), constant_values=m)
     bounds = row_bounds(flat, num_experts)
     routing = weights.reshape(-1).astype(jnp.float32)
     glu_k = _round_up(k_dim, block_k)  # the GLU's contraction: x's first k_dim columns, zero-padded to glu_k
@@ -797,7 +856,9 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     items = num_work_items(m, num_experts, config.block_m)
     h = grouped_glu(xk, order, bounds, experts["gate"], experts["up"], top_k=top_k, config=config, num_items=items,
                     in_dim=glu_k, out_dim=i_pad, activation=activation, situ_beta=situ_beta,
-                    situ_linear_beta=situ_linear_beta, interpret=interpret)
+                    situ_linear_beta=situ_linear_beta, ranked=ranked, num_rows=m_pad, interpret=interpret)
+    if ranked:
+        h, order = h
     y = grouped_down(h, order, bounds, routing, experts["down"], config=config, num_items=items,
                      out_dim=k_pad, interpret=interpret)
     if k_pad != k_dim:

@@ -61,6 +61,26 @@ def test_grouped_mlp_bf16_and_mxfp4_match_reference(tokens, top_k):
     assert rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [64, 203])
+def test_rows_ranked_in_kernel_equal_the_sorted_path_at_k3_small_decode(tokens, monkeypatch):
+    """k3-small's decode MoE (192 experts, 1024 -> 512, top 8): the kernels ranking their own rows (the default at
+    these sizes, no sort kernel) give bit-identical results to the sorted-order path, both equal to the reference."""
+    e, k, i, top_k = 192, 1024, 512, 8
+    rng = np.random.default_rng(tokens)
+    ids = jnp.asarray(np.argsort(rng.random((tokens, e)), axis=1)[:, :top_k].astype(np.int32))
+    w = jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
+    x = jax.random.normal(jax.random.key(tokens), (tokens, k)).astype(jnp.bfloat16)
+    experts = _experts(e, k, i, 1)
+    assert moe_gemm.ranks_in_kernel(tokens * top_k, moe_gemm.default_config(tokens * top_k, e).block_m)
+    ranked = moe_gemm.moe_grouped_mlp(x, ids, w, experts)
+    monkeypatch.setattr(moe_gemm, "RANK_IN_KERNEL_MAX_ELEMENTS", 0)
+    jax.clear_caches()
+    sorted_path = moe_gemm.moe_grouped_mlp(x, ids, w, experts)
+    np.testing.assert_array_equal(np.asarray(ranked.astype(jnp.float32)), np.asarray(sorted_path.astype(jnp.float32)))
+    cfg = load_config("k3-small")
+    assert rel(ranked, grouped_experts_reference(x, ids, w, experts, cfg)) < 1e-2
+
+
 NARROW_DOWN = moe_gemm.MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=128, block_k=64, num_warps=8,
                                      num_stages=3)
 

@@ -12,6 +12,7 @@ Tolerances (relative Frobenius error against float64):
 """
 
 from collections import Counter
+from unittest import mock
 
 import jax
 from jax.extend import core as jax_core
@@ -113,18 +114,42 @@ def _primitives(jaxpr) -> Counter:
     return counts
 
 
-def test_routing_bookkeeping_has_no_loop_and_one_sort():
+def test_routing_bookkeeping_has_no_loop_and_at_most_one_sort():
     """The schedule's expert lookup is a compare-and-count and the inverse permutation a scatter: jnp.searchsorted
-    (a while loop) and a second argsort cost ~400 small kernels per decode step on the H200 (2026-11-30)."""
+    (a while loop) and a second argsort cost ~400 small kernels per decode step on the H200 (2026-11-30). At decode
+    sizes the kernels rank their own rows (no sort kernel at all); past them, one sort."""
     sizes = jnp.asarray([3, 0, 5, 1, 0, 7], jnp.int32)
     assert "while" not in _primitives(jax.make_jaxpr(lambda s: tile_schedule(s, 16, 4))(sizes).jaxpr)
-    x = jnp.ones((5, 32), jnp.float32)
-    ids = jnp.asarray([[0, 2], [2, 5], [5, 0], [3, 2], [2, 0]], jnp.int32)
-    w = jnp.full((5, 2), 0.5, jnp.float32)
     experts = {k: jnp.ones((6, 32, 16) if k != "down" else (6, 16, 32), jnp.float32) for k in ("gate", "up", "down")}
-    jaxpr = jax.make_jaxpr(lambda *a: moe_grouped_mlp(*a, interpret=True))(x, ids, w, experts).jaxpr
-    prims = _primitives(jaxpr)
-    assert prims["while"] == 0 and prims["sort"] == 1
+    for tokens, config, sorts in ((5, None, 0), (600, MoeGemmConfig(block_m=64), 1)):
+        x = jnp.ones((tokens, 32), jnp.float32)
+        ids = (jnp.arange(2 * tokens, dtype=jnp.int32) * 5 % 6).reshape(tokens, 2)
+        w = jnp.full((tokens, 2), 0.5, jnp.float32)
+        assert moe_gemm.ranks_in_kernel(2 * tokens, (config or moe_gemm.default_config(2 * tokens, 6)).block_m) == (
+            sorts == 0)
+        jaxpr = jax.make_jaxpr(lambda *a: moe_grouped_mlp(*a, config=config, interpret=True))(x, ids, w, experts).jaxpr
+        prims = _primitives(jaxpr)
+        assert prims["while"] == 0 and prims["sort"] == sorts, tokens
+
+
+@pytest.mark.parametrize("block_m,tail", [(16, 0), (32, 16)])
+def test_rows_ranked_in_kernel_equal_the_sorted_order(block_m, tail):
+    """The decode path (`ranks_in_kernel`: no sort, each program ranks its rows from the flat ids) gives exactly the
+    sorted path's result: ragged groups with empty experts, one hot expert holding most rows (its rows span
+    several tiles, tiles straddle experts), a row count that is neither a tile nor a power-of-two multiple."""
+    rng = np.random.default_rng(11)
+    n, top_k, e = 37, 3, 9
+    x, _, w, experts = make_case(rng, n, top_k, e, 40, 24, jnp.float32)
+    ids = np.where(rng.random((n, top_k)) < 0.6, 4, rng.choice([0, 2, 3, 7, 8], (n, top_k))).astype(np.int32)
+    ids = jnp.asarray(ids)
+    config = MoeGemmConfig(block_m=block_m, tail_block_m=tail, block_k=16, glu_block_n=16, down_block_n=16)
+    assert moe_gemm.ranks_in_kernel(n * top_k, block_m)
+    got = moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True)
+    with mock.patch.object(moe_gemm, "RANK_IN_KERNEL_MAX_ELEMENTS", 0):
+        assert not moe_gemm.ranks_in_kernel(n * top_k, block_m)
+        sorted_path = moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(sorted_path))
+    assert rel(got, numpy_moe(x, ids, w, as_f64(experts), "situ")) < 2e-6
 
 
 def test_fp32_situ_with_empty_experts_and_odd_tokens_matches_float64():
