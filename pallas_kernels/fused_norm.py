@@ -83,16 +83,18 @@ def _compiler_params(rows: int, d: int, interpret: bool):
 def _attn_res_mix_norm_kernel(*refs, num_sources: int, rows: int, chunk: int, eps: float, out_eps: float,
                               with_mix: bool):
     # refs[:S]   source refs, each [N, D] (the bank's completed blocks, then the partial sum)
-    # refs[S]    query_ref [D] fp32 (AttnRes norm gain * pseudo-query)
-    # refs[S+1]  out_weight_ref [D] (the pre-norm's weight)
+    # refs[S]    proj_ref [D] (AttnRes pseudo-query)
+    # refs[S+1]  norm_ref [D] (its RMSNorm gain; the query is norm * proj in fp32, formed here: as an XLA op it
+    #            was a kernel of its own per mix point, 50 per k3-small decode step)
+    # refs[S+2]  out_weight_ref [D] (the pre-norm's weight)
     # then       mix_ref [N, D] (only with_mix), normed_ref [N, D]
     src_refs = refs[:num_sources]
-    query_ref, out_weight_ref = refs[num_sources], refs[num_sources + 1]
+    proj_ref, norm_ref, out_weight_ref = refs[num_sources:num_sources + 3]
     normed_ref = refs[-1]
-    d = query_ref.shape[0]
+    d = proj_ref.shape[0]
     chunks = [pl.ds(c * chunk, chunk) for c in range(d // chunk)]
     row_slice = pl.ds(pl.program_id(0) * rows, rows)
-    query = [query_ref[c] for c in chunks]  # [chunk] each
+    query = [norm_ref[c].astype(jnp.float32) * proj_ref[c].astype(jnp.float32) for c in chunks]  # [chunk] each
 
     running_max = jnp.full((rows,), -jnp.inf, jnp.float32)
     denominator = jnp.zeros((rows,), jnp.float32)
@@ -155,7 +157,6 @@ def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array
     rows, chunk = _tiling(n, d, interpret, block_rows)
     dtype = sources[0].dtype
     out_dtype = jnp.result_type(out_weight.dtype, dtype)
-    query = norm.astype(jnp.float32) * proj.astype(jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((n, d), out_dtype)]
     if with_mix:
         out_shape.insert(0, jax.ShapeDtypeStruct((n, d), dtype))
@@ -164,7 +165,7 @@ def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(n // rows,), interpret=interpret, name="attn_res_mix_norm",
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps or ATTN_RES_WARPS, num_stages=1),
-    )(*flat, query, out_weight)
+    )(*flat, proj, norm, out_weight)
     normed = outs[-1].reshape(*lead, d)
     return (outs[0].reshape(*lead, d) if with_mix else None), normed
 
