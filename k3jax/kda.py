@@ -15,6 +15,7 @@ Padding tokens must carry g = 0 and beta = 0: then they leave the state untouche
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -195,7 +196,7 @@ def kda_mixer(
         rec_state = jnp.where(keep[:, None, None, None], rec_state, jnp.zeros_like(rec_state))
         fresh = None
     matmul = backend.get("dense", backend_name)
-    qkv, proj, conv_w = _input_projections(params, x, cfg, linear, matmul)
+    qkv, proj, conv_w, packed = _input_projections(params, x, cfg, linear, matmul)
     linear = linear or dense_each_with(matmul)
     z = matmul(proj["f_a"], params["f_b"]).reshape(b, t, h, dk)  # raw forget-gate logits
     beta_logits = proj["b_proj"].astype(jnp.float32)  # [B, T, H]
@@ -204,7 +205,7 @@ def kda_mixer(
         y, new_conv, new_rec = _fused_mixer(backend.get(fused_op, backend_name), params, x, qkv, z, beta_logits, gate,
                                             conv_w, conv_state, rec_state, cfg, lengths=lengths, mode=mode,
                                             all_states=all_states, backend_name=backend_name, slots=slots,
-                                            fresh=fresh)
+                                            fresh=fresh, packed=packed)
         return linear(y.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"], new_conv, new_rec
     if all_states:
         y, conv_states = _conv_all_states(qkv, conv_state, conv_w)
@@ -232,26 +233,31 @@ def kda_mixer(
 
 def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None, matmul=dense):
     """The GEMMs reading x: (qkv [B, T, 3HK] before the conv, {f_a, b_proj, g_proj or g_a: [B, T, N]},
-    conv weight [W, 3HK]).
+    conv weight [W, 3HK], packed).
 
     Serving layout (k3jax.fuse: "in_proj" = q|k|v|f_a|b|gate, "qkv_conv" pre-concatenated): ONE GEMM whose
-    output is sliced -- qkv is its leading 3HK columns, so nothing is concatenated per step. Otherwise the
-    checkpoint layout through `linear` (one call with the six weights), and the q|k|v outputs and conv weights
-    are concatenated here.
+    output is sliced -- qkv is its leading 3HK columns, so nothing is concatenated per step; with a full-rank
+    output gate, packed = (the whole GEMM output, (gate column, beta column)) for the fused decode kernel, which
+    reads it in place (pallas_kernels.kda_decode's `packed`). Otherwise the checkpoint layout through `linear`
+    (one call with the six weights), the q|k|v outputs and conv weights concatenated here, and packed None.
     """
     if fuse.is_fused(params):
         if linear is not None:
             raise ValueError("kda_mixer: params in the fused serving layout (k3jax.fuse.fuse_for_serving) take the "
                              "default linear only; a parallel strategy needs the unfused params")
         q, k, v, *rest = fuse.kda_input_columns(cfg)  # q|k|v lead: one slice is the conv's input
-        cols = fuse.split_columns(matmul(x, params[fuse.FUSED_INPUT]), (("qkv", q[1] + k[1] + v[1]), *rest))
-        return cols.pop("qkv"), cols, params[fuse.FUSED_CONV]
+        whole = matmul(x, params[fuse.FUSED_INPUT])
+        cols = fuse.split_columns(whole, (("qkv", q[1] + k[1] + v[1]), *rest))
+        starts = dict(zip([name for name, _ in (q, k, v, *rest)],
+                          itertools.accumulate([0] + [width for _, width in (q, k, v, *rest)])))
+        packed = (whole, (starts["g_proj"], starts["b_proj"])) if "g_proj" in starts else None
+        return cols.pop("qkv"), cols, params[fuse.FUSED_CONV], packed
     gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)
     proj = (linear or dense_each_with(matmul))(x, {name: params[name]
                                       for name in ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", gate_in)})
     qkv = jnp.concatenate([proj["q_proj"], proj["k_proj"], proj["v_proj"]], -1)
     conv_w = jnp.concatenate([params["q_conv"], params["k_conv"], params["v_conv"]], axis=-1)  # [W, 3HK]
-    return qkv, {name: proj[name] for name in ("f_a", "b_proj", gate_in)}, conv_w
+    return qkv, {name: proj[name] for name in ("f_a", "b_proj", gate_in)}, conv_w, None
 
 
 def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
@@ -265,14 +271,15 @@ def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
 
 
 def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, rec_state, cfg: ModelConfig, *,
-                 lengths, mode, all_states, backend_name, slots=None, fresh=None):
+                 lengths, mode, all_states, backend_name, slots=None, fresh=None, packed=None):
     """kda_mixer's core through a fused kernel op, from the input projections (qkv [B, T, 3HK], z and gate
     [B, T, H, K], beta_logits [B, T, H] fp32) to the gated-normed heads y [B, T, H, K] before o_proj (same
     results as the reference path, to kernel tolerance).
 
     chunked: the short conv stays in XLA; the kernel fuses the L2 norms, gate, beta and the chunked scan.
     recurrent: the kernel fuses conv, norms, gate, beta, the delta rule and the gated RMSNorm; the states are
-    pools indexed by `slots` (None: per-row states, rows 0..B-1), and rows flagged `fresh` start from zero states.
+    pools indexed by `slots` (None: per-row states, rows 0..B-1), and rows flagged `fresh` start from zero states;
+    with `packed` (`_input_projections`) the op gets the whole projection instead of the qkv / beta / gate slices.
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
@@ -280,9 +287,11 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
     gate_kw = dict(gate=cfg.kda_gate, lower_bound=cfg.kda_gate_lower_bound)
     if mode == "recurrent":
         rows = jnp.arange(b, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
-        y, new_conv, new_rec = op(qkv, conv_state, conv_w, z, beta_logits, gate, rec_state, rows, lens,
+        operands = (qkv, beta_logits, gate) if packed is None else (packed[0], None, None)
+        extra = {} if packed is None else {"packed": packed[1]}
+        y, new_conv, new_rec = op(operands[0], conv_state, conv_w, z, *operands[1:], rec_state, rows, lens,
                                   a_log=params["A_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm"],
-                                  eps=cfg.rms_norm_eps, all_states=all_states, fresh=fresh, **gate_kw)
+                                  eps=cfg.rms_norm_eps, all_states=all_states, fresh=fresh, **gate_kw, **extra)
     else:
         conv_out, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)
         q, k, v = (conv_out[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))
@@ -321,16 +330,22 @@ def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_
     return jnp.where(valid[..., None, None], o.reshape(b, t, h, -1), 0), final
 
 
-def _fused_decode(*args, interpret: bool, all_states: bool = False, **kw):
-    """The fused decode / verify op: KDA_DECODE_KERNEL's kernel where it applies, else the Triton one."""
-    from pallas_kernels.kda_decode import kda_decode
+def _fused_decode(*args, interpret: bool, all_states: bool = False, packed=None, **kw):
+    """The fused decode / verify op: KDA_DECODE_KERNEL's kernel where it applies, else the Triton one (which alone
+    reads a packed projection in place; the Mosaic one gets the slices)."""
+    from pallas_kernels.kda_decode import kda_decode, unpack_projection
     from pallas_kernels import kda_decode_mgpu
 
     if KDA_DECODE_KERNEL not in ("triton", "mosaic"):
         raise ValueError(f"KDA_DECODE_KERNEL must be 'triton' or 'mosaic'; got {KDA_DECODE_KERNEL!r}")
-    if KDA_DECODE_KERNEL == "mosaic" and not all_states and kda_decode_mgpu.supported(*args):
-        return kda_decode_mgpu.kda_decode_mgpu(*args, interpret=interpret, **kw)
-    return kda_decode(*args, interpret=interpret, all_states=all_states, **kw)
+    if KDA_DECODE_KERNEL == "mosaic" and not all_states:
+        unpacked = list(args)
+        if packed is not None:
+            state = args[6]
+            unpacked[0], unpacked[4], unpacked[5] = unpack_projection(args[0], packed, state.shape[1], state.shape[2])
+        if kda_decode_mgpu.supported(*unpacked):
+            return kda_decode_mgpu.kda_decode_mgpu(*unpacked, interpret=interpret, **kw)
+    return kda_decode(*args, interpret=interpret, all_states=all_states, packed=packed, **kw)
 
 
 def _register_pallas() -> None:

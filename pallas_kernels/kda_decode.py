@@ -199,10 +199,12 @@ def _gated_rms_norm(o_blocks, weight_blocks, gate_blocks, eps):
 
 def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref, b_ref, og_ref, alog_ref, dtb_ref,
               onw_ref, state_ref, y_ref, conv_out_ref, state_out_ref, qk_conv_out_ref, *, b, h, part, rows, block_v,
-              prefetch, fold_v, num_tokens, gate, lower_bound, eps, all_states, act_dtype):
+              prefetch, fold_v, num_tokens, gate, lower_bound, eps, all_states, act_dtype, packed=None):
     # slots_ref, lens_ref, fresh_ref: [B] int32 (fresh != 0: start from zero states); x_ref: [B, T, 3*H*K] raw q|k|v
     #   projections (pre-conv); conv_ref: [P, W-1, 3*H*K] conv-state pool; convw_ref: [W, 3*H*K]
     # z_ref: [B, T, H, K] raw gate input; b_ref: [B, T, H] beta logits; og_ref: [B, T, H, V] output gate
+    #   packed = (out-gate column, beta column): x_ref is the layer's whole input projection [B, T, C] and the beta
+    #   logits and output gate are read from it at those columns (b_ref / og_ref unused): no slice copies
     # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
     # y_ref: [B, T, H, V] (activation dtype): gated-normed output when rows == V, else raw o (normed outside)
     # decode:  conv_out_ref: [P, W-1, 3*H*K] (aliases conv_ref); state_out_ref: [P, H, V, K] (aliases state_ref)
@@ -292,7 +294,8 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
                     write_conv_position(1, u, k_window)
                 by_one_program(write_qk_windows)
             q, k = _qk_norm(q, k)
-            decay, beta = _decay_beta(z_ref[b, u, h, :].astype(f32), b_ref[b, u, h].astype(f32), alog, dtb,
+            beta_logit = b_ref[b, u, h] if packed is None else x_ref[b, u, packed[1] + h]
+            decay, beta = _decay_beta(z_ref[b, u, h, :].astype(f32), beta_logit.astype(f32), alog, dtb,
                                       valids[u], gate, lower_bound)
             positions.append((q, k, decay, beta, (q_kept, k_kept)))
         return positions[t]
@@ -329,10 +332,15 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
             write_conv_kept(0, q_kept)
             write_conv_kept(1, k_kept)
         by_one_program(write_qk_kept)
+    def out_gate(t, blk):
+        if packed is None:
+            return og_ref[b, t, h, blk]
+        return x_ref[b, t, pl.ds(packed[0] + h * dv + blk.start, blk.size)]
+
     if whole_head:  # gated RMSNorm over all V: the mean square from every block, then each block
         for t in range(num_tokens):
             ys = _gated_rms_norm(outs[t], [onw_ref[blk].astype(f32) for blk in blocks],
-                                 [og_ref[b, t, h, blk].astype(f32) for blk in blocks], eps)
+                                 [out_gate(t, blk).astype(f32) for blk in blocks], eps)
             for blk, y in zip(blocks, ys):
                 y_ref[b, t, h, blk] = y.astype(y_ref.dtype)
 
@@ -370,14 +378,31 @@ def _tiling(block_v, num_warps, dv, all_states, loop_v=False, prefetch=None):
     return block_v, num_warps, min(int(prefetch), (dv // block_v if loop_v else 1) - 1)
 
 
+def unpack_projection(qkv, packed, h: int, dv: int):
+    """(q|k|v [B, T, 3HK], beta logits [B, T, H], out gate [B, T, H, V]) from a packed projection (see kda_decode's
+    `packed`): the separate operands, for the paths that take them (references, the Mosaic kernel)."""
+    og_col, beta_col = packed
+    bsz, t, _ = qkv.shape
+    return (qkv[..., : 3 * h * dv], qkv[..., beta_col: beta_col + h],
+            qkv[..., og_col: og_col + h * dv].reshape(bsz, t, h, dv))
+
+
 def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
-           o_norm_weight, gate):
+           o_norm_weight, gate, packed=None):
     if qkv.ndim != 3:
         raise ValueError(f"qkv must be [B, T, 3*H*K]; got {qkv.shape}")
-    bsz, t, c = qkv.shape
     if state.ndim != 4 or state.shape[2] != state.shape[3]:
         raise ValueError(f"state must be a V-first pool [P, H, V, K] with V == K; got {state.shape}")
     p, h, dv, dk = state.shape
+    if packed is not None:
+        if beta is not None or out_gate is not None:
+            raise ValueError("with packed, beta and out_gate come from qkv's columns: pass None for both")
+        if (not isinstance(packed, tuple) or len(packed) != 2 or not all(isinstance(x, int) for x in packed)
+                or min(packed) < 3 * h * dk or packed[0] + h * dv > qkv.shape[2] or packed[1] + h > qkv.shape[2]):
+            raise ValueError(f"packed must be (out-gate column, beta column) past q|k|v's {3 * h * dk} columns and "
+                             f"within qkv's {qkv.shape[2]}; got {packed!r}")
+        qkv, beta, out_gate = unpack_projection(qkv, packed, h, dv)  # (abstract here: only the shapes are checked)
+    bsz, t, c = qkv.shape
     if c != 3 * h * dk:
         raise ValueError(f"qkv channels {c} != 3 * H * K = {3 * h * dk}")
     if not 1 <= t <= MAX_TOKENS:
@@ -404,10 +429,10 @@ def _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, length
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "all_states", "interpret", "block_v",
-                                             "num_warps", "loop_v", "prefetch", "fold_v"))
+                                             "num_warps", "loop_v", "prefetch", "fold_v", "packed"))
 def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
-               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None):
+               interpret=False, block_v=None, num_warps=None, loop_v=None, prefetch=None, fold_v=None, packed=None):
     """Fused KDA decode (T = 1) or verify (T <= 8) for B sequences living in pooled states.
 
     Args:
@@ -438,6 +463,10 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         k, and fold each V-block's v into its S k reduction (err = sum_c (onehot_ic v_c - S_ic k_c)) instead of
         convolving each block's v in the state's row layout (replicated across a warp: many registers). The
         same terms as the reference's v - S k, summed in another order (fp32 rounding only). None: DEFAULT_FOLD_V.
+      packed: (out-gate column, beta column) -- qkv is then the layer's whole input projection [B, T, C] (q|k|v in
+        its first 3HK columns, the beta logits and the output gate at those columns; k3jax.fuse's serving layout)
+        and beta / out_gate are None: the kernel reads them in place, so no slice of the projection is copied
+        (three XLA kernels per layer otherwise). Same results.
 
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
@@ -445,9 +474,12 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
       verify: (y, conv states [B, T, W-1, 3*H*K], states [B, T, H, V, K]) after every position; pools untouched.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
-           o_norm_weight, gate)
-    bsz, t, c = qkv.shape
+           o_norm_weight, gate, packed)
+    bsz, t, _ = qkv.shape
     p, h, dv, dk = state.shape
+    c = 3 * h * dk  # the conv channels (qkv may be the wider packed projection)
+    if packed is not None:  # the kernel reads beta and the gate from qkv; these stand in for their refs, unread
+        beta, out_gate = qkv, qkv
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
     loop_v = (DEFAULT_LOOP_V and not all_states) if loop_v is None else loop_v
     block_v, num_warps, prefetch = _tiling(block_v, num_warps, dv, all_states, loop_v, prefetch)
@@ -473,7 +505,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
             out_shape.append(jax.ShapeDtypeStruct((bsz, w1, 2 * h * dk), conv_state.dtype))
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
     body = dict(num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps, all_states=all_states, act_dtype=act,
-                block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v))
+                block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v), packed=packed)
     if loop_v:
         y, conv_out, state_out = pl.pallas_call(
             functools.partial(_looped_kernel, **body),
@@ -499,14 +531,16 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     if block_v < dv:  # the norm needs all of V: the reference's own op, the same operations in the same order
         from k3jax.layers import gated_rms_norm
 
-        y = gated_rms_norm(y, out_gate, o_norm_weight, eps)
+        y = gated_rms_norm(y, out_gate if packed is None else unpack_projection(qkv, packed, h, dv)[2],
+                           o_norm_weight, eps)
     if qk_conv:  # B * (W-1) * 2HK elements into the (aliased, so donated-in-place) pool; slots are distinct
         conv_out = conv_out.at[slots, :, : 2 * h * dk].set(qk_conv[0], unique_indices=True)
     return y, conv_out, state_out
 
 
 def kda_decode_reference(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
-                         o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None):
+                         o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, all_states=False, fresh=None,
+                         packed=None):
     """Plain-jnp twin of `kda_decode` (same arguments and results), built from the model's reference layers:
     gather the pools at `slots` (zeros for fresh rows), short conv + SiLU, L2 norm, gate, recurrence, gated
     RMSNorm, scatter back."""
@@ -514,9 +548,11 @@ def kda_decode_reference(qkv, conv_state, conv_weight, z, beta, out_gate, state,
     from k3jax.layers import causal_conv_with_state, gated_rms_norm, l2_normalize
 
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
-           o_norm_weight, gate)
-    bsz, t, c = qkv.shape
+           o_norm_weight, gate, packed)
     p, h, dv, dk = state.shape
+    if packed is not None:
+        qkv, beta, out_gate = unpack_projection(qkv, packed, h, dv)
+    bsz, t, c = qkv.shape
     conv0, s0 = conv_state[slots], state[slots]
     if fresh is not None:  # a select, not a multiply: exact zeros whatever the slot holds
         conv0 = jnp.where((fresh != 0)[:, None, None], jnp.zeros_like(conv0), conv0)

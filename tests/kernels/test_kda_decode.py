@@ -226,3 +226,32 @@ def test_bad_arguments_raise():
             call(kda_decode, step, pools, params, [0], [1], prefetch=prefetch, loop_v=True, interpret=True)
     with pytest.raises(ValueError, match="fold_v needs one program per head"):
         call(kda_decode, step, pools, params, [0], [1], fold_v=True, loop_v=False, block_v=8, interpret=True)
+
+
+@pytest.mark.parametrize("block_v,loop_v,verify", [(16, True, False), (16, False, False), (32, False, True)])
+def test_packed_projection_equals_the_sliced_operands(block_v, loop_v, verify):
+    """`packed`: q|k|v, the beta logits and the output gate read in place from one wider projection (the serving
+    layout's fused GEMM output, with other columns between and after them) give exactly the results of the sliced
+    operands, for the looped and V-blocked kernels and verify; the reference takes `packed` the same way."""
+    bsz, t, h, dk = 3, 2 if verify else 1, 2, 32
+    step, pools, params = decode_inputs(7, bsz=bsz, t=t, h=h, dk=dk, pool=5)
+    rng = np.random.default_rng(8)
+    extra = jnp.asarray(rng.standard_normal((bsz, t, 5)).astype(np.float32))
+    # columns: q|k|v, 5 unrelated, beta [H], 5 unrelated, out gate [H*V], 5 unrelated
+    whole = jnp.concatenate([step["qkv"], extra, step["beta"], extra, step["out_gate"].reshape(bsz, t, h * dk),
+                             extra], axis=-1)
+    beta_col = 3 * h * dk + 5
+    packed = (beta_col + h + 5, beta_col)
+    slots, lengths = [4, 0, 2], [t, 1, 0]
+    kw = dict(all_states=verify, interpret=True, block_v=block_v, loop_v=loop_v and not verify)
+    want = call(kda_decode, step, pools, params, slots, lengths, **kw)
+    got = call(kda_decode, dict(step, qkv=whole, beta=None, out_gate=None), pools, params, slots, lengths,
+               packed=packed, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    ref = call(kda_decode_reference, dict(step, qkv=whole, beta=None, out_gate=None), pools, params, slots, lengths,
+               packed=packed, all_states=verify)
+    assert all(rel(r, w) < 1e-5 for r, w in zip(ref, want))
+    with pytest.raises(ValueError, match="packed"):
+        call(kda_decode, dict(step, qkv=whole, beta=None, out_gate=None), pools, params, slots, lengths,
+             packed=(3 * h * dk - 1, beta_col), **kw)

@@ -256,3 +256,32 @@ def test_k3_small_mla_decode_layer_has_one_input_gemm():
     assert after["dot_general"] == 5  # in_proj, q_b, W_UK, W_UV, o_proj
     assert before["weight_slice"] == 2 and before["weight_convert"] == 1  # kv_b -> W_UK | W_UV, W_UV to fp32
     assert after["weight_slice"] == after["weight_convert"] == 0
+
+
+def test_k3_small_kda_decode_kernel_reads_the_projection_in_place():
+    """Serving layout, backend "pallas": the fused decode kernel gets the input GEMM's whole output [B, 1, C] (q|k|v,
+    beta logits and output gate read at their columns, pallas_kernels.kda_decode's `packed`) instead of three
+    slices, which XLA copied out as three kernels per layer on the H200 (2026-12-02 profile)."""
+    cfg, _, fused = _k3_small_layers()
+    attn = fused[0]["attn"]
+    b, sd = 64, jax.ShapeDtypeStruct
+    args = (attn, sd((b, 1, cfg.hidden_size), jnp.dtype(cfg.dtype)),
+            sd((2 * b, cfg.kda_conv_kernel - 1, cfg.conv_channels), jnp.dtype(cfg.dtype)),
+            sd((2 * b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+            sd((b,), jnp.int32), sd((b,), jnp.int32))
+    fn = lambda p, x, c, r, s, n: kda.kda_mixer(p, x, c, r, cfg, lengths=n, mode="recurrent", slots=s,  # noqa: E731
+                                                 backend_name="pallas")
+    width = attn[fuse.FUSED_INPUT].shape[1]
+    shapes = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                shapes.append([tuple(v.aval.shape) for v in eqn.invars])
+            for sub in jex.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert len(shapes) == 1
+    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    assert (b, 1, width) in shapes[0] and (b, 1, 3 * hk) not in shapes[0] and (b, 1, cfg.kda_num_heads) not in shapes[0]
