@@ -255,3 +255,21 @@ def test_mosaic_decode_at_16_heads_and_64_token_pages():
     with pytest.raises(ValueError, match="num_stages >= 2"):
         call(num_stages=1)
     assert md.mgpu_smem_bytes(64, 2, r_dim) == 221440  # ~216 KiB: 72 KiB of queries + two 72 KiB slots
+
+
+def test_combine_partials_equals_the_xla_merge():
+    """The Mosaic path's one-launch merge (`combine_partials`, interpret mode) equals `merge_partials` (plain XLA):
+    requests of 3, 1 and 0 items (zeros), a partial with lse -inf (weight 0), rows past `rows` ignored, and the
+    padding item at the end (request -1) never read."""
+    rng = np.random.default_rng(5)
+    work_request = jnp.asarray([0, 0, 0, 1, -1], jnp.int32)
+    first, num = jnp.asarray([0, 3, 4], jnp.int32), jnp.asarray([3, 1, 0], jnp.int32)
+    part_o = jnp.asarray(rng.standard_normal((5, 8, 32)).astype(np.float32))
+    part_lse = jnp.asarray(rng.standard_normal((5, 8)).astype(np.float32) * 4)
+    part_lse = part_lse.at[1, 2].set(-jnp.inf).at[4].set(jnp.nan)
+    part_o = part_o.at[4].set(jnp.nan)
+    got = md.combine_partials(part_o, part_lse, first, num, 6, interpret=True)
+    want = md.merge_partials(part_o[:, :6], part_lse[:, :6], work_request, 3)
+    assert got.shape == (3, 6, 32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[2]), 0.0)
