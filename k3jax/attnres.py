@@ -32,14 +32,19 @@ def attn_res_mix(sources: list[jax.Array], proj: jax.Array, norm: jax.Array, eps
 
 @backend.register("attn_res_mix_norm", "reference")
 def attn_res_mix_norm_unfused(sources: list[jax.Array], proj: jax.Array, norm: jax.Array, out_weight: jax.Array,
-                              eps: float, with_mix: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(mix, rms_norm(mix, out_weight, eps)): `attn_res_mix`, then the Kimi RMSNorm, as separate ops."""
+                              eps: float, with_mix: bool = False, addend: jax.Array | None = None) -> tuple:
+    """(mix, rms_norm(mix, out_weight, eps)): `attn_res_mix`, then the Kimi RMSNorm, as separate ops. With an
+    addend the last source is sources[-1] + addend, returned as a third entry."""
+    if addend is not None:
+        summed = sources[-1] + addend
+        return *attn_res_mix_norm_unfused([*sources[:-1], summed], proj, norm, out_weight, eps), summed
     mix = attn_res_mix(sources, proj, norm, eps)
     return mix, rms_norm(mix, out_weight, eps)
 
 
-def _attn_res_mix_norm_pallas(sources, proj, norm, out_weight, eps, with_mix=False, *, interpret: bool):
-    return fused_norm.attn_res_mix_norm(sources, proj, norm, out_weight, eps, with_mix=with_mix, interpret=interpret)
+def _attn_res_mix_norm_pallas(sources, proj, norm, out_weight, eps, with_mix=False, addend=None, *, interpret: bool):
+    return fused_norm.attn_res_mix_norm(sources, proj, norm, out_weight, eps, with_mix=with_mix, addend=addend,
+                                        interpret=interpret)
 
 
 backend.register("attn_res_mix_norm", "pallas")(partial(_attn_res_mix_norm_pallas, interpret=False))
@@ -47,6 +52,11 @@ backend.register("attn_res_mix_norm", "interpret")(partial(_attn_res_mix_norm_pa
 
 
 def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array, out_weight: jax.Array, eps: float,
-                      *, with_mix: bool = False, backend_name: str = "reference") -> tuple[jax.Array | None, jax.Array]:
-    """(mix, pre-norm of the mix) at one AttnRes point; the mix may be None unless with_mix=True."""
-    return backend.get("attn_res_mix_norm", backend_name)(sources, proj, norm, out_weight, eps, with_mix)
+                      *, with_mix: bool = False, addend: jax.Array | None = None,
+                      backend_name: str = "reference") -> tuple[jax.Array | None, ...]:
+    """(mix, pre-norm of the mix) at one AttnRes point; the mix may be None unless with_mix=True. addend: the
+    partial sum's pending residual add, sources[-1] + addend, done by the op (in the kernel on "pallas") and
+    returned as a third entry."""
+    if addend is None:
+        return backend.get("attn_res_mix_norm", backend_name)(sources, proj, norm, out_weight, eps, with_mix)
+    return backend.get("attn_res_mix_norm", backend_name)(sources, proj, norm, out_weight, eps, with_mix, addend)

@@ -110,7 +110,17 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
         ffn_fn = lambda l, p, x: ffn(p, x, cfg, backend_name=backend_name)  # noqa: E731
     bank: list[jax.Array] = []
     partial_sum: jax.Array | None = h
+    pending = None  # a sublayer output not yet added to partial_sum: the next mix point's op adds it (in its kernel)
     captured: dict[int, jax.Array] = {}
+
+    def mix_point(proj, norm, out_weight, with_mix=False):
+        nonlocal partial_sum, pending
+        mix, normed, *summed = attn_res_mix_norm(bank + [partial_sum], proj, norm, out_weight, eps, with_mix=with_mix,
+                                                 addend=pending, backend_name=backend_name)
+        if summed:
+            partial_sum, pending = summed[0], None
+        return mix, normed
+
     for l, lp in enumerate(params["layers"]):
         if block is None:
             if l in capture:
@@ -119,9 +129,10 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
             h = h + ffn_fn(l, lp["mlp"], rms_norm(h, lp["post_attention_layernorm"], eps))
             continue
         if bank:  # the mix and the pre-norm of the mix: one fused op (the mix is kept only for a capture)
-            x, normed = attn_res_mix_norm(bank + [partial_sum], lp["self_attention_res_proj"], lp["self_attention_res_norm"],
-                                          lp["input_layernorm"], eps, with_mix=l in capture, backend_name=backend_name)
-        else:
+            x, normed = mix_point(lp["self_attention_res_proj"], lp["self_attention_res_norm"], lp["input_layernorm"],
+                                  with_mix=l in capture)
+        else:  # layer 0: nothing pending yet
+            assert pending is None
             x, normed = partial_sum, rms_norm(partial_sum, lp["input_layernorm"], eps)
         if l in capture:
             captured[l] = x
@@ -129,13 +140,14 @@ def decoder(params: dict, cfg: ModelConfig, h: jax.Array, mixer: Mixer, backend_
             bank.append(partial_sum)
             partial_sum = None
         a = mixer(l, lp["attn"], normed)
-        partial_sum = a if partial_sum is None else partial_sum + a
-        _, normed = attn_res_mix_norm(bank + [partial_sum], lp["mlp_res_proj"], lp["mlp_res_norm"],
-                                      lp["post_attention_layernorm"], eps, backend_name=backend_name)
-        partial_sum = partial_sum + ffn_fn(l, lp["mlp"], normed)
+        if partial_sum is None:
+            partial_sum = a
+        else:
+            pending = a
+        _, normed = mix_point(lp["mlp_res_proj"], lp["mlp_res_norm"], lp["post_attention_layernorm"])
+        pending = ffn_fn(l, lp["mlp"], normed)
     if block is not None:
-        _, hidden = attn_res_mix_norm(bank + [partial_sum], params["output_attn_res_proj"], params["output_attn_res_norm"],
-                                      params["norm"], eps, backend_name=backend_name)
+        _, hidden = mix_point(params["output_attn_res_proj"], params["output_attn_res_norm"], params["norm"])
         return hidden, [captured[l] for l in capture]
     return rms_norm(h, params["norm"], eps), [captured[l] for l in capture]
 

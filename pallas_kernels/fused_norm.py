@@ -81,16 +81,20 @@ def _compiler_params(rows: int, d: int, interpret: bool):
 
 
 def _attn_res_mix_norm_kernel(*refs, num_sources: int, rows: int, chunk: int, eps: float, out_eps: float,
-                              with_mix: bool):
+                              with_mix: bool, with_addend: bool):
     # refs[:S]   source refs, each [N, D] (the bank's completed blocks, then the partial sum)
+    # (with_addend: then addend_ref [N, D]; the last source is refs[S-1] + addend, rounded to the sources' dtype,
+    #  and is also written to summed_ref [N, D], the last output)
     # refs[S]    proj_ref [D] (AttnRes pseudo-query)
     # refs[S+1]  norm_ref [D] (its RMSNorm gain; the query is norm * proj in fp32, formed here: as an XLA op it
     #            was a kernel of its own per mix point, 50 per k3-small decode step)
     # refs[S+2]  out_weight_ref [D] (the pre-norm's weight)
     # then       mix_ref [N, D] (only with_mix), normed_ref [N, D]
-    src_refs = refs[:num_sources]
-    proj_ref, norm_ref, out_weight_ref = refs[num_sources:num_sources + 3]
-    normed_ref = refs[-1]
+    src_refs, addend_ref = refs[:num_sources], (refs[num_sources] if with_addend else None)
+    proj_ref, norm_ref, out_weight_ref = refs[num_sources + with_addend:num_sources + with_addend + 3]
+    outs = refs[num_sources + with_addend + 3:]  # [mix_ref], normed_ref, [summed_ref]
+    summed_ref = outs[-1] if with_addend else None
+    normed_ref = outs[-2] if with_addend else outs[-1]
     d = proj_ref.shape[0]
     chunks = [pl.ds(c * chunk, chunk) for c in range(d // chunk)]
     row_slice = pl.ds(pl.program_id(0) * rows, rows)
@@ -99,8 +103,13 @@ def _attn_res_mix_norm_kernel(*refs, num_sources: int, rows: int, chunk: int, ep
     running_max = jnp.full((rows,), -jnp.inf, jnp.float32)
     denominator = jnp.zeros((rows,), jnp.float32)
     acc = [jnp.zeros((rows, chunk), jnp.float32) for _ in chunks]
-    for src_ref in src_refs:
+    for i, src_ref in enumerate(src_refs):
         v = [src_ref[row_slice, c].astype(jnp.float32) for c in chunks]  # [rows, chunk] each
+        if with_addend and i == num_sources - 1:  # the partial sum's pending add, as XLA's add in the dtype rounds it
+            v = [(vc + addend_ref[row_slice, c].astype(jnp.float32)).astype(src_ref.dtype) for vc, c in zip(v, chunks)]
+            for c, vc in zip(chunks, v):
+                summed_ref[row_slice, c] = vc
+            v = [vc.astype(jnp.float32) for vc in v]
         sum_sq = sum(jnp.sum(vc * vc, axis=1) for vc in v)
         dot = sum(jnp.sum(vc * qc[None, :], axis=1) for vc, qc in zip(v, query))
         logit = dot * jax.lax.rsqrt(sum_sq / d + eps)
@@ -113,7 +122,7 @@ def _attn_res_mix_norm_kernel(*refs, num_sources: int, rows: int, chunk: int, ep
     dtype = src_refs[0].dtype
     mix = [(a / denominator[:, None]).astype(dtype) for a in acc]
     if with_mix:
-        mix_ref = refs[-2]
+        mix_ref = outs[0]
         for c, mc in zip(chunks, mix):
             mix_ref[row_slice, c] = mc
     mix32 = [mc.astype(jnp.float32) for mc in mix]
@@ -139,10 +148,14 @@ def _check_sources(sources, proj, norm, out_weight):
 
 @functools.partial(jax.jit, static_argnames=("eps", "out_eps", "with_mix", "interpret", "num_warps", "block_rows"))
 def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array, out_weight: jax.Array,
-                      eps: float, out_eps: float | None = None, *, with_mix: bool = False,
+                      eps: float, out_eps: float | None = None, *, with_mix: bool = False, addend: jax.Array | None = None,
                       interpret: bool = False, num_warps: int | None = None,
-                      block_rows: int | None = None) -> tuple[jax.Array | None, jax.Array]:
+                      block_rows: int | None = None) -> tuple[jax.Array | None, ...]:
     """(mix or None, rms_norm(mix, out_weight, out_eps)) for sources, each [..., D], in one pass.
+
+    addend (like the sources): the last source is sources[-1] + addend (rounded to the sources' dtype, as the
+    unfused add), and the result gains that sum as a third entry -- the residual add before a mix point done in
+    the kernel instead of as an XLA kernel of its own (44 per k3-small decode step on the H200, 2026-12-02).
 
     proj, norm: the mix point's pseudo-query and its RMSNorm gain [D]; out_weight [D]: the pre-norm that
     follows. out_eps defaults to eps. The normed output has the dtype of out_weight * sources (as
@@ -150,9 +163,12 @@ def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array
     Triton launch width (GPU only); block_rows the rows per program (default `_tiling`'s rule).
     """
     _check_sources(sources, proj, norm, out_weight)
+    if addend is not None and (addend.shape != sources[-1].shape or addend.dtype != sources[-1].dtype):
+        raise ValueError(f"addend must match the sources: {sources[-1].dtype}{list(sources[-1].shape)}; got "
+                         f"{addend.dtype}{list(addend.shape)}")
     out_eps = eps if out_eps is None else out_eps
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    flat = [s.reshape(-1, d) for s in sources]
+    flat = [s.reshape(-1, d) for s in sources] + ([] if addend is None else [addend.reshape(-1, d)])
     n = flat[0].shape[0]
     rows, chunk = _tiling(n, d, interpret, block_rows)
     dtype = sources[0].dtype
@@ -160,14 +176,19 @@ def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array
     out_shape = [jax.ShapeDtypeStruct((n, d), out_dtype)]
     if with_mix:
         out_shape.insert(0, jax.ShapeDtypeStruct((n, d), dtype))
-    kernel = functools.partial(_attn_res_mix_norm_kernel, num_sources=len(flat), rows=rows, chunk=chunk,
-                               eps=float(eps), out_eps=float(out_eps), with_mix=with_mix)
+    if addend is not None:
+        out_shape.append(jax.ShapeDtypeStruct((n, d), dtype))
+    kernel = functools.partial(_attn_res_mix_norm_kernel, num_sources=len(sources), rows=rows, chunk=chunk,
+                               eps=float(eps), out_eps=float(out_eps), with_mix=with_mix,
+                               with_addend=addend is not None)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(n // rows,), interpret=interpret, name="attn_res_mix_norm",
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps or ATTN_RES_WARPS, num_stages=1),
     )(*flat, proj, norm, out_weight)
-    normed = outs[-1].reshape(*lead, d)
-    return (outs[0].reshape(*lead, d) if with_mix else None), normed
+    mix = outs[0].reshape(*lead, d) if with_mix else None
+    if addend is None:
+        return mix, outs[-1].reshape(*lead, d)
+    return mix, outs[-2].reshape(*lead, d), outs[-1].reshape(*lead, d)
 
 
 def attn_res_mix_norm_reference(sources: list[jax.Array], proj: jax.Array, norm: jax.Array,

@@ -168,3 +168,25 @@ def test_attn_res_mix_norm_block_rows_agree(block_rows):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     want_mix, want_normed = numpy_mix_norm(sources, proj, norm, out_weight)
     assert rel(got[0], want_mix) < 1e-5 and rel(got[1], want_normed) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,with_mix", [(jnp.bfloat16, False), (jnp.float32, True)])
+def test_attn_res_mix_norm_with_addend_equals_adding_first(dtype, with_mix):
+    """addend (the decoder's pending residual add): the kernel's sum is bit-identical to the unfused add in the
+    sources' dtype, and mix / normed are exactly what the kernel gives for the pre-added sources; a wrong addend
+    shape is refused."""
+    rng = np.random.default_rng(3)
+    sources, proj, norm, out_weight = make_sources(rng, (5, 3, 2048), 4, dtype)
+    addend = jnp.asarray(rng.standard_normal((5, 3, 2048)) * 2.0, dtype)
+    mix, normed, summed = fused_norm.attn_res_mix_norm(sources, proj, norm, out_weight, EPS, with_mix=with_mix,
+                                                       addend=addend, interpret=True)
+    want_sum = sources[-1] + addend
+    np.testing.assert_array_equal(np.asarray(summed, np.float32), np.asarray(want_sum, np.float32))
+    want_mix, want_normed = fused_norm.attn_res_mix_norm(sources[:-1] + [want_sum], proj, norm, out_weight, EPS,
+                                                         with_mix=with_mix, interpret=True)
+    np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32))
+    assert (mix is None) == (not with_mix)
+    if with_mix:
+        np.testing.assert_array_equal(np.asarray(mix), np.asarray(want_mix))
+    with pytest.raises(ValueError, match="addend"):
+        fused_norm.attn_res_mix_norm(sources, proj, norm, out_weight, EPS, addend=addend[:, :2], interpret=True)
