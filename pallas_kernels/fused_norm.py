@@ -148,8 +148,8 @@ def _check_sources(sources, proj, norm, out_weight):
 
 @functools.partial(jax.jit, static_argnames=("eps", "out_eps", "with_mix", "interpret", "num_warps", "block_rows"))
 def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array, out_weight: jax.Array,
-                      eps: float, out_eps: float | None = None, *, with_mix: bool = False, addend: jax.Array | None = None,
-                      interpret: bool = False, num_warps: int | None = None,
+                      eps: float, out_eps: float | None = None, *, with_mix: bool = False,
+                      addend: jax.Array | None = None, interpret: bool = False, num_warps: int | None = None,
                       block_rows: int | None = None) -> tuple[jax.Array | None, ...]:
     """(mix or None, rms_norm(mix, out_weight, out_eps)) for sources, each [..., D], in one pass.
 

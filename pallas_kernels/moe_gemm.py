@@ -162,7 +162,8 @@ def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
 # schedule
 
 
-RANK_IN_KERNEL_MAX_ELEMENTS = 16 * 2048  # block_m x M_p2 of `_assignments`' compare (decode: 16-row tiles, <= 2048 rows)
+# block_m x M_p2 of `_assignments`' compare (decode: 16-row tiles, <= 2048 rows)
+RANK_IN_KERNEL_MAX_ELEMENTS = 16 * 2048
 
 
 def ranks_in_kernel(num_rows: int, block_m: int) -> bool:
