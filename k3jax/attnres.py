@@ -57,6 +57,4 @@ def attn_res_mix_norm(sources: list[jax.Array], proj: jax.Array, norm: jax.Array
     """(mix, pre-norm of the mix) at one AttnRes point; the mix may be None unless with_mix=True. addend: the
     partial sum's pending residual add, sources[-1] + addend, done by the op (in the kernel on "pallas") and
     returned as a third entry."""
-    if addend is None:
-        return backend.get("attn_res_mix_norm", backend_name)(sources, proj, norm, out_weight, eps, with_mix)
     return backend.get("attn_res_mix_norm", backend_name)(sources, proj, norm, out_weight, eps, with_mix, addend)

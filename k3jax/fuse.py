@@ -48,15 +48,22 @@ def mla_input_columns(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
     return cols
 
 
+def column_starts(columns: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    """{name: first column} of a fused layout's (name, width) columns, in order."""
+    starts, start = {}, 0
+    for name, width in columns:
+        starts[name] = start
+        start += width
+    return starts
+
+
 def split_columns(y: jax.Array, columns: tuple[tuple[str, int], ...]) -> dict[str, jax.Array]:
     """The fused GEMM's output y [..., sum widths] as {name: y[..., offset : offset + width]} (static slices)."""
-    out, start = {}, 0
-    for name, width in columns:
-        out[name] = y[..., start : start + width]
-        start += width
-    if start != y.shape[-1]:
-        raise ValueError(f"fused projection has {y.shape[-1]} columns; the config's layout needs {start}")
-    return out
+    total = sum(width for _, width in columns)
+    if total != y.shape[-1]:
+        raise ValueError(f"fused projection has {y.shape[-1]} columns; the config's layout needs {total}")
+    starts = column_starts(columns)
+    return {name: y[..., starts[name] : starts[name] + width] for name, width in columns}
 
 
 def is_fused(attn_params: dict) -> bool:

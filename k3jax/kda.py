@@ -15,7 +15,6 @@ Padding tokens must carry g = 0 and beta = 0: then they leave the state untouche
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -248,8 +247,7 @@ def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Lin
         q, k, v, *rest = fuse.kda_input_columns(cfg)  # q|k|v lead: one slice is the conv's input
         whole = matmul(x, params[fuse.FUSED_INPUT])
         cols = fuse.split_columns(whole, (("qkv", q[1] + k[1] + v[1]), *rest))
-        starts = dict(zip([name for name, _ in (q, k, v, *rest)],
-                          itertools.accumulate([0] + [width for _, width in (q, k, v, *rest)])))
+        starts = fuse.column_starts((q, k, v, *rest))
         packed = (whole, (starts["g_proj"], starts["b_proj"])) if "g_proj" in starts else None
         return cols.pop("qkv"), cols, params[fuse.FUSED_CONV], packed
     gate_in = "g_proj" if "g_proj" in params else "g_a"  # full-rank output gate (K3) or low-rank (Kimi-Linear)

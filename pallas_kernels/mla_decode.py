@@ -485,23 +485,30 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
     return out.reshape(b, t, h, c_dim)
 
 
-def combine_partials(part_o, part_lse, request_first_work, request_num_work, rows: int, *, interpret: bool):
+def combine_partials(part_o, part_lse, request_first_work, request_num_work, rows: int, *, written=None,
+                     block_rows: int | None = None, interpret: bool):
     """[B, rows, C] fp32: each request's partials (its items are consecutive: request_first_work .. + num_work)
     merged by log-sum-exp, rows 0..rows-1 of part_o [W, M_pad, C] / part_lse [W, M_pad] (base 2); a request with no
-    item gets zeros. One Pallas launch (`_combine_kernel`, all_partials)."""
+    item gets zeros. One Pallas launch (`_combine_kernel`).
+
+    written: [B, rows, C], the outputs single-item requests already wrote (the Triton kernel's), updated in place
+    for the others; None: every item wrote a partial (the Mosaic kernel) and every request is merged here."""
     b, c_dim = request_num_work.shape[0], part_o.shape[-1]
-    block_rows = max(r for r in (1, 2, 4, 8, 16, 32, 64) if rows % r == 0 and r <= part_o.shape[1])
+    if block_rows is None:
+        block_rows = max(r for r in (1, 2, 4, 8, 16, 32, 64) if rows % r == 0 and r <= part_o.shape[1])
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    operands = [request_first_work, request_num_work, part_o, part_lse] + ([] if written is None else [written])
     return pl.pallas_call(
-        functools.partial(_combine_kernel, block_rows=block_rows, all_partials=True),
+        functools.partial(_combine_kernel, block_rows=block_rows, all_partials=written is None),
         grid=(rows // block_rows, b),
-        in_specs=[full(request_first_work), full(request_num_work), full(part_o), full(part_lse)],
+        in_specs=[full(x) for x in operands],
         out_specs=pl.BlockSpec((None, block_rows, c_dim), lambda r, i: (i, r, 0)),
         out_shape=jax.ShapeDtypeStruct((b, rows, c_dim), jnp.float32),
+        input_output_aliases={} if written is None else {4: 0},
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="mla_decode_combine",
-    )(request_first_work, request_num_work, part_o, part_lse)
+    )(*operands)
 
 
 def merge_partials(part_o, part_lse, work_request, batch: int):  # the plain-XLA twin of combine_partials
@@ -782,17 +789,8 @@ def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_
         interpret=interpret,
         name="mla_decode",
     )(*inputs)
-    out = pl.pallas_call(
-        functools.partial(_combine_kernel, block_rows=block_rows),
-        grid=(n_row_blocks, b),
-        in_specs=[full(request_first_work), full(request_num_work), full(part_o), full(part_lse), full(out)],
-        out_specs=pl.BlockSpec((None, block_rows, c_dim), lambda r, i: (i, r, 0)),
-        out_shape=out_shape,
-        input_output_aliases={4: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="mla_decode_combine",
-    )(request_first_work, request_num_work, part_o, part_lse, out)
+    out = combine_partials(part_o, part_lse, request_first_work, request_num_work, m_pad, written=out,
+                           block_rows=block_rows, interpret=interpret)
     return out[:, : t * h].reshape(b, t, h, c_dim)
 
 
