@@ -8,9 +8,11 @@ kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-s
 2026-11-30):
   1. one stable sort of the flat expert ids: `order`, the assignment (token * top_k + slot) of each expert-sorted
      row, expert e owning the contiguous rows bounds[e] .. bounds[e+1] (ragged groups; an expert may own none).
-     At decode sizes (`ranks_in_kernel`) there is no sort: each GLU program ranks its own rows from the flat ids
-     (`_assignments`) and hands them to the down kernel as a second output. On the H200 (k3-small decode B64,
-     2026-12-02) that cut 48 kernels per step and the step from 8.24 to 8.14 ms back to back, though the GLU
+     At decode sizes (`ranks_in_kernel`) there is no sort: each GLU program finds its rows' tokens from the ids
+     (`_ranked_tokens`: a per-token count of the expert, its cumulative sum over tokens, one [rows, N] compare), and
+     each item's column-0 program also their assignments (`_ranked_assignments`), handed to the down kernel as a
+     second output. On the H200 (k3-small decode B64, 2026-12-02) the first version of this (every program ranking
+     over all N * K ids) cut 48 kernels per step and the step from 8.24 to 8.14 ms back to back, though the GLU
      kernels' own time rose by ~6 us per layer (the ranking) as the sort's ~5 us went;
   2. one compare-and-count, `row_bounds` (no bincount scatter, no cumsum);
   3. `grouped_glu`: program (item, column tile) derives its work item from the bounds (`work_item`: the
@@ -162,16 +164,21 @@ def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
 # schedule
 
 
-# block_m x M_p2 of `_assignments`' compare (decode: 16-row tiles, <= 2048 rows)
+# block_m x N_p2 x K_p2, the column-0 programs' compare in `_ranked_assignments` (decode: 16-row tiles, <= 2048 rows)
 RANK_IN_KERNEL_MAX_ELEMENTS = 16 * 2048
 
 
-def ranks_in_kernel(num_rows: int, block_m: int) -> bool:
-    """Whether the kernels rank their own rows (`_assignments`) instead of reading a sorted `order`: at decode sizes
-    the sort is a ~5 us XLA kernel per MoE layer plus its launch gap (k3-small decode B64 on the H200, 24 per step).
-    Measured there (2026-12-02): the GLU kernels' time rose by about what the sort took (each program ranks its
-    rows), and the step got 0.10 ms faster from the 48 kernels fewer. Not timed at larger batches."""
-    return block_m * (1 << max(num_rows - 1, 0).bit_length()) <= RANK_IN_KERNEL_MAX_ELEMENTS
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def ranks_in_kernel(num_tokens: int, top_k: int, block_m: int) -> bool:
+    """Whether the kernels rank their own rows (`_ranked_tokens`, `_ranked_assignments`) instead of reading a sorted
+    `order`: at decode sizes the sort is a ~5 us XLA kernel per MoE layer plus its launch gap (k3-small decode B64 on
+    the H200, 24 per step). Measured there (2026-12-02), with every program ranking its rows by a cumulative count
+    over all N * K ids and a [16, N * K] compare: the GLU kernels' time rose by about what the sort took, and the
+    step got 0.10 ms faster from the 48 kernels fewer. Not timed at larger batches."""
+    return block_m * _next_pow2(num_tokens) * _next_pow2(top_k) <= RANK_IN_KERNEL_MAX_ELEMENTS
 
 
 def num_work_items(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -535,7 +542,8 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
                         linear_beta: float | None, ranked: bool, interpret: bool = False):
     # bounds_ref [P + 1] int32 first expert-sorted row of each expert (`row_bounds`)
     # order_ref  [M_pad] int32 assignment (token * top_k + slot) of each expert-sorted row (pad rows: M);
-    #            ranked: [M_p2] int32 the flat expert ids instead (-1 past M), the rows ranked here (`_assignments`)
+    #            ranked: [N_p2, K_p2] int32 the expert ids instead (-1 padded), the rows ranked here: every program
+    #            finds its rows' tokens (`_ranked_tokens`), column 0 their assignments (`_ranked_assignments`)
     # x_ref      [N, >= in_dim] tokens (columns past in_dim unread); rows gathered by token = assignment // top_k
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
     #       planes [E, K_pad/2, I_pad] u8 | words [E, K_pad/8, 4 I_pad] u8, + scales [E, K_pad/32, I_pad] u8),
@@ -550,13 +558,19 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
 
     def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
         n0 = col * block_n
-        last = x_ref.shape[0] * top_k - 1  # pad rows (assignment M) read the last token; never stored
-        assignment = _assignments(order_ref, bounds_ref, ranked, row_start, rows, expert, last + 1)
-        token = jax.lax.div(jnp.minimum(assignment, last), top_k)  # [rows] rows of x
-        if ranked:  # the item's first column program hands its rows' assignments on to the down kernel
-            row_ids = row_start + jnp.arange(rows)
-            pl.when(col == 0)(lambda: plgpu.store(rest[n_gate + n_up + 1].at[pl.ds(row_start, rows)], assignment,
-                                                  mask=(row_ids >= lo) & (row_ids < hi)))
+        if ranked:
+            wanted, before, per_token, mine = _expert_rows(order_ref, bounds_ref, row_start, rows, expert, top_k)
+            token = _ranked_tokens(wanted, before, per_token)  # [rows] rows of x
+
+            def hand_on():  # the item's first column program hands its rows' assignments on to the down kernel
+                row_ids = row_start + jnp.arange(rows)
+                plgpu.store(rest[n_gate + n_up + 1].at[pl.ds(row_start, rows)],
+                            _ranked_assignments(wanted, before, mine, top_k), mask=(row_ids >= lo) & (row_ids < hi))
+
+            pl.when(col == 0)(hand_on)
+        else:
+            last = x_ref.shape[0] * top_k - 1  # pad rows (assignment M) read the last token; never stored
+            token = jax.lax.div(jnp.minimum(order_ref[pl.ds(row_start, rows)], last), top_k)  # [rows] rows of x
 
         def step(kb, carry):
             acc_gate, acc_up = carry
@@ -612,23 +626,38 @@ def _grouped_down_kernel(bounds_ref, order_ref, routing_ref, h_ref, *rest, layou
     _for_item_rows(bounds_ref, item, config, tile)
 
 
-def _assignments(order_ref, bounds_ref, ranked: bool, row_start, rows: int, expert, m: int):
-    """[rows] int32 assignment (token * top_k + slot) of expert-sorted rows row_start .. row_start + rows - 1, for
-    a tile whose stored rows all belong to `expert`: order_ref's entries, or -- ranked -- computed from the flat
-    ids. A stable sort puts expert e's assignments in increasing order at rows bounds[e] ..., so row r is e's
-    (r - bounds[e])-th assignment: a cumulative count of e over the ids and one [rows, M_p2] compare-and-sum.
-    Rows that are not e's (the neighbours' rows of a straddling tile, pad rows) get m, as the sort's pad rows do."""
-    if not ranked:
-        return order_ref[pl.ds(row_start, rows)]
+def _expert_rows(ids_ref, bounds_ref, row_start, rows: int, expert, top_k: int):
+    """The ranked path's view of expert-sorted rows row_start .. row_start + rows - 1 for a tile whose stored rows
+    all belong to `expert`, from the ids [N_p2, K_p2] (-1 padded): (wanted [rows], the rows' ranks among e's
+    assignments; before [N_p2], e's assignments in tokens < n; per_token [N_p2]; mine [N_p2, K_p2] int32).
+    A stable sort puts expert e's assignments in increasing (token, slot) order at rows bounds[e] ..., so row r is
+    e's (r - bounds[e])-th assignment; rows outside 0 .. count - 1 are the neighbours' (never stored)."""
     p = bounds_ref.shape[0] - 1
     start = jnp.sum(jnp.where(jnp.arange(p, dtype=jnp.int32) == expert, bounds_ref[pl.ds(0, p)], 0))
-    ids = order_ref[...]  # [M_p2]
-    mine = ids == expert
-    seen = jnp.cumsum(mine.astype(jnp.int32)) - 1  # at e's assignments: how many of e come before
-    wanted = row_start + jnp.arange(rows, dtype=jnp.int32) - start  # [rows]
-    hit = mine[None, :] & (seen[None, :] == wanted[:, None])  # [rows, M_p2], at most one per row
-    shifted = jnp.arange(ids.shape[0], dtype=jnp.int32) - m
-    return jnp.sum(jnp.where(hit, shifted[None, :], 0), axis=1) + m
+    mine = (ids_ref[...] == expert).astype(jnp.int32)  # [N_p2, K_p2]
+    per_token = jnp.sum(mine, axis=1)  # [N_p2]
+    before = jnp.cumsum(per_token) - per_token
+    wanted = row_start + jnp.arange(rows, dtype=jnp.int32) - start
+    return wanted, before, per_token, mine
+
+
+def _ranked_tokens(wanted, before, per_token):
+    """[rows] token of each row: the n with before[n] <= wanted < before[n] + per_token[n] (one [rows, N_p2]
+    compare); rows of no token (the neighbours') read token 0 and are never stored."""
+    inside = (before[None, :] <= wanted[:, None]) & (wanted[:, None] < (before + per_token)[None, :])
+    tokens = jnp.arange(before.shape[0], dtype=jnp.int32)
+    return jnp.sum(jnp.where(inside, tokens[None, :], 0), axis=1)
+
+
+def _ranked_assignments(wanted, before, mine, top_k: int):
+    """[rows] assignment (token * top_k + slot) of each row: the one of e's assignments whose rank is `wanted`
+    (rank = before[token] + e's earlier slots in the token; one [rows, N_p2 * K_p2] compare); other rows get 0."""
+    n_p2, k_p2 = mine.shape
+    rank = (before[:, None] + jnp.cumsum(mine, axis=1) - mine).reshape(n_p2 * k_p2)
+    flat = (jnp.arange(n_p2, dtype=jnp.int32)[:, None] * top_k
+            + jnp.arange(k_p2, dtype=jnp.int32)[None, :]).reshape(n_p2 * k_p2)
+    hit = (mine.reshape(n_p2 * k_p2) > 0)[None, :] & (rank[None, :] == wanted[:, None])  # at most one per row
+    return jnp.sum(jnp.where(hit, flat[None, :], 0), axis=1)
 
 
 def _for_item_rows(bounds_ref, item, config: MoeGemmConfig, tile):
@@ -735,7 +764,7 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
     output, is read in place). in_dim and out_dim must be tile multiples (weights are zero-padded up to them;
     `moe_grouped_mlp` picks the sizes); order [M_pad] int32 (M_pad a multiple of block_m); bounds from
     `row_bounds`; num_items the grid's work items (`num_work_items`, >= the real count). ranked: `order` holds
-    the flat expert ids instead ([M_p2], -1 past M; `ranks_in_kernel`), each program ranks its own rows, and the
+    the expert ids instead ([N_p2, K_p2], -1 padded; `ranks_in_kernel`), each program ranks its own rows, and the
     result is (h, order [M_pad]: the stored rows' assignments, for `grouped_down`); num_rows = M_pad must be given.
     """
     k_pad = in_dim
@@ -842,10 +871,12 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     # the only XLA ops of the schedule: one compare-and-count (row_bounds) and, past decode sizes, one sort (rows
     # grouped by expert); the kernels derive their work items from the bounds and gather x rows / routing
     # weights by assignment
-    ranked = ranks_in_kernel(m, config.block_m)
-    if ranked:  # decode sizes: each program ranks its own rows (`_assignments`), no sort kernel
-        m_p2 = 1 << max(m - 1, 0).bit_length()
-        order = flat if m_p2 == m else jnp.pad(flat, (0, m_p2 - m), constant_values=-1)
+    ranked = ranks_in_kernel(n, top_k, config.block_m)
+    if ranked:  # decode sizes: each program ranks its own rows from the ids (`_ranked_tokens`), no sort kernel
+        order = ids.astype(jnp.int32)
+        n_p2, k_p2 = _next_pow2(n), _next_pow2(top_k)
+        if (n_p2, k_p2) != (n, top_k):
+            order = jnp.pad(order, ((0, n_p2 - n), (0, k_p2 - top_k)), constant_values=-1)
     else:
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
         if m_pad > m:  # (a zero-width pad would still be an XLA op)

@@ -71,7 +71,7 @@ def test_rows_ranked_in_kernel_equal_the_sorted_path_at_k3_small_decode(tokens, 
     w = jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
     x = jax.random.normal(jax.random.key(tokens), (tokens, k)).astype(jnp.bfloat16)
     experts = _experts(e, k, i, 1)
-    assert moe_gemm.ranks_in_kernel(tokens * top_k, moe_gemm.default_config(tokens * top_k, e).block_m)
+    assert moe_gemm.ranks_in_kernel(tokens, top_k, moe_gemm.default_config(tokens * top_k, e).block_m)
     ranked = moe_gemm.moe_grouped_mlp(x, ids, w, experts)
     monkeypatch.setattr(moe_gemm, "RANK_IN_KERNEL_MAX_ELEMENTS", 0)
     jax.clear_caches()

@@ -125,7 +125,7 @@ def test_routing_bookkeeping_has_no_loop_and_at_most_one_sort():
         x = jnp.ones((tokens, 32), jnp.float32)
         ids = (jnp.arange(2 * tokens, dtype=jnp.int32) * 5 % 6).reshape(tokens, 2)
         w = jnp.full((tokens, 2), 0.5, jnp.float32)
-        assert moe_gemm.ranks_in_kernel(2 * tokens, (config or moe_gemm.default_config(2 * tokens, 6)).block_m) == (
+        assert moe_gemm.ranks_in_kernel(tokens, 2, (config or moe_gemm.default_config(2 * tokens, 6)).block_m) == (
             sorts == 0)
         jaxpr = jax.make_jaxpr(lambda *a: moe_grouped_mlp(*a, config=config, interpret=True))(x, ids, w, experts).jaxpr
         prims = _primitives(jaxpr)
@@ -134,7 +134,7 @@ def test_routing_bookkeeping_has_no_loop_and_at_most_one_sort():
 
 @pytest.mark.parametrize("block_m,tail", [(16, 0), (32, 16)])
 def test_rows_ranked_in_kernel_equal_the_sorted_order(block_m, tail):
-    """The decode path (`ranks_in_kernel`: no sort, each program ranks its rows from the flat ids) gives exactly the
+    """The decode path (`ranks_in_kernel`: no sort, each program ranks its rows from the ids) gives exactly the
     sorted path's result: ragged groups with empty experts, one hot expert holding most rows (its rows span
     several tiles, tiles straddle experts), a row count that is neither a tile nor a power-of-two multiple."""
     rng = np.random.default_rng(11)
@@ -143,10 +143,10 @@ def test_rows_ranked_in_kernel_equal_the_sorted_order(block_m, tail):
     ids = np.where(rng.random((n, top_k)) < 0.6, 4, rng.choice([0, 2, 3, 7, 8], (n, top_k))).astype(np.int32)
     ids = jnp.asarray(ids)
     config = MoeGemmConfig(block_m=block_m, tail_block_m=tail, block_k=16, glu_block_n=16, down_block_n=16)
-    assert moe_gemm.ranks_in_kernel(n * top_k, block_m)
+    assert moe_gemm.ranks_in_kernel(n, top_k, block_m)
     got = moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True)
     with mock.patch.object(moe_gemm, "RANK_IN_KERNEL_MAX_ELEMENTS", 0):
-        assert not moe_gemm.ranks_in_kernel(n * top_k, block_m)
+        assert not moe_gemm.ranks_in_kernel(n, top_k, block_m)
         sorted_path = moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(sorted_path))
     assert rel(got, numpy_moe(x, ids, w, as_f64(experts), "situ")) < 2e-6
