@@ -547,13 +547,14 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
     # x_ref      [N, >= in_dim] tokens (columns past in_dim unread); rows gathered by token = assignment // top_k
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
     #       planes [E, K_pad/2, I_pad] u8 | words [E, K_pad/8, 4 I_pad] u8, + scales [E, K_pad/32, I_pad] u8),
-    #       up refs (same layout), h_ref [M_pad, I_pad] output in expert-sorted row order; ranked: then
+    #       up refs (same layout), h_ref [M_pad, I_pad] output in expert-sorted row order, items_ref [4, W] int32
+    #       output: each work item's (tile row start, expert, first row, end row), for the down kernel; ranked: then
     #       order_out_ref [M_pad] int32, each stored row's assignment (rows of no item stay unwritten)
     n_gate = 1 if gate_layout == "float" else 2
     n_up = 1 if up_layout == "float" else 2
     gate = _WeightRefs(rest[:n_gate], gate_layout, interpret)
     up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, interpret)
-    h_ref = rest[n_gate + n_up]
+    h_ref, items_ref = rest[n_gate + n_up:n_gate + n_up + 2]
     item, col = pl.program_id(0), pl.program_id(1)
 
     def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
@@ -564,7 +565,7 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
 
             def hand_on():  # the item's first column program hands its rows' assignments on to the down kernel
                 row_ids = row_start + jnp.arange(rows)
-                plgpu.store(rest[n_gate + n_up + 1].at[pl.ds(row_start, rows)],
+                plgpu.store(rest[n_gate + n_up + 2].at[pl.ds(row_start, rows)],
                             _ranked_assignments(wanted, before, mine, top_k), mask=(row_ids >= lo) & (row_ids < hi))
 
             pl.when(col == 0)(hand_on)
@@ -586,12 +587,20 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
         keep = jnp.broadcast_to(((row_ids >= lo) & (row_ids < hi))[:, None], (rows, block_n))
         plgpu.store(h_ref.at[pl.ds(row_start, rows), pl.ds(n0, block_n)], h, mask=keep)
 
-    _for_item_rows(bounds_ref, item, config, tile)
+    p = bounds_ref.shape[0] - 1
+    entry = work_item(bounds_ref[pl.ds(0, p)], bounds_ref[pl.ds(1, p)], item, config.block_m)
+
+    def hand_on_item():  # the down kernel reads its item instead of deriving it again from the bounds
+        for i, v in enumerate(entry):
+            items_ref[i, item] = v
+
+    pl.when(col == 0)(hand_on_item)
+    _for_item_rows(*entry, config, tile)
 
 
-def _grouped_down_kernel(bounds_ref, order_ref, routing_ref, h_ref, *rest, layout: str, config: MoeGemmConfig,
+def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout: str, config: MoeGemmConfig,
                          block_n: int, block_k: int, interpret: bool = False):
-    # bounds_ref  [P + 1] int32 (`row_bounds`)
+    # items_ref   [4, W] int32 each work item's (tile row start, expert, first row, end row): the GLU kernel's
     # order_ref   [M_pad] int32 assignment of each expert-sorted row (pad rows: M, out of range, never stored);
     #             ranked: the GLU kernel's order_out, written at the stored rows only (the others are not read)
     # routing_ref [M] fp32 routing weight of each assignment (token * top_k + slot)
@@ -623,7 +632,7 @@ def _grouped_down_kernel(bounds_ref, order_ref, routing_ref, h_ref, *rest, layou
         # mix); pad rows target row M: masked on the GPU, and dropped (not a duplicate of a real row) when interpreted
         plgpu.store(y_ref.at[assignment[:, None], cols[None, :]], acc * scale[:, None], mask=keep)
 
-    _for_item_rows(bounds_ref, item, config, tile)
+    _for_item_rows(*(items_ref[i, item] for i in range(4)), config, tile)
 
 
 def _expert_rows(ids_ref, bounds_ref, row_start, rows: int, expert, top_k: int):
@@ -632,8 +641,7 @@ def _expert_rows(ids_ref, bounds_ref, row_start, rows: int, expert, top_k: int):
     assignments; before [N_p2], e's assignments in tokens < n; per_token [N_p2]; mine [N_p2, K_p2] int32).
     A stable sort puts expert e's assignments in increasing (token, slot) order at rows bounds[e] ..., so row r is
     e's (r - bounds[e])-th assignment; rows outside 0 .. count - 1 are the neighbours' (never stored)."""
-    p = bounds_ref.shape[0] - 1
-    start = jnp.sum(jnp.where(jnp.arange(p, dtype=jnp.int32) == expert, bounds_ref[pl.ds(0, p)], 0))
+    start = bounds_ref[expert]
     mine = (ids_ref[...] == expert).astype(jnp.int32)  # [N_p2, K_p2]
     per_token = jnp.sum(mine, axis=1)  # [N_p2]
     before = jnp.cumsum(per_token) - per_token
@@ -660,15 +668,13 @@ def _ranked_assignments(wanted, before, mine, top_k: int):
     return jnp.sum(jnp.where(hit, flat[None, :], 0), axis=1)
 
 
-def _for_item_rows(bounds_ref, item, config: MoeGemmConfig, tile):
-    """Calls tile(row_start, rows, expert, lo, hi) for work item `item` (`work_item` on the bounds) with static
+def _for_item_rows(row0, expert, lo, hi, config: MoeGemmConfig, tile):
+    """Calls tile(row_start, rows, expert, lo, hi) for work item (row0, expert, lo, hi) (`work_item`) with static
     `rows`: block_m rows from the item's tile start, or -- when tail_block_m is set and the item has at most
     tail_block_m rows -- tail_block_m rows from min(lo, tile start + block_m - tail_block_m), which covers lo..hi-1
     (hi <= tile start + block_m) and stays inside the tile, so inside the padded row buffer. Both branches are
     compiled; empty items run none."""
     block_m, tail_block_m = config.block_m, config.tail_block_m
-    p = bounds_ref.shape[0] - 1
-    row0, expert, lo, hi = work_item(bounds_ref[pl.ds(0, p)], bounds_ref[pl.ds(1, p)], item, block_m)
     if not tail_block_m:
         pl.when(hi > lo)(lambda: tile(row0, block_m, expert, lo, hi))
         return
@@ -764,8 +770,9 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
     output, is read in place). in_dim and out_dim must be tile multiples (weights are zero-padded up to them;
     `moe_grouped_mlp` picks the sizes); order [M_pad] int32 (M_pad a multiple of block_m); bounds from
     `row_bounds`; num_items the grid's work items (`num_work_items`, >= the real count). ranked: `order` holds
-    the expert ids instead ([N_p2, K_p2], -1 padded; `ranks_in_kernel`), each program ranks its own rows, and the
-    result is (h, order [M_pad]: the stored rows' assignments, for `grouped_down`); num_rows = M_pad must be given.
+    the expert ids instead ([N_p2, K_p2], -1 padded; `ranks_in_kernel`), each program ranks its own rows;
+    num_rows = M_pad must be given. Returns (h, items [4, num_items]: the work items, for `grouped_down`) and,
+    ranked, a third entry order [M_pad]: the stored rows' assignments, for `grouped_down`.
     """
     k_pad = in_dim
     m_pad = num_rows if ranked else order.shape[0]
@@ -777,10 +784,12 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
         linear_beta=situ_linear_beta, ranked=ranked, interpret=interpret,
     )
     args = (bounds, order, x, *_pad_weight(gate, k_pad, i_pad), *_pad_weight(up, k_pad, i_pad))
-    h_shape = jax.ShapeDtypeStruct((m_pad, i_pad), x.dtype)
+    out_shape = (jax.ShapeDtypeStruct((m_pad, i_pad), x.dtype), jax.ShapeDtypeStruct((4, num_items), jnp.int32))
+    if ranked:
+        out_shape += (jax.ShapeDtypeStruct((m_pad,), jnp.int32),)
     return pl.pallas_call(
         kernel,
-        out_shape=(h_shape, jax.ShapeDtypeStruct((m_pad,), jnp.int32)) if ranked else h_shape,
+        out_shape=out_shape,
         grid=(num_items, i_pad // config.glu_block_n),
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
@@ -788,12 +797,13 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
     )(*args)
 
 
-def grouped_down(h: jax.Array, order: jax.Array, bounds: jax.Array, routing: jax.Array, down, *,
-                 config: MoeGemmConfig, num_items: int, out_dim: int, interpret: bool = False) -> jax.Array:
+def grouped_down(h: jax.Array, order: jax.Array, items: jax.Array, routing: jax.Array, down, *,
+                 config: MoeGemmConfig, out_dim: int, interpret: bool = False) -> jax.Array:
     """routing[a] * (h_r @ down_e) of each expert-sorted row r, stored at its assignment a = order[r]:
     h [M_pad, I_pad] -> y [M, out_dim] float32 in (token, slot) order, M = routing.shape[0] (the weighted combine
-    is then a plain sum over each token's top_k rows, no inverse permutation). order: the sort's, or the ranked
-    `grouped_glu`'s second result (only the rows some item stores are read)."""
+    is then a plain sum over each token's top_k rows, no inverse permutation). items [4, W]: `grouped_glu`'s work
+    items (as `tile_schedule`'s). order: the sort's, or the ranked `grouped_glu`'s third result (only the rows some
+    item stores are read)."""
     m_pad, i_pad = h.shape
     kernel = functools.partial(
         _grouped_down_kernel, layout=mxfp4_layout(down), config=config,
@@ -802,11 +812,11 @@ def grouped_down(h: jax.Array, order: jax.Array, bounds: jax.Array, routing: jax
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((routing.shape[0], out_dim), jnp.float32),
-        grid=(num_items, out_dim // config.down_block_n),
+        grid=(items.shape[1], out_dim // config.down_block_n),
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
         name="moe_grouped_down",
-    )(bounds, order, routing, h, *_pad_weight(down, i_pad, out_dim))
+    )(items, order, routing, h, *_pad_weight(down, i_pad, out_dim))
 
 
 def _check_inputs(x, ids, weights, experts, activation):
@@ -887,13 +897,13 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     xk = x if glu_k == k_dim else jnp.pad(x[:, :k_dim], ((0, 0), (0, glu_k - k_dim)))
 
     items = num_work_items(m, num_experts, config.block_m)
-    h = grouped_glu(xk, order, bounds, experts["gate"], experts["up"], top_k=top_k, config=config, num_items=items,
+    h_out = grouped_glu(xk, order, bounds, experts["gate"], experts["up"], top_k=top_k, config=config, num_items=items,
                     in_dim=glu_k, out_dim=i_pad, activation=activation, situ_beta=situ_beta,
                     situ_linear_beta=situ_linear_beta, ranked=ranked, num_rows=m_pad, interpret=interpret)
+    h, work = h_out[:2]
     if ranked:
-        h, order = h
-    y = grouped_down(h, order, bounds, routing, experts["down"], config=config, num_items=items,
-                     out_dim=k_pad, interpret=interpret)
+        order = h_out[2]
+    y = grouped_down(h, order, work, routing, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
     if k_pad != k_dim:
         y = y[:, :k_dim]
     # each token's top_k consecutive rows, fp32, deterministic; as unrolled adds rather than a reduction so the sum
