@@ -154,8 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="1 (default): the MoE kernels rank their own rows at decode sizes "
                         "(pallas_kernels.moe_gemm.ranks_in_kernel); 0: one XLA sort per MoE layer, as before")
     p.add_argument("--moe-decode-tiling", default=None,
-                   help="pallas_kernels.moe_gemm.DECODE_CONFIG for this run, as bm/gn/dn/bk/warps/stages "
-                        "(the grouped GEMMs' tiling at <= 16 rows per expert)")
+                   help="pallas_kernels.moe_gemm.DECODE_CONFIG for this run, as bm/gn/dn/bk/warps/stages"
+                        "[/tail_block_m[/down_stages]] (the grouped GEMMs' tiling at <= 16 rows per expert)")
     p.add_argument("--dense-kernel", choices=k3_layers.DENSE_KERNELS, default=k3_layers.DENSE_DECODE_KERNEL,
                    help="the pallas backend's dense GEMMs at decode sizes (k3jax.layers.DENSE_DECODE_KERNEL; default "
                         f"{k3_layers.DENSE_DECODE_KERNEL}): xla, or skinny (pallas_kernels/skinny_gemm.py)")

@@ -365,16 +365,15 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
 
 def parse_configs(spec: str) -> list[MoeGemmConfig]:
     """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages),
-    optionally followed by /tail_block_m (0 = off), e.g. 128/128/256/64/8/3/64."""
+    optionally followed by /tail_block_m (0 = off), e.g. 128/128/256/64/8/3/64, and /down_num_stages (0 = the
+    same), e.g. 16/64/64/128/4/4/0/3."""
     configs = []
     for item in filter(None, spec.split(",")):
         parts = item.split("/")
-        if len(parts) not in (6, 7):
-            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m; "
-                             f"got {item!r}")
-        fields = [int(x) for x in parts[:6]]
-        extra = {"tail_block_m": int(parts[6])} if len(parts) > 6 else {}
-        configs.append(MoeGemmConfig(*fields, **extra))
+        if len(parts) not in (6, 7, 8):
+            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m and "
+                             f"/down_num_stages; got {item!r}")
+        configs.append(MoeGemmConfig(*(int(x) for x in parts)))
     return configs
 
 
@@ -382,8 +381,10 @@ def config_name(cfg: MoeGemmConfig) -> str:
     """The tiling string parse_configs reads (mode fields only when not the defaults)."""
     name = "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n", "block_k", "num_warps",
                                                    "num_stages"))
-    if cfg.tail_block_m:
+    if cfg.tail_block_m or cfg.down_num_stages:
         name += f"/{cfg.tail_block_m}"
+    if cfg.down_num_stages:
+        name += f"/{cfg.down_num_stages}"
     return name
 
 

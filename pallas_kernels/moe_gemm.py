@@ -20,8 +20,10 @@ kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-s
      time, so jit never recompiles for a new routing), gathers its x rows by token id (no sorted copy of x), runs
      gate and up on each x tile, the GLU epilogue on the fp32 accumulators, and stores only the rows of the item's
      expert (masked rows belong to a neighbouring expert's item);
-  4. `grouped_down`: the down GEMM over the same items, each row scaled by its routing weight (gathered in the
-     kernel) and stored at its assignment's row of y [M, D] fp32 (each row written exactly once);
+  4. `grouped_down`: the down GEMM over the same items (each item's column-0 GLU program writes it to a [4, W]
+     table, so a down program starts with four scalar loads instead of the bounds-wide schedule arithmetic: on the
+     H200, k3-small decode B64, 1.22 vs 1.28 ms/step of down kernels, 2026-12-02), each row scaled by its routing
+     weight (gathered in the kernel) and stored at its assignment's row of y [M, D] fp32 (each row written once);
   5. each token sums its top_k consecutive rows of y (elementwise adds, deterministic: fuse into the consumer).
 `tile_schedule` lists all items at once (tests, the benchmark's MMA-row count).
 
@@ -106,7 +108,7 @@ class MoeGemmConfig:
     The expert-sorted rows are cut into global block_m tiles (a tile straddling two experts is two work items,
     each a full block_m-row MMA). tail_block_m (0 = off, mid-size groups): a work item with at most this many
     rows runs a tail_block_m-row MMA instead of a block_m-row one (both code paths are compiled; the branch is
-    per item).
+    per item). down_num_stages: the down kernel's pipeline depth (0 = num_stages, both kernels alike).
     """
 
     block_m: int = 64
@@ -116,6 +118,7 @@ class MoeGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tail_block_m: int = 0
+    down_num_stages: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
@@ -126,6 +129,9 @@ class MoeGemmConfig:
         if t and (t < 16 or t & (t - 1) or t >= self.block_m):
             raise ValueError(f"MoeGemmConfig.tail_block_m={t} must be 0 (off) or a power of two >= 16 below "
                              f"block_m={self.block_m}")
+        if self.num_stages < 1 or self.down_num_stages < 0:
+            raise ValueError(f"MoeGemmConfig stages must be >= 1 (down_num_stages 0 = num_stages), got "
+                             f"{self.num_stages} / {self.down_num_stages}")
 
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
@@ -137,8 +143,13 @@ LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n
 LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64)
 
 
-# decode-sized groups (<= 16 rows per expert)
-DECODE_CONFIG = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4)
+# decode-sized groups (<= 16 rows per expert). The down kernel's loop is short (k3-small: 512 inputs, 4 steps of 128):
+# a shallower pipeline fits more programs per SM in shared memory (20 KB a stage: 4 stages 2 programs, 2 stages 5).
+# H200, 2026-12-02 (docs/results/model_decode_moe_items_h200_2026-12-02.json): k3-small decode B64, down kernels
+# 1.14-1.18 ms/step at 2 stages, 1.17-1.21 at 3, 1.22 at 4 (GLU unchanged); K3 EP16 shard at 16 tokens
+# (benchmarks/moe.py sweep) 0.253 / 0.261 / 0.263 ms per layer.
+DECODE_CONFIG = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, num_warps=4, num_stages=4,
+                              down_num_stages=2)
 
 
 def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
@@ -196,8 +207,8 @@ def row_bounds(flat_ids: jax.Array, num_experts: int) -> jax.Array:
     """bounds [bounds_width(E)] int32: bounds[e] = number of assignments to experts < e, i.e. the first
     expert-sorted row of expert e (its rows are bounds[e] .. bounds[e+1]-1); entries past E hold the row count.
 
-    One compare-and-count over [P, M] (a single reduction kernel): no bincount scatter and no cumsum; the work
-    items are derived from it inside the kernels (`work_item`)."""
+    One compare-and-count over [P, M] (a single reduction kernel): no bincount scatter and no cumsum; the GLU
+    kernel's programs derive their work items from it (`work_item`) and hand them to the down kernel."""
     e = jnp.arange(bounds_width(num_experts), dtype=jnp.int32)
     return (flat_ids.astype(jnp.int32)[None, :] < e[:, None]).sum(1, dtype=jnp.int32)
 
@@ -208,8 +219,8 @@ def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int):
 
     Items are the (row tile, expert) pairs that overlap, ordered by expert, then by tile, so consecutive programs
     reuse one expert's weights; items past the real count have first row == end row == 0 (the kernels skip them).
-    Plain jnp on the two power-of-two vectors, so the same code runs inside the Triton
-    kernels (a few P-wide vector ops per program, P = 256 for 192 experts) and in `tile_schedule`. Expert lookups
+    Plain jnp on the two power-of-two vectors, so the same code runs inside the Triton GLU
+    kernel (a few P-wide vector ops per program, P = 256 for 192 experts) and in `tile_schedule`. Expert lookups
     are compare-and-count and one-hot sums (no gather, no while loop: Triton has neither)."""
     p = starts.shape[0]
     sizes = ends - starts
@@ -233,8 +244,8 @@ def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int):
 
 def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
     """All work items [4, W] int32 (tile row start, expert, first row, end row), W = `num_work_items`, for
-    expert-sorted rows with group_sizes [E] int32 (summing to <= num_rows): the schedule the kernels compute
-    per program with `work_item` (kept for tests and benchmarks/moe.py's MMA-row count)."""
+    expert-sorted rows with group_sizes [E] int32 (summing to <= num_rows): the table the GLU kernel's programs
+    compute with `work_item` and hand to the down kernel (here for tests and benchmarks/moe.py's MMA-row count)."""
     e = group_sizes.shape[0]
     p = bounds_width(e) - 1
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
@@ -748,10 +759,11 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
     return packed, scale
 
 
-def _compiler_params(config: MoeGemmConfig, interpret: bool):
+def _compiler_params(config: MoeGemmConfig, interpret: bool, down: bool = False):
     if interpret:
         return None
-    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    stages = config.down_num_stages if down and config.down_num_stages else config.num_stages
+    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=stages)
 
 
 def _block(cap: int, dim: int, minimum: int = 16) -> int:
@@ -813,7 +825,7 @@ def grouped_down(h: jax.Array, order: jax.Array, items: jax.Array, routing: jax.
         kernel,
         out_shape=jax.ShapeDtypeStruct((routing.shape[0], out_dim), jnp.float32),
         grid=(items.shape[1], out_dim // config.down_block_n),
-        compiler_params=_compiler_params(config, interpret),
+        compiler_params=_compiler_params(config, interpret, down=True),
         interpret=interpret,
         name="moe_grouped_down",
     )(items, order, routing, h, *_pad_weight(down, i_pad, out_dim))
@@ -879,8 +891,8 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
 
     flat = ids.reshape(-1).astype(jnp.int32)
     # the only XLA ops of the schedule: one compare-and-count (row_bounds) and, past decode sizes, one sort (rows
-    # grouped by expert); the kernels derive their work items from the bounds and gather x rows / routing
-    # weights by assignment
+    # grouped by expert); the GLU kernel derives the work items from the bounds (the down kernel reads them from
+    # it), and the kernels gather x rows / routing weights by assignment
     ranked = ranks_in_kernel(n, top_k, config.block_m)
     if ranked:  # decode sizes: each program ranks its own rows from the ids (`_ranked_tokens`), no sort kernel
         order = ids.astype(jnp.int32)
