@@ -10,7 +10,8 @@ D128, against its own reference; added with the one-kernel-per-file split) have 
 (added after the 2026-11-30 device runs); nor have the V-blocked decode cases (block_v < 128), nor the decode
 fresh flag (masked-off pool loads: test_decode_fresh_rows_match_reference), nor the model's verify step reading
 the stacked pools in place (test_verify_step_reads_stacked_pools_in_place), nor the looped decode's prefetch
-and fold_v (test_decode_looped_prefetch_fold_match_reference, added in the eighth session).
+and fold_v (test_decode_looped_prefetch_fold_match_reference, added in the eighth session), nor the packed
+projection (test_decode_packed_projection_equals_the_sliced_operands, sixteenth session; see docs/benchmarks.md).
 """
 
 import re
@@ -122,6 +123,28 @@ def test_decode_matches_reference(t, all_states, block_v, num_warps, loop_v):
     want = jax.device_get(kda_decode_reference(*args, **kw))
     for g, w in zip(got, want):
         assert rel(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("t,all_states,loop_v", [(1, False, True), (1, False, False), (4, True, False)])
+def test_decode_packed_projection_equals_the_sliced_operands(t, all_states, loop_v):
+    """`packed` (the model's fused decode path): q|k|v, the beta logits and the output gate read in place from one
+    wider projection with unrelated columns between them, D128, the looped and V-blocked kernels and verify: the
+    same results as the sliced operands (the same arithmetic on the same values: 1e-6), both at the reference's bar."""
+    rng = np.random.default_rng(3)
+    b, h, d, pool = 5, 4, 128, 9
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
+    qkv, beta, out_gate, extra = arr(b, t, 3 * h * d), arr(b, t, h), arr(b, t, h, d), arr(b, t, 7)
+    whole = jnp.concatenate([qkv, extra, beta, extra, out_gate.reshape(b, t, h * d), extra], axis=-1)
+    beta_col = 3 * h * d + 7
+    rest = (arr(pool, 3, 3 * h * d), arr(4, 3 * h * d) * 0.5, arr(b, t, h, d))
+    pools = (arr(pool, h, d, d), jnp.asarray([7, 0, 3, 8, 1], jnp.int32), jnp.asarray([t, t, 0, 1, t], jnp.int32))
+    kw = dict(a_log=arr(h) * 0.5, dt_bias=arr(h * d), o_norm_weight=1 + 0.1 * arr(d), all_states=all_states)
+    sliced = jax.device_get(kda_decode(qkv, *rest, beta, out_gate, *pools, **kw, loop_v=loop_v))
+    packed = jax.device_get(kda_decode(whole, *rest, None, None, *pools, **kw, loop_v=loop_v,
+                                       packed=(beta_col + h + 7, beta_col)))
+    want = jax.device_get(kda_decode_reference(qkv, *rest, beta, out_gate, *pools, **kw))
+    for got, same, w in zip(packed, sliced, want):
+        assert rel(got, same) < 1e-6 and rel(got, w) < 1e-5
 
 
 @pytest.mark.parametrize("t,all_states,block_v,loop_v", [(1, False, None, False), (4, False, 16, False),
