@@ -13,7 +13,8 @@ kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-s
      each item's column-0 program also their assignments (`_ranked_assignments`), handed to the down kernel as a
      second output. On the H200 (k3-small decode B64, 2026-12-02) the first version of this (every program ranking
      over all N * K ids) cut 48 kernels per step and the step from 8.24 to 8.14 ms back to back, though the GLU
-     kernels' own time rose by ~6 us per layer (the ranking) as the sort's ~5 us went;
+     kernels' own time rose by ~6 us per layer (the ranking) as the sort's ~5 us went; ranking by token took the
+     GLU kernels from 2.43 to 2.39 ms per step (same call);
   2. one compare-and-count, `row_bounds` (no bincount scatter, no cumsum);
   3. `grouped_glu`: program (item, column tile) derives its work item from the bounds (`work_item`: the
      (tile, expert) pairs that overlap -- at most cdiv(M, block_m) + min(E, M) - 1 items, a bound known at trace
@@ -908,14 +909,14 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     glu_k = _round_up(k_dim, block_k)  # the GLU's contraction: x's first k_dim columns, zero-padded to glu_k
     xk = x if glu_k == k_dim else jnp.pad(x[:, :k_dim], ((0, 0), (0, glu_k - k_dim)))
 
-    items = num_work_items(m, num_experts, config.block_m)
-    h_out = grouped_glu(xk, order, bounds, experts["gate"], experts["up"], top_k=top_k, config=config, num_items=items,
-                    in_dim=glu_k, out_dim=i_pad, activation=activation, situ_beta=situ_beta,
-                    situ_linear_beta=situ_linear_beta, ranked=ranked, num_rows=m_pad, interpret=interpret)
-    h, work = h_out[:2]
+    glu_out = grouped_glu(xk, order, bounds, experts["gate"], experts["up"], top_k=top_k, config=config,
+                          num_items=num_work_items(m, num_experts, config.block_m), in_dim=glu_k, out_dim=i_pad,
+                          activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                          ranked=ranked, num_rows=m_pad, interpret=interpret)
+    h, items = glu_out[:2]
     if ranked:
-        order = h_out[2]
-    y = grouped_down(h, order, work, routing, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
+        order = glu_out[2]
+    y = grouped_down(h, order, items, routing, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
     if k_pad != k_dim:
         y = y[:, :k_dim]
     # each token's top_k consecutive rows, fp32, deterministic; as unrolled adds rather than a reduction so the sum
