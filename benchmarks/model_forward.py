@@ -1037,7 +1037,7 @@ def main(argv=None) -> dict:
         if not args.moe_rank_in_kernel:
             moe_gemm.RANK_IN_KERNEL_MAX_ELEMENTS = 0
         if args.moe_decode_tiling:
-            moe_gemm.DECODE_CONFIG = moe_gemm.MoeGemmConfig(*(int(v) for v in args.moe_decode_tiling.split("/")))
+            moe_gemm.DECODE_CONFIG = moe_gemm.MoeGemmConfig.from_tiling(args.moe_decode_tiling)
     if args.kda_loop_v is not None:
         from pallas_kernels import kda_decode
 

@@ -367,25 +367,12 @@ def parse_configs(spec: str) -> list[MoeGemmConfig]:
     """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages),
     optionally followed by /tail_block_m (0 = off), e.g. 128/128/256/64/8/3/64, and /down_num_stages (0 = the
     same), e.g. 16/64/64/128/4/4/0/3."""
-    configs = []
-    for item in filter(None, spec.split(",")):
-        parts = item.split("/")
-        if len(parts) not in (6, 7, 8):
-            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m and "
-                             f"/down_num_stages; got {item!r}")
-        configs.append(MoeGemmConfig(*(int(x) for x in parts)))
-    return configs
+    return [MoeGemmConfig.from_tiling(item) for item in filter(None, spec.split(","))]
 
 
 def config_name(cfg: MoeGemmConfig) -> str:
     """The tiling string parse_configs reads (mode fields only when not the defaults)."""
-    name = "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n", "block_k", "num_warps",
-                                                   "num_stages"))
-    if cfg.tail_block_m or cfg.down_num_stages:
-        name += f"/{cfg.tail_block_m}"
-    if cfg.down_num_stages:
-        name += f"/{cfg.down_num_stages}"
-    return name
+    return cfg.tiling
 
 
 def bench_sweep(shape, token_counts, limits, interpret, configs=None, budget_s=None):
@@ -517,8 +504,7 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
         runs = [(moe_gemm.default_config(m, e), ["bf16"], "default ")] + [(cfg, ["bf16", *variants], "") for cfg in configs]
         for cfg, names, tag in runs:
             for name in names:
-                tiling = tag + "/".join(str(getattr(cfg, f)) for f in ("block_m", "glu_block_n", "down_block_n",
-                                                                        "block_k", "num_warps", "num_stages"))
+                tiling = tag + config_name(cfg)
                 row = dict(tokens=t, rows=m, rows_per_expert=m / e, experts_touched=touched, variant=name,
                            tiling=tiling)
                 if time.perf_counter() - t_start > budget_s:

@@ -134,6 +134,25 @@ class MoeGemmConfig:
             raise ValueError(f"MoeGemmConfig stages must be >= 1 (down_num_stages 0 = num_stages), got "
                              f"{self.num_stages} / {self.down_num_stages}")
 
+    @property
+    def tiling(self) -> str:
+        """'bm/gn/dn/bk/warps/stages', then /tail_block_m and /down_num_stages when set (what `from_tiling` reads)."""
+        fields = [self.block_m, self.glu_block_n, self.down_block_n, self.block_k, self.num_warps, self.num_stages]
+        if self.tail_block_m or self.down_num_stages:
+            fields.append(self.tail_block_m)
+        if self.down_num_stages:
+            fields.append(self.down_num_stages)
+        return "/".join(map(str, fields))
+
+    @classmethod
+    def from_tiling(cls, tiling: str) -> "MoeGemmConfig":
+        """The config a `tiling` string names, e.g. 128/128/256/64/8/3/64 or 16/64/64/128/4/4/0/2."""
+        parts = tiling.split("/")
+        if len(parts) not in (6, 7, 8):
+            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m and "
+                             f"/down_num_stages; got {tiling!r}")
+        return cls(*(int(x) for x in parts))
+
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
                                       num_stages=3)

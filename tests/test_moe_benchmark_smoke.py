@@ -33,9 +33,10 @@ def test_mxfp4_variant_section_checks_every_case(tmp_path, capsys, monkeypatch):
     table = capsys.readouterr().out
     section = result["mxfp4_variants"]
     assert json.loads(out.read_text())["mxfp4_variants"]["cases"] == json.loads(json.dumps(section["cases"]))
-    # bf16 at moe_grouped_mlp's own tiling for 8 rows, then bf16 and each variant at the --mxfp4-configs tiling
+    # bf16 at moe_grouped_mlp's own tiling for 8 rows (DECODE_CONFIG, down kernel at 2 stages), then bf16 and each
+    # variant at the --mxfp4-configs tiling
     assert [(c["variant"], c["tiling"]) for c in section["cases"]] == [
-        ("bf16", "default 16/64/64/128/4/4")] + [(v, "16/64/64/128/4/4") for v in ("bf16", "interleave", "kmajor")]
+        ("bf16", "default 16/64/64/128/4/4/0/2")] + [(v, "16/64/64/128/4/4") for v in ("bf16", "interleave", "kmajor")]
     assert not section["skipped"]
     cases = {c["variant"]: c for c in section["cases"][1:]}
     # bf16 weights and activations, fp32 accumulation, h rounded to bf16 once: ~4e-3 against the einsum
