@@ -4,11 +4,11 @@
     python benchmarks/moe.py --smoke --out /tmp/moe.json     # CPU: tiny shapes, interpret mode, no timing claims
 
 MXFP4 decode variants (pallas_kernels.moe_gemm.MXFP4_VARIANTS: "interleave" on the checkpoint layout, "kmajor" on
-the kernel layout the model loads, "k4" on the opt-in word layout with the inline-PTX decode) against bf16 weights
+the "kn" kernel layout, "k4" / "k4r" on the word layouts the model loads, inline-PTX decodes) against bf16 weights
 at decode sizes, one command, ~60 s on the H200 (limits ~15 s, then the section stops starting cases after
---budget-s, default 110 s; add k4 to the variants to time it):
+--budget-s, default 110 s):
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe,sweep \
-        --mxfp4-variants interleave,kmajor --sweep-tokens 16,256,1024 --out $OUT/mxfp4.json
+        --mxfp4-variants k4,k4r --sweep-tokens 16,256 --out $OUT/mxfp4.json
   k3-ep16 shard; bf16 and every variant at each tiling of --mxfp4-configs (decode-sized, block_m 16) on identical
   inputs; each checked on the device against the dense einsum over the dequantised-bf16 weights (rel error);
   table column bf16/this = best bf16 ms at that T / this case's ms (> 1: faster than bf16).
@@ -308,9 +308,13 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
     e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
     bf16, mx = make_experts(shape, seed=1)
     mx_deq = dequantized(mx)
-    # the layout load_pretrained(experts="kernel") gives (k4), or the checkpoint's where a width is not a multiple of 64
-    mx_layout = "k4" if k_dim % moe_gemm.PLANE_BLOCK == 0 == i_dim % moe_gemm.PLANE_BLOCK else "hf"
-    mx_model = {n: moe_gemm.prepare_mxfp4(v, "k4") for n, v in mx.items()} if mx_layout == "k4" else mx
+    # the layout load_pretrained(experts="kernel") gives (k4r where the scales allow, else k4), or the checkpoint's
+    # where a width is not a multiple of 64
+    if k_dim % moe_gemm.PLANE_BLOCK == 0 == i_dim % moe_gemm.PLANE_BLOCK:
+        mx_model = {n: moe_gemm.prepare_mxfp4(v, moe_gemm.word_layout_for(v["scale"])) for n, v in mx.items()}
+    else:
+        mx_model = mx
+    mx_layout = "/".join(sorted({moe_gemm.mxfp4_layout(v) for v in mx_model.values()}))
     gate_up = jnp.concatenate([bf16["gate"], bf16["up"]], axis=-1)
     ours = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, interpret=interpret))
     for t in token_counts:
@@ -488,7 +492,7 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
     bf16, mx = make_experts(shape, seed=3)
     mx_deq = dequantized(mx)
     by_layout = {"hf": mx}
-    for layout in {moe_gemm.MXFP4_VARIANTS[v] for v in variants} & set(moe_gemm.KERNEL_LAYOUTS):  # "kn", "k4"
+    for layout in {moe_gemm.MXFP4_VARIANTS[v] for v in variants} & set(moe_gemm.KERNEL_LAYOUTS):  # kn, k4, k4r
         by_layout[layout] = {n: moe_gemm.prepare_mxfp4(w, layout=layout) for n, w in mx.items()}
     cases, skipped, best = [], [], {}
     for t in token_counts:

@@ -6,12 +6,14 @@ A weight [out, in] is stored as
 and w[o, i] = e2m1(code[o, i]) * 2^(scale[o, i // 32] - 127).
 E2M1 codes: bit 3 is the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
 
-Stacked expert weights come in three layouts (pallas_kernels.moe_gemm.mxfp4_layout), all exact re-packings of
-the same bytes: the checkpoint's {"packed": [E, out, in/2], "scale": [E, out, in/32]} and the MoE kernel's two
-(`moe_gemm.prepare_mxfp4`): "k4" {"planes_k4": [E, in/8, 4 * out], "scales_gn": [E, in/32, out]}, made at load
-time by `k3jax.weights.load_pretrained(experts="kernel")` because the "pallas" MoE op decodes it fastest (H200,
-K3 EP16 shard, decode sizes: 1.28-1.34x faster than "kn" and faster than bf16 weights; docs/benchmarks.md), and
-the older "kn" {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}, still accepted everywhere.
+Stacked expert weights come in four layouts (pallas_kernels.moe_gemm.mxfp4_layout), all exact re-packings of
+the same bytes: the checkpoint's {"packed": [E, out, in/2], "scale": [E, out, in/32]} and the MoE kernel's three
+(`moe_gemm.prepare_mxfp4`): the word layouts "k4r" {"planes_k4r": [E, in/8, 4 * out], "scales_gn": [E, in/32,
+out]} (E8M0 scales <= 2^1) and "k4" {"planes_k4", "scales_gn"}, made at load time by
+`k3jax.weights.load_pretrained(experts="kernel")` (k4r where the scales allow) because the "pallas" MoE op
+decodes them fastest (H200, K3 EP16 shard, decode sizes: 1.3-1.4x / 1.2x faster than bf16 weights;
+docs/benchmarks.md), and the older "kn" {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}, still
+accepted everywhere.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.nan).astype(np.f
 
 
 def is_packed(w) -> bool:
-    """Whether w is an MXFP4 expert weight (a dict in any layout: checkpoint, "kn", "k4") rather than an array or
+    """Whether w is an MXFP4 expert weight (a dict in any layout: checkpoint, kn, k4, k4r) rather than an array or
     another subtree."""
     return isinstance(w, dict) and any(set(w) == set(keys) for keys in MXFP4_LAYOUT_KEYS.values())
 
@@ -71,7 +73,7 @@ def mxfp4_quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_experts(experts: dict, dtype) -> dict:
     """Expert weights as {"gate", "up": [E, in, out], "down": [E, in, out]}, dequantising MXFP4 entries.
 
-    Packed entries in any layout; the kernel layouts ("kn", "k4") are first re-packed into the checkpoint's
+    Packed entries in any layout; the kernel layouts (kn, k4, k4r) are first re-packed into the checkpoint's
     (exact), so all give bit-identical weights.
     """
     out = {}

@@ -26,8 +26,8 @@ for Kimi-Linear):
         latent_{down,norm,up}, shared_experts.{gate,up,down}_proj -> shared.{gate,up,down},
         experts.{e}.{w1,w3,w2}.weight -> experts.{gate,up,down}[e] (stacked [E, in, out]), or MXFP4
         (compressed-tensors) experts.{e}.{w1,w3,w2}.weight_packed [out, in/2] + .weight_scale [out, in/32]
-        (dequantised, or kept packed in the checkpoint's or the MoE kernel's "k4" layout: `load_pretrained`
-        experts=)
+        (dequantised, or kept packed in the checkpoint's or a MoE kernel word layout, "k4r" / "k4":
+        `load_pretrained` experts=)
 
 Torch Linear weights are [out, in] and are transposed to our [in, out]. transformers >= 5 (read from
 5.24.0 `conversion_mapping.py`, `mapping["kimi_linear"]`) normally saves the names above (it reverts its
@@ -58,7 +58,8 @@ from k3jax.config import ModelConfig
 from k3jax.hf_config import model_config_to_hf
 from k3jax.params import param_shapes
 from k3jax.quant import GROUP_SIZE, is_packed, mxfp4_dequantize, mxfp4_quantize
-from pallas_kernels.moe_gemm import PLANE_BLOCK, expert_weight_dims, mxfp4_checkpoint_layout, prepare_mxfp4
+from pallas_kernels.moe_gemm import (PLANE_BLOCK, expert_weight_dims, mxfp4_checkpoint_layout, prepare_mxfp4,
+                                     word_layout_for)
 
 SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
 SINGLE_FILE = "model.safetensors"
@@ -67,8 +68,6 @@ K3_A_LOG_PAD = 128  # K3 stores A_log as [128], zero past the real heads
 _EXPERT_HF = {"gate": "w1", "up": "w3", "down": "w2"}
 _DEQUANT_CHUNK = 1 << 24  # elements dequantised / re-packed per call (bounds the temporaries)
 EXPERT_MODES = ("dequantize", "packed", "kernel")
-# the MXFP4 layout experts="kernel" loads into (pallas_kernels.moe_gemm): "k4", the fastest on the H200 (load_pretrained)
-KERNEL_LAYOUT = "k4"
 _dequantize = jax.jit(mxfp4_dequantize, static_argnums=2)
 
 
@@ -433,18 +432,20 @@ class _Assembler:
         self.leaves[path] = out
 
     def _repack_stack(self, path) -> None:
-        """The complete checkpoint-layout stack -> the MoE kernel's "k4" layout (`prepare_mxfp4(.., "k4")`,
-        exact), in numpy, a chunk of experts at a time (the k4 packing holds uint32 codes: 4 bytes per weight)."""
+        """The complete checkpoint-layout stack -> the MoE kernel's fastest word layout that holds it exactly
+        (`word_layout_for` its scales: "k4r", else "k4"; `prepare_mxfp4`, exact), in numpy, a chunk of experts at a
+        time (the packing holds uint32 codes: 4 bytes per weight)."""
         stash = self.stash.pop(path)
         packed, scale = stash["packed"], stash["scale"]
+        layout = word_layout_for(scale)
         e, n_out, half = packed.shape
         planes = np.empty((e, half // 4, 4 * n_out), np.uint8)  # [E, in/8, 4 * out]
         scales = np.empty((e, scale.shape[2], n_out), np.uint8)
         step = max(1, _DEQUANT_CHUNK // (n_out * half * 2))
         for s in range(0, e, step):
-            chunk = prepare_mxfp4({"packed": packed[s:s + step], "scale": scale[s:s + step]}, layout=KERNEL_LAYOUT)
-            planes[s:s + step], scales[s:s + step] = chunk["planes_k4"], chunk["scales_gn"]
-        self.leaves[path] = {"planes_k4": planes, "scales_gn": scales}
+            chunk = prepare_mxfp4({"packed": packed[s:s + step], "scale": scale[s:s + step]}, layout=layout)
+            planes[s:s + step], scales[s:s + step] = chunk[f"planes_{layout}"], chunk["scales_gn"]
+        self.leaves[path] = {f"planes_{layout}": planes, "scales_gn": scales}
 
     def finish(self) -> dict:
         if self.stash:  # cannot happen after the missing-name check; kept as a guard
@@ -471,14 +472,14 @@ def load_pretrained(
         returned cfg carries it (cfg.dtype is also the activation dtype).
     experts: "dequantize" -> MXFP4 routed experts become dtype arrays [E, in, out]; "packed" -> they stay
         {"packed": uint8 [E, out, in/2], "scale": uint8 [E, out, in/32]} (the checkpoint's bytes, HF
-        orientation); "kernel" -> they stay packed in the MoE kernel's "k4" layout {"planes_k4": [E, in/8,
-        4 * out], "scales_gn": [E, in/32, out]} (pallas_kernels.moe_gemm.prepare_mxfp4(w, layout="k4"), an
-        exact re-packing; expert input widths must be multiples of 64). k4 because it is the "pallas" MoE op's
-        fastest decode: on the H200 (benchmarks/moe.py, K3 EP16 shard, decode sizes; docs/benchmarks.md) it is
-        1.28-1.34x faster than the older "kn" layout ({"planes_kn": [E, in/2, out], "scales_gn"}) and the first
-        MXFP4 layout faster than bf16 weights (bf16 ms / k4 ms 1.04 at 16 tokens, 1.10 at 256). Every consumer
-        (the MoE ops, save_pretrained, orbax, quant.dequantize_experts) takes any of the three packed layouts
-        (checkpoint, kn, k4). Unquantised checkpoints give dense experts whatever the mode.
+        orientation); "kernel" -> they stay packed in a MoE kernel word layout, per tensor the fastest that holds
+        its scales (`moe_gemm.word_layout_for`): "k4r" {"planes_k4r": [E, in/8, 4 * out], "scales_gn": [E, in/32,
+        out]} when every E8M0 scale is <= 2^1 (trained weights: |w| <= 12), else "k4" {"planes_k4", "scales_gn"}
+        (pallas_kernels.moe_gemm.prepare_mxfp4, exact re-packings; expert input widths must be multiples of 64).
+        On the H200 (benchmarks/moe.py, K3 EP16 shard, decode sizes; docs/benchmarks.md) bf16 ms / MXFP4 ms is
+        1.31 / 1.42 with k4r and 1.22 / 1.25 with k4 at 16 / 256 tokens. Every consumer (the MoE ops,
+        save_pretrained, orbax, quant.dequantize_experts) takes any packed layout (checkpoint, kn, k4, k4r).
+        Unquantised checkpoints give dense experts whatever the mode.
     Raises ValueError naming the tensor on a missing, unexpected or mis-shaped tensor.
     """
     from safetensors import safe_open
@@ -561,7 +562,7 @@ def _to_hf(entry: _Entry, leaf, layout: str) -> Iterator[np.ndarray]:
 
 
 def _hf_packed(leaf, experts: slice = slice(None)) -> dict[str, np.ndarray]:
-    """The checkpoint-layout numpy bytes {"packed", "scale"} of a packed leaf in any layout (checkpoint, "kn" or "k4":
+    """The checkpoint-layout numpy bytes {"packed", "scale"} of a packed leaf in any layout (checkpoint, kn, k4, k4r:
     `mxfp4_checkpoint_layout`, exact), experts sliced."""
     sliced = {k: np.asarray(v[experts]) for k, v in leaf.items()}
     return mxfp4_checkpoint_layout(sliced)
@@ -672,7 +673,7 @@ def save_pretrained(
         "transformers" (transformers-5.x kimi_linear config and runtime names; Kimi-Linear features only).
     experts: "bf16" -> routed experts unquantised (w1/w3/w2.weight in the params' dtype, like every other
         tensor); "mxfp4" -> compressed-tensors MXFP4 (weight_packed + weight_scale), as K3 ships them.
-        Packed params (any layout: the checkpoint's, the kernel's "k4" or "kn") are written as the checkpoint's
+        Packed params (any layout: the checkpoint's, the kernel's k4r / k4 / kn) are written as the checkpoint's
         bytes with "mxfp4" (`mxfp4_checkpoint_layout`, exact) and dequantised with "bf16".
     Tensors keep their leaf dtypes (A_log / dt_bias / convs / router_bias float32 by construction).
     """

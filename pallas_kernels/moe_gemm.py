@@ -38,41 +38,48 @@ rows/expert (docs/benchmarks.md, MoE section) and was removed; it is in this fil
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
 one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
-activations stay bf16), in one of three layouts (`mxfp4_layout`; gate and up share one):
+activations stay bf16), in one of four layouts (`mxfp4_layout`; gate and up may differ):
   "hf"  the checkpoint's ({"packed": [E, out, in/2] uint8, "scale": [E, out, in/32] uint8}, k3jax.quant);
         decode "interleave": nibbles interleaved back into input order, E2M1 built in fp32 by bit
         construction with two selects, scales broadcast by reshape, cast to bf16, transposed MMA operand.
-  "kn"  a kernel layout, made once at load time by `prepare_mxfp4` (exact re-packing; k3jax.weights
-        load_pretrained(experts="kernel") makes "k4" below, the faster one): {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}; per
-        block of 64 inputs byte j holds input j (low nibble) and input j + 32 (high), so each nibble plane is
-        exactly one scale group: decoded with no shuffle (`_decode_plane`: f16 bits (m << 9) | sign << 15 =
-        E2M1(m) * 2^-14, m = 1 the exact f16 subnormal 2^-15, the 2^14 folded into the scale; a bf16
-        placement would need bf16 subnormals, which XLA:CPU flushes), multiplied a @ W (B operand, no
-        transpose), the group scale applied to the fp32 partial product. Inputs must be multiples of 64.
-  "k4"  the fastest layout at decode (`prepare_mxfp4(w, layout="k4")`; benchmark variant "k4"):
-        {"planes_k4": [E, in/8, 4 * out], "scales_gn"}; per block of 64 inputs and output column, 8 little-endian
-        32-bit words, word j holding inputs 4j..4j+3 (c0..c3, low plane) and 32+4j..32+4j+3 (d0..d3, high plane):
-        magnitudes c_r & 7 in nibble r, d_r & 7 in nibble 4 + r, the signs of c0 c1 c2 c3 d0 d1 d2 d3 on bits
-        15 31 11 27 7 23 3 19 (`_k4_words`). A k-step loads [8, 4 * block_n] bytes (4 adjacent bytes per column
-        and word: 32-bit smem loads instead of kn's byte loads) and views them as [32, block_n] rows 4j + i, so each
-        thread's 4 k-consecutive MMA-operand bytes are one word; on the GPU one inline-PTX PRMT table lookup per
-        plane and word (`_K4_LUT_ASM`, 10-11 instructions per 4 weights) gives exact bf16 E2M1 values (no 2^14 bias);
-        interpreted, `_k4_lut_bits` computes the same bits in jnp (the asm's reference, checked by the CPU tests).
-        Offline (Triton 3.6 / ptxas for sm_90a): loop SASS per k-step (block_k 128, per thread) GLU 855 vs kn's
-        1241, down 442 vs 658 (6.7 / 6.9 vs 9.7 / 10.3 per weight: kn is issue-bound on its decode, not load-bound).
-        H200, 2026-12-02 (benchmarks/moe.py --mxfp4-variants kmajor,k4, K3 EP16 shard, on-device check 4.3e-3;
-        docs/results/moe_mxfp4_k4_h200_2026-12-02.json): bf16 ms / k4 ms 1.04 at 16 tokens, 1.10 at 256 (kn 0.81 /
-        0.82): the first MXFP4 decode faster than bf16; tests/gpu/test_moe_gpu.py's k4 cases pass.
+  "kn"  a kernel layout, made once at load time by `prepare_mxfp4` (exact re-packing):
+        {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}; per block of 64 inputs byte j holds input j
+        (low nibble) and input j + 32 (high), so each nibble plane is exactly one scale group: decoded with no
+        shuffle (`_decode_plane`: f16 bits (m << 9) | sign << 15 = E2M1(m) * 2^-14, m = 1 the exact f16
+        subnormal 2^-15, the 2^14 folded into the scale), multiplied a @ W (B operand, no transpose), the group
+        scale applied to the fp32 partial product. Inputs must be multiples of 64.
+  word layouts "k4" / "k4r" ({"planes_k4" | "planes_k4r": [E, in/8, 4 * out], "scales_gn"}, WORD_LAYOUTS): per block
+        of 64 inputs and output column, 8 little-endian 32-bit words, word j holding the codes of inputs 4j..4j+3
+        (c0..c3, low plane) and 32+4j..32+4j+3 (d0..d3, high plane). A k-step loads [8, 4 * block_n] bytes and
+        views them as [32, block_n] rows 4j + i, so each thread's 4 k-consecutive MMA-operand bytes are one word;
+        on the GPU one inline-PTX instance per plane and word decodes them (`_word_tile`), then one bf16 multiply
+        applies the plane's group scale to the weights (exact: a power of two; the scale loads then feed the MMA
+        operand and Triton pipelines them with the words), so the MMAs accumulate in place. Interpreted, jnp
+        twins compute the same bits (`_k4_lut_bits`, `_k4r_bits`; checked by the CPU tests).
+        "k4": magnitudes c_r & 7 in nibble r, d_r & 7 in nibble 4 + r, signs on bits 15 31 11 27 7 23 3 19
+        (`_k4_words`); a PRMT table lookup gives exact bf16 E2M1 (`_K4_LUT_ASM`, 10-11 instructions per 4 weights
+        plus the table constants ptxas rematerialises); any E8M0 scale.
+        "k4r" (`prepare_mxfp4(w, layout="k4r")`, E8M0 scales <= 128 = 2^1, checked): the same codes placed so
+        that a bf16 pair of a plane is one or two right rotations and masks away (`_K4R_ROTATIONS`, 11
+        instructions per word = 8 weights), as E2M1 * 2^-126 (the E2M1 subnormal 0.5 becomes the bf16 subnormal
+        2^-127, which the H200's bf16 multiply keeps), the 2^126 folded into the scale: 2^(s-1).
+        Offline (pip Triton 3.6 with its TTIR passes, ptxas sm_90a; K3 EP16, decode tiling), loop SASS per k-step
+        (block_k 128) of the GLU / down kernels and registers: k4 with the scale on the partial products 820 / 417
+        (128 / 72 registers), k4 scaling the weights 771 / 400 (92 / 56), k4r 546 / 288 (77 / 48), bf16 139 / 92.
+        H200, 2026-12-02 (benchmarks/moe.py --mxfp4-variants k4,k4r, K3 EP16 shard, on-device check 4.3e-3 against
+        the dense einsum; docs/benchmarks.md), bf16 ms / MXFP4 ms at 16 / 256 tokens: k4r 1.31 / 1.42, k4 1.22 /
+        1.25, k4 with the scale on the partial products (before) 1.05 / 1.16; Nsight Compute at 256 tokens: the
+        k4r GLU kernel issues 0.66 instructions per scheduler cycle (the loop is issue-bound; ~105 of its ~600
+        instructions per k-step are register moves assembling the activation operand for each MMA).
 Measured on the H200 (benchmarks/moe.py --mxfp4-variants, K3 EP16 shard, 2026-11-30, all variants correct;
 docs/results/moe_mxfp4_h200_2026-11-30e.json), bf16 ms / MXFP4 ms at 16 / 256 / 1024 tokens, best tiling each:
 "kn" (variant "kmajor") 0.81 / 0.84 / 0.59, "hf" ("interleave") 0.59 / 0.55 / 0.37. Tried and removed, all
 slower than "kn" at every size: an "nk" layout (weights [E, out, in/2] as the MMA's A operand, wgmma-eligible)
 0.60 / 0.62 / 0.43; with the scale on the decoded weights 0.44 / 0.53 / 0.39; MMA in f16 0.55 / 0.56 / 0.39; an
-inline-PTX plane decode 0.67 / 0.69 / 0.49 (4.4 SASS instructions per weight against kmajor's 8.9: static
-instruction counts did not predict the timings); earlier, a per-group "interleave" (0.71 ms at 16 tokens). Their
-code is in this file's git history (before the commit that removed them). Up to 2026-12-02 MXFP4 was slower than
-bf16 at decode; in "k4" it is 1.04-1.10x faster there (the issue's bar asks 1.5x); for large groups, dequantising to
-bf16 outside the kernel is faster still (kn 3-4.6x slower than bf16 at 16k-65k tokens; k4 not timed there).
+inline-PTX plane decode 0.67 / 0.69 / 0.49; earlier, a per-group "interleave" (0.71 ms at 16 tokens). Their code is
+in this file's git history. For large groups, dequantising to bf16 outside the kernel is faster (kn 3-4.6x slower
+than bf16 at 16k-65k tokens; the word layouts decode each weight once per 16-row tile, so their cost grows with
+the tiles a weight meets).
 
 Pallas backend: the Triton lowering (`pl.pallas_call` + `plgpu.CompilerParams`). Why, by measurement on
 the H200 (../shared/design/gpu.md): a Pallas-Triton tiled matmul reached 540 TFLOP/s (87% of XLA's
@@ -312,23 +319,30 @@ PLANE_BLOCK = 2 * MXFP4_GROUP  # inputs per byte block of the kernel layout (one
 # the hardware f16 -> f32 conversion); the 2^14 is folded into the group scale
 _PLANE_BIAS = 2.0**14
 # benchmark variant name (benchmarks/moe.py --mxfp4-variants) -> the MXFP4 layout it runs on
-MXFP4_VARIANTS = {"interleave": "hf", "kmajor": "kn", "k4": "k4"}
+MXFP4_VARIANTS = {"interleave": "hf", "kmajor": "kn", "k4": "k4", "k4r": "k4r"}
 # layout -> its dict keys (packed nibbles, E8M0 scales)
-MXFP4_LAYOUT_KEYS = {"hf": ("packed", "scale"), "kn": ("planes_kn", "scales_gn"), "k4": ("planes_k4", "scales_gn")}
+MXFP4_LAYOUT_KEYS = {"hf": ("packed", "scale"), "kn": ("planes_kn", "scales_gn"), "k4": ("planes_k4", "scales_gn"),
+                     "k4r": ("planes_k4r", "scales_gn")}
 # the layouts `prepare_mxfp4` makes (cut in PLANE_BLOCK-input blocks)
-KERNEL_LAYOUTS = ("kn", "k4")
+KERNEL_LAYOUTS = ("kn", "k4", "k4r")
 
 
 def mxfp4_layout(w) -> str:
     """"float" (an array), "hf" ({"packed", "scale"}: the checkpoint's), "kn" ({"planes_kn", "scales_gn"}:
-    `prepare_mxfp4`'s kernel layout) or "k4" ({"planes_k4", "scales_gn"}: its opt-in word layout); ValueError for a
-    dict of other keys."""
+    `prepare_mxfp4`'s kernel layout) or its word layouts "k4" ({"planes_k4", "scales_gn"}) and "k4r"
+    ({"planes_k4r", "scales_gn"}); ValueError for a dict of other keys."""
     if not isinstance(w, dict):
         return "float"
     for layout, keys in MXFP4_LAYOUT_KEYS.items():
         if set(w) == set(keys):
             return layout
     raise ValueError(f"MXFP4 weight keys {sorted(w)} match no layout of {MXFP4_LAYOUT_KEYS}")
+
+
+def word_layout_for(scale) -> str:
+    """The faster word layout that holds MXFP4 weights with these E8M0 scales exactly (numpy or concrete jax): "k4r"
+    when every scale is <= K4R_MAX_SCALE (2^1: weights up to 12 in magnitude), else "k4"."""
+    return "k4r" if int(scale.max()) <= K4R_MAX_SCALE else "k4"
 
 
 def _xp(a):
@@ -344,8 +358,10 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
     Returns {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]} with the nibbles de-interleaved per
     block of 64 inputs: the low nibbles of a block are its first 32 inputs = one scale group, the high nibbles
     the next 32 = the next group, so each nibble plane decodes straight into an MMA operand with a single
-    scale per output column. layout="k4": {"planes_k4": [E, in/8, 4 * out], "scales_gn"}, the same codes as
-    32-bit words (`_k4_words`, module docstring). `mxfp4_checkpoint_layout` is the inverse of both.
+    scale per output column. layout="k4" / "k4r": {"planes_k4" | "planes_k4r": [E, in/8, 4 * out], "scales_gn"},
+    the same codes as 32-bit words (`_k4_words`, module docstring); "k4r" raises ValueError for E8M0 scales above
+    K4R_MAX_SCALE (its scale 2^(s-1) must be a finite bf16; needs concrete scales, not traced ones).
+    `mxfp4_checkpoint_layout` is the inverse of all three.
     """
     if layout not in KERNEL_LAYOUTS:
         raise ValueError(f"layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
@@ -357,24 +373,27 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
     packed, scale = w["packed"], w["scale"]
     xp = _xp(packed)
     codes = xp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n_out, n_in)  # input order
-    if layout == "k4":
-        return {"planes_k4": _k4_words(codes), "scales_gn": scale.swapaxes(-1, -2)}
+    if layout == "k4r" and int(scale.max()) > K4R_MAX_SCALE:
+        raise ValueError(f"layout k4r takes E8M0 scales up to {K4R_MAX_SCALE} (2^1), got {int(scale.max())}: use k4")
+    if layout in WORD_LAYOUTS:
+        return {f"planes_{layout}": _k4_words(codes, layout), "scales_gn": scale.swapaxes(-1, -2)}
     blocks = codes.reshape(e, n_out, n_in // PLANE_BLOCK, 2, PLANE_BLOCK // 2)
     planes = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(e, n_out, n_in // 2)
     return {"planes_kn": planes.swapaxes(-1, -2), "scales_gn": scale.swapaxes(-1, -2)}
 
 
 def mxfp4_checkpoint_layout(w: dict) -> dict:
-    """The inverse of `prepare_mxfp4` (exact): {"planes_kn" | "planes_k4", "scales_gn"} -> {"packed": [E, out, in/2],
-    "scale": [E, out, in/32]}, numpy or jax arrays; a checkpoint-layout dict is returned as it is."""
+    """The inverse of `prepare_mxfp4` (exact): {"planes_kn" | "planes_k4" | "planes_k4r", "scales_gn"} ->
+    {"packed": [E, out, in/2], "scale": [E, out, in/32]}, numpy or jax arrays; a checkpoint-layout dict is returned
+    as it is."""
     layout = mxfp4_layout(w)
     if layout == "hf":
         return w
     if layout not in KERNEL_LAYOUTS:
         raise ValueError("mxfp4_checkpoint_layout takes an MXFP4 dict")
     e, n_in, n_out = expert_weight_dims(w)
-    if layout == "k4":
-        codes = _k4_codes(w["planes_k4"])  # [E, out, in], input order
+    if layout in WORD_LAYOUTS:
+        codes = _k4_codes(w[f"planes_{layout}"], layout)  # [E, out, in], input order
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return {"packed": packed.astype(np.uint8), "scale": w["scales_gn"].swapaxes(-1, -2)}
     planes = w["planes_kn"].swapaxes(-1, -2).reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
@@ -389,10 +408,37 @@ def mxfp4_checkpoint_layout(w: dict) -> dict:
 # high plane) gives four PRMT selectors and each sign lands on bit 15 / 31 of its bf16 pair with one shift
 _K4_SIGN_BITS = (15, 31, 11, 27, 7, 23, 3, 19)
 
+# k4r word: the same 8 codes as k4's word j, placed for a decode by rotation and mask. A bf16 pair (rows 4j + 2i,
+# 4j + 2i + 1 of a plane, in the low / high half) wants each magnitude m = e e f on bits 8..6 / 24..22 (e on the
+# exponent's two low bits, f on the mantissa's top bit: the bf16 E2M1(m) * 2^-126, m = 1 the subnormal 2^-127) and
+# its sign on bit 15 / 31. Pair (plane, i) stores its magnitudes there rotated left by r and its signs rotated left
+# by q, (r, q) = _K4R_ROTATIONS[plane][i]: decoded, a pair is one or two right rotations and masks. Of all tilings of
+# the 32 bits by four such pairs, this one needs the fewest instructions (11 per word: plane 0 = 5, plane 1 = 6).
+_K4R_ROTATIONS = (((0, 0), (3, 1)), ((6, 6), (11, 5)))
+_K4R_MAGNITUDE_MASK, _K4R_SIGN_MASK = 0x01C001C0, 0x80008000
+WORD_LAYOUTS = ("k4", "k4r")  # kernel layouts of 32-bit words [E, in/8, 4 * out], 8 codes each
+K4R_MAX_SCALE = 128  # k4r folds 2^126 into the scale: 2^(s-1) must be a finite bf16
 
-def _k4_words(codes):
-    """E2M1 codes [E, out, in] (0..15, input order, in a multiple of 64; numpy or jax) -> the k4 bytes
-    [E, in/8, 4 * out] uint8: row 8b + j, columns 4n .. 4n + 3 = word j of block b, column n, little-endian."""
+
+def _rotl(x, n: int):
+    n %= 32
+    return x if n == 0 else (x << n) | (x >> (32 - n))
+
+
+def _word_bits(layout: str, plane: int, r: int) -> tuple[tuple[int, int, int], int]:
+    """Where code r (0..3) of a plane sits in a word of `layout`: (bits of magnitude bits 0, 1, 2; sign bit)."""
+    if layout == "k4":
+        low = 16 * plane + 4 * r
+        return (low, low + 1, low + 2), _K4_SIGN_BITS[4 * plane + r]
+    rot_m, rot_s = _K4R_ROTATIONS[plane][r // 2]
+    half = 16 * (r % 2)
+    return tuple((6 + half + b + rot_m) % 32 for b in range(3)), (15 + half + rot_s) % 32
+
+
+def _k4_words(codes, layout: str = "k4"):
+    """E2M1 codes [E, out, in] (0..15, input order, in a multiple of 64; numpy or jax) -> the words of a word layout
+    (k4 / k4r) as bytes [E, in/8, 4 * out] uint8: row 8b + j, columns 4n .. 4n + 3 = word j of block b, column n,
+    little-endian."""
     xp = _xp(codes)
     e, n_out, n_in = codes.shape
     blocks = codes.astype(xp.uint32).reshape(e, n_out, n_in // PLANE_BLOCK, 2, 8, 4)  # [.., plane, j, r]
@@ -400,20 +446,59 @@ def _k4_words(codes):
     for plane in (0, 1):
         for r in range(4):
             code = blocks[..., plane, :, r]
-            words = words | ((code & 7) << (16 * plane + 4 * r)) | ((code >> 3) << _K4_SIGN_BITS[4 * plane + r])
+            mag_bits, sign_bit = _word_bits(layout, plane, r)
+            for b, at in enumerate(mag_bits):
+                words = words | (((code >> b) & 1) << at)
+            words = words | ((code >> 3) << sign_bit)
     octets = xp.stack([(words >> (8 * i)) & 0xFF for i in range(4)], axis=-1).astype(xp.uint8)  # [E, out, B, 8, 4]
     return octets.transpose(0, 2, 3, 1, 4).reshape(e, n_in // 8, 4 * n_out)
 
 
-def _k4_codes(planes):
+def _k4_codes(planes, layout: str = "k4"):
     """The inverse of `_k4_words`: [E, in/8, 4 * out] uint8 -> codes [E, out, in] uint8 in input order."""
     xp = _xp(planes)
     e, rows, width = planes.shape
     octets = planes.astype(xp.uint32).reshape(e, rows // 8, 8, width // 4, 4)
     words = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16) | (octets[..., 3] << 24)  # [E, B, 8, out]
-    codes = xp.stack([xp.stack([((words >> (16 * p + 4 * r)) & 7) | (((words >> _K4_SIGN_BITS[4 * p + r]) & 1) << 3)
-                                for r in range(4)], axis=-1) for p in (0, 1)], axis=-2)  # [E, B, 8, out, plane, r]
+
+    def code(p, r):
+        mag_bits, sign_bit = _word_bits(layout, p, r)
+        out = ((words >> sign_bit) & 1) << 3
+        for b, at in enumerate(mag_bits):
+            out = out | (((words >> at) & 1) << b)
+        return out
+
+    codes = xp.stack([xp.stack([code(p, r) for r in range(4)], axis=-1) for p in (0, 1)], axis=-2)
     return codes.transpose(0, 3, 1, 4, 2, 5).reshape(e, width // 4, 8 * rows).astype(xp.uint8)
+
+
+def _k4r_asm(plane: int) -> str:
+    """The k4r decode of one plane of a word ($2) into its two bf16 pairs ($0: rows 4j, 4j+1; $1: 4j+2, 4j+3), as
+    E2M1 * 2^-126 (the 2^126 is folded into the group scale): per pair a right rotation by r (and by q when the
+    signs sit elsewhere) and masks. ptxas fuses each and / or pair into one LOP3."""
+    lines = []
+    for out, (r, q) in enumerate(_K4R_ROTATIONS[plane]):
+        rot = "$2" if r == 0 else "m"
+        if r:
+            lines.append(f"shf.r.wrap.b32 m, $2, $2, {r};")
+        if r == q:
+            lines.append(f"and.b32 ${out}, {rot}, {_K4R_MAGNITUDE_MASK | _K4R_SIGN_MASK:#010x};")
+            continue
+        lines.append(f"shf.r.wrap.b32 s, $2, $2, {q};" if q else "mov.b32 s, $2;")
+        lines.append(f"and.b32 s, s, {_K4R_SIGN_MASK:#010x};")
+        lines.append(f"and.b32 m, {rot}, {_K4R_MAGNITUDE_MASK:#010x};")
+        lines.append(f"or.b32 ${out}, m, s;")
+    return "{\n.reg .b32 m, s;\n" + "\n".join(lines) + "\n}"
+
+
+def _k4r_bits(words: jax.Array, plane: int) -> tuple[jax.Array, jax.Array]:
+    """What `_k4r_asm(plane)` computes, in jnp on uint32 words: ($0, $1), the placed bf16 bits of rows (4j, 4j+1)
+    and (4j+2, 4j+3) in the (low, high) halves."""
+    out = []
+    for r, q in _K4R_ROTATIONS[plane]:
+        mags = _rotl(words, -r) & jnp.uint32(_K4R_MAGNITUDE_MASK)
+        out.append(mags | (_rotl(words, -q) & jnp.uint32(_K4R_SIGN_MASK)))
+    return out[0], out[1]
 
 
 # The k4 decode, 4 weights of one plane per asm instance ($2: one word, pack=4; $0 / $1: bf16 pairs of rows 4j, 4j+1
@@ -468,27 +553,36 @@ def _k4_lut_bits(words: jax.Array, plane: int) -> tuple[jax.Array, jax.Array]:
     return _prmt(*_K4_BYTES, i) | signs[0], _prmt(*_K4_BYTES, i >> 16) | signs[1]
 
 
-def _k4_decode(raw: jax.Array, interpret: bool) -> list[jax.Array]:
-    """One 64-input block of k4 bytes [8, 4 * block_n] uint8 -> the (low, high) plane tiles [32, block_n] bf16 (row
-    4j + r = input 4j + r of the plane's 32), exact E2M1 values. GPU: the tile viewed as [32, block_n] (row 4j + i =
-    byte i of word j: a free reshape/transpose in Triton's linear layouts, each thread's kWidth=4 operand bytes one
-    register) and decoded by `_K4_LUT_ASM` (assumes pack=4 puts element i in byte i of $2 and output elements 0..3
-    in the low / high halves of $0, $1). Interpreted: the same bits by `_k4_lut_bits` on the words."""
+def _word_tile(raw: jax.Array, plane: int, scale: jax.Array, layout: str, interpret: bool) -> jax.Array:
+    """One plane of a 64-input block of a word layout (k4 / k4r): bytes [8, 4 * block_n] uint8 and the plane's group
+    scales [block_n] uint8 -> the weight tile [32, block_n] bf16 (row 4j + r = input 4j + r of the plane's 32),
+    E2M1 times its scale: exact, the product of a 2-bit significand and a power of two.
+
+    GPU: the bytes viewed as [32, block_n] (row 4j + i = byte i of word j: a free reshape/transpose in Triton's
+    linear layouts, each thread's kWidth=4 operand bytes one register), one inline-PTX instance per word
+    (pack=4: element i in byte i of $2, output elements 0..3 in the low / high halves of $0, $1), then one bf16
+    multiply by the scale: k4 decodes exact E2M1 by `_K4_LUT_ASM` (the scale 2^(s-127)), k4r places E2M1 * 2^-126
+    by `_k4r_asm` (the scale 2^(s-1): E8M0 s <= 128, which `prepare_mxfp4` checks). Interpreted: the same word bits
+    in jnp (`_k4_lut_bits`, `_k4r_bits`), values in float32 (XLA:CPU flushes the subnormals k4r's placement relies
+    on). E8M0 s = 0 scales by 0 (as `_e8m0_to_f32`) except on the GPU in k4r: 2^-127, its true value."""
     block_n = raw.shape[1] // 4
+    s = scale.astype(jnp.uint16)
     if not interpret:
         packed = raw.reshape(8, block_n, 4).swapaxes(1, 2).reshape(4 * 8, block_n)
-        sd = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
-        # one asm per plane (a 2-result asm does not lower in jax 0.11.2)
-        return [plgpu.elementwise_inline_asm(_K4_LUT_ASM[p], args=[packed], constraints="=r,=r,r", pack=4,
-                                             result_shape_dtypes=[sd])[0] for p in (0, 1)]
+        asm = _K4_LUT_ASM[plane] if layout == "k4" else _k4r_asm(plane)
+        tile = plgpu.elementwise_inline_asm(asm, args=[packed], constraints="=r,=r,r", pack=4,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])[0]
+        exponent = s if layout == "k4" else s + 126  # k4r: s = 0 gives 2^-127, the E8M0 value (k4: 0)
+        return tile * jax.lax.bitcast_convert_type(exponent << 7, jnp.bfloat16)[None, :]
     octets = raw.reshape(8, block_n, 4).astype(jnp.uint32)
     words = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16) | (octets[..., 3] << 24)  # [8, block_n]
-    tiles = []
-    for plane in (0, 1):
-        lo, hi = _k4_lut_bits(words, plane)
-        halves = jnp.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], axis=1)  # [8, 4, block_n]
-        tiles.append(jax.lax.bitcast_convert_type(halves.reshape(32, block_n).astype(jnp.uint16), jnp.bfloat16))
-    return tiles
+    lo, hi = (_k4_lut_bits if layout == "k4" else _k4r_bits)(words, plane)
+    halves = jnp.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], axis=1).reshape(32, block_n)
+    if layout == "k4":
+        values = jax.lax.bitcast_convert_type(halves.astype(jnp.uint16), jnp.bfloat16).astype(jnp.float32)
+    else:  # the placed bits back to the code: magnitude on bits 8..6, sign on bit 15
+        values = _e2m1_to_f32((((halves >> 6) & 7) | ((halves >> 12) & 8)).astype(jnp.int32))
+    return (values * _e8m0_to_f32(s.astype(jnp.int32))[None, :]).astype(jnp.bfloat16)
 
 
 def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
@@ -507,8 +601,9 @@ def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
 
 class _WeightRefs:
     """One expert weight operand: float [E, K, N] refs, MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs
-    (checkpoint layout "hf"), or a kernel layout: "kn" (planes [E, K/2, N] + scales [E, K/32, N]) or "k4" (words
-    [E, K/8, 4N] + the same scales). interpret: the kernel runs interpreted (k4: jnp decode instead of inline asm)."""
+    (checkpoint layout "hf"), or a kernel layout: "kn" (planes [E, K/2, N] + scales [E, K/32, N]) or a word layout
+    "k4" / "k4r" (words [E, K/8, 4N] + the same scales). interpret: the kernel runs interpreted (word layouts: jnp
+    decodes instead of inline asm)."""
 
     def __init__(self, refs, layout: str, interpret: bool = False):
         self.refs, self.layout, self.interpret = refs, layout, interpret
@@ -533,22 +628,25 @@ class _WeightRefs:
         # kernel layouts: per 64-input block one byte tile, two nibble planes = two scale groups
         planes_ref, scales_ref = self.refs
         half = PLANE_BLOCK // 2
-        k4 = self.layout == "k4"
+        words = self.layout in WORD_LAYOUTS
         for c in range(block_k // PLANE_BLOCK):
             kc = k0 + c * PLANE_BLOCK
-            if k4:  # 8 words per column, 4 adjacent bytes each: [8, 4 * block_n]
-                decoded = _k4_decode(planes_ref[expert, pl.ds(kc // 8, 8), pl.ds(4 * n0, 4 * block_n)], self.interpret)
+            if words:  # 8 words per column, 4 adjacent bytes each: [8, 4 * block_n]
+                raw = planes_ref[expert, pl.ds(kc // 8, 8), pl.ds(4 * n0, 4 * block_n)]
             else:
                 packed = planes_ref[expert, pl.ds(kc // 2, half), pl.ds(n0, block_n)]  # [32, block_n]
             for plane in (0, 1):
                 a = a_ref[rows, pl.ds(kc + plane * half, half)]  # [block_m, 32]
                 s = scales_ref[expert, kc // MXFP4_GROUP + plane, pl.ds(n0, block_n)]  # [block_n]
-                factor = _e8m0_to_f32(s.astype(jnp.int32))  # 2^(s-127), [block_n]
-                if k4:
-                    w = decoded[plane].astype(a.dtype)  # exact E2M1 in bf16 (and f32)
-                else:
-                    factor = factor * _PLANE_BIAS  # the kn decode's 2^-14, undone on the fp32 partial product
-                    w = _decode_plane(packed, plane == 1).astype(a.dtype)  # E2M1 * 2^-14, exact in f16, bf16, f32
+                if words:
+                    # the scale on the bf16 weights (exact): no fp32 work per group, and the scale loads feed the
+                    # MMA operand, so Triton pipelines them with the weights (on the partial products they were
+                    # a synchronous global load each step)
+                    w = _word_tile(raw, plane, s, self.layout, self.interpret)
+                    acc = acc + jnp.dot(a, w.astype(a.dtype), preferred_element_type=jnp.float32)
+                    continue
+                factor = _e8m0_to_f32(s.astype(jnp.int32)) * _PLANE_BIAS  # the kn decode's 2^-14, undone below
+                w = _decode_plane(packed, plane == 1).astype(a.dtype)  # E2M1 * 2^-14, exact in f16, bf16, f32
                 part = jnp.dot(a, w, preferred_element_type=jnp.float32)  # [block_m, block_n]
                 acc = acc + part * factor[None, :]
         return acc
@@ -742,7 +840,7 @@ def expert_weight_dims(w) -> tuple[int, int, int]:
     elif layout == "kn":
         e, half, n_out = packed.shape
         want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
-    else:  # k4: [E, in/8, 4 * out]
+    else:  # word layouts: [E, in/8, 4 * out]
         e, rows, width = packed.shape
         half, n_out, width_ok = 4 * rows, width // 4, width % 4 == 0
         want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
@@ -770,7 +868,7 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
     if layout == "hf":
         packed = jnp.pad(packed, ((0, 0), (0, d_out), (0, d_half)))
         scale = jnp.pad(scale, ((0, 0), (0, d_out), (0, d_group)), constant_values=127)
-    elif layout == "k4":  # zero words are code 0 (+0.0) in both planes
+    elif layout in WORD_LAYOUTS:  # zero words are code 0 (+0.0) in both planes
         packed = jnp.pad(packed, ((0, 0), (0, d_half // 4), (0, 4 * d_out)))
         scale = jnp.pad(scale, ((0, 0), (0, d_group), (0, d_out)), constant_values=127)
     else:
@@ -960,12 +1058,12 @@ def mxfp4_dequantize_reference(packed: jax.Array, scale: jax.Array, dtype=jnp.fl
 
 def mxfp4_weight_reference(w: dict, dtype=jnp.float32) -> jax.Array:
     """Either MXFP4 layout (`mxfp4_layout`: checkpoint or `prepare_mxfp4`'s) -> [E, in, out] weight, plain jnp
-    (the "kn" layout decoded from its own planes, not through `mxfp4_checkpoint_layout`; "k4" through it, so that
-    the kernel's k4 decode, `_k4_lut_bits`, is checked against an independent path)."""
+    (the "kn" layout decoded from its own planes, not through `mxfp4_checkpoint_layout`; the word layouts through
+    it, so that the kernels' word decodes, `_k4_lut_bits` / `_k4r_bits`, are checked against an independent path)."""
     layout = mxfp4_layout(w)
     if layout == "float":
         raise ValueError("mxfp4_weight_reference takes an MXFP4 dict")
-    if layout in ("hf", "k4"):
+    if layout in ("hf",) + WORD_LAYOUTS:
         w = mxfp4_checkpoint_layout(w)
         return mxfp4_dequantize_reference(w["packed"], w["scale"], dtype)
     e, n_in, n_out = expert_weight_dims(w)

@@ -161,7 +161,8 @@ def test_mxfp4_variants_match_dequantised_reference(variant, tokens, top_k):
 
 @pytest.mark.parametrize("shape", ["k3-small", "k3-ep16"])
 def test_k4_decode_sizes_match_kn_and_dequantised_reference(shape):
-    """The opt-in "k4" layout's inline-PTX decode on the device at decode sizes, default tiling: k3-small (192 experts,
+    """The word layouts' inline-PTX decodes ("k4": table lookup, "k4r": rotations, masks and a bf16 multiply by a
+    subnormal-placed E2M1, codes +-0.5 included) on the device at decode sizes, default tiling: k3-small (192 experts,
     1024 -> 512, top 8 of 64 tokens) and one K3 EP16 shard (56 experts, 3584 -> 3072, 16 tokens, top 16 of 896 kept
     where local). Against the dense einsum over the dequantised weights (each expert's rows, bf16 weights exact) at
     the bf16 band (1e-2), and against "kn" on the same codes: both decodes are exact and the scale is a power of two,
@@ -183,7 +184,7 @@ def test_k4_decode_sizes_match_kn_and_dequantised_reference(shape):
 
     checkpoint = {"gate": hf(i, k), "up": hf(i, k), "down": hf(k, i)}
     got = {lay: moe_gemm.moe_grouped_mlp(x, ids, w, {n: moe_gemm.prepare_mxfp4(v, layout=lay)
-                                                     for n, v in checkpoint.items()}) for lay in ("kn", "k4")}
+                                                     for n, v in checkpoint.items()}) for lay in ("kn", "k4", "k4r")}
     dense = {n: moe_gemm.mxfp4_weight_reference(v, jnp.bfloat16) for n, v in checkpoint.items()}  # [E, in, out]
     want = jnp.zeros((tokens, k), jnp.float32)
     for j in range(top_k):  # per slot, dense einsum over each token's expert weights (gathered one slot at a time)
@@ -192,9 +193,10 @@ def test_k4_decode_sizes_match_kn_and_dequantised_reference(shape):
         h = moe_gemm._glu(g, u, "situ", 4.0, 25.0).astype(jnp.bfloat16)
         y = jnp.einsum("ni,nid->nd", h, dense["down"][ids[:, j]], preferred_element_type=jnp.float32)
         want = want + y * w[:, j:j + 1]
-    assert np.isfinite(np.asarray(got["k4"], np.float32)).all()
-    assert rel(got["k4"], want) < 1e-2, shape
-    assert rel(got["k4"], got["kn"]) < 1e-3, shape
+    for lay in ("k4", "k4r"):
+        assert np.isfinite(np.asarray(got[lay], np.float32)).all(), lay
+        assert rel(got[lay], want) < 1e-2, (shape, lay)
+        assert rel(got[lay], got["kn"]) < 1e-3, (shape, lay)
 
 
 def test_model_moe_op_on_kernel_layout_experts():

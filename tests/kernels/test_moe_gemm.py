@@ -363,20 +363,20 @@ def test_prepare_mxfp4_is_an_exact_repacking():
 
 @pytest.mark.parametrize("config,variants", [
     (MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=128, block_k=128), tuple(moe_gemm.MXFP4_VARIANTS)),
-    (MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64), ("kmajor", "k4")),
+    (MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=64, block_k=64), ("kmajor", "k4", "k4r")),
 ], ids=["bk128", "bk64"])
 def test_mxfp4_variants_match_float64(config, variants):
-    """Both layouts (MXFP4_VARIANTS) on ragged groups with an empty and a hot expert, scales 2^-10..2^10, dims
+    """Every layout (MXFP4_VARIANTS) on ragged groups with an empty and a hot expert, scales 2^-10..2^1, dims
     that need padding (K 192 -> 256 with 128-wide tiles); a second tiling (one 64-input block per step, 32-row
     tiles, 32/64-wide columns) for the kernel layout. fp32 activations: the decoded weights are exact, so both
     differ from the float64 oracle by fp32 rounding only (2e-6, as above)."""
     rng = np.random.default_rng(11)
     e, k_dim, i_dim = 5, 192, 128
     x, ids, w, _ = make_case(rng, 21, 2, e, k_dim, i_dim, jnp.float32, empty=(3,), hot=1)
-    hf = {"gate": random_mxfp4(rng, e, i_dim, k_dim), "up": random_mxfp4(rng, e, i_dim, k_dim),
-          "down": random_mxfp4(rng, e, k_dim, i_dim)}
+    hf = {"gate": random_mxfp4(rng, e, i_dim, k_dim, hi=128), "up": random_mxfp4(rng, e, i_dim, k_dim, hi=128),
+          "down": random_mxfp4(rng, e, k_dim, i_dim, hi=128)}  # up to 2^1: every kernel layout takes them
     dequant = {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}
-    x = x * 2.0**-8  # scales up to 2^10 times E2M1 6: keep SiTU out of its saturated range
+    x = x * 2.0**-2  # scales up to 2^1 times E2M1 6: keep SiTU out of its saturated range
     want = numpy_moe(x, ids, w, dequant, "situ")
     by_layout = {"hf": hf, **{lay: {k: moe_gemm.prepare_mxfp4(v, layout=lay) for k, v in hf.items()}
                               for lay in moe_gemm.KERNEL_LAYOUTS}}
@@ -462,47 +462,153 @@ def test_k4_lut_bits_are_exact_bf16_for_every_code_tuple():
         np.testing.assert_array_equal(got, bits[codes])
 
 
-def test_k4_interpret_decode_matches_reference_weights():
-    """The interpret-mode tile decode (`_k4_decode`) of every 64-input block, times its group scales, equals
-    `mxfp4_weight_reference` (through the checkpoint layout: an independent path) bit for bit: all 16 codes in
-    both planes at every row position (code = column + input mod 16), scales 2^-20..2^20 and 1."""
+@pytest.mark.parametrize("layout", ["k4", "k4r"])
+def test_word_layout_interpret_tiles_match_reference_weights(layout):
+    """The interpret-mode tile decode (`_word_tile`: the word bits, times the plane's group scales) of every 64-input
+    block equals `mxfp4_weight_reference` (through the checkpoint layout: an independent path) bit for bit: all 16
+    codes in both planes at every row position (code = column + input mod 16), scales 2^-20, 1, 2^-7, 2^1 (k4r
+    takes scales up to 2^1)."""
     n_out, n_in = 16, 128
     codes = (np.arange(n_out)[:, None] + np.arange(n_in)[None, :] * np.array([[1], [3]]).repeat(8, 0)) % 16
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)[None]
-    scale = np.array([107, 127, 147, 120])[(np.arange(n_out)[:, None] + np.arange(n_in // 32)) % 4][None]
+    scale = np.array([107, 127, 120, 128])[(np.arange(n_out)[:, None] + np.arange(n_in // 32)) % 4][None]
     w = {"packed": jnp.asarray(packed), "scale": jnp.asarray(scale.astype(np.uint8))}
     want = np.asarray(moe_gemm.mxfp4_weight_reference(w), np.float64)[0]  # [in, out]
-    k4 = moe_gemm.prepare_mxfp4(w, layout="k4")
-    factors = np.ldexp(1.0, scale[0].T.astype(np.int64) - 127)  # [in/32, out]
+    words = moe_gemm.prepare_mxfp4(w, layout=layout)
     for b in range(n_in // 64):
-        tiles = moe_gemm._k4_decode(k4["planes_k4"][0, 8 * b: 8 * b + 8], interpret=True)
-        for plane, tile in enumerate(tiles):
+        for plane in (0, 1):
+            tile = moe_gemm._word_tile(words[f"planes_{layout}"][0, 8 * b: 8 * b + 8], plane,
+                                       words["scales_gn"][0, 2 * b + plane], layout, interpret=True)
             assert tile.dtype == jnp.bfloat16 and tile.shape == (32, n_out)
-            got = np.asarray(tile, np.float64) * factors[2 * b + plane]
+            got = np.asarray(tile, np.float64)
             rows = slice(64 * b + 32 * plane, 64 * b + 32 * plane + 32)
             np.testing.assert_array_equal(got, want[rows])
             assert (np.signbit(got) == np.signbit(want[rows])).all()
 
 
+# the "k4r" word layout: the same codes as k4's words, placed so that each bf16 pair is one or two rotations and masks
+# away (`_K4R_ROTATIONS`); the GPU multiplies the placed E2M1 * 2^-126 by 2^(s-1)
+
+
+def test_k4r_words_tile_the_bits_and_repack_exactly():
+    """Every bit of a k4r word holds exactly one bit of one code; prepare_mxfp4(layout="k4r") is an exact re-packing
+    (the inverse gives the checkpoint's bytes back, the reference weights are the checkpoint's, numpy in gives the
+    same bytes as jax in, word j of block 1 for column 7 holds the documented bits) and refuses scales above 2^1."""
+    bits = [b for p in (0, 1) for r in range(4) for b in (*moe_gemm._word_bits("k4r", p, r)[0],
+                                                           moe_gemm._word_bits("k4r", p, r)[1])]
+    assert sorted(bits) == list(range(32))
+    rng = np.random.default_rng(22)
+    w = random_mxfp4(rng, 3, 40, 192, lo=100, hi=128)
+    k4r = moe_gemm.prepare_mxfp4(w, layout="k4r")
+    assert moe_gemm.mxfp4_layout(k4r) == "k4r"
+    assert k4r["planes_k4r"].shape == (3, 24, 160) and k4r["scales_gn"].shape == (3, 6, 40)
+    back = moe_gemm.mxfp4_checkpoint_layout(k4r)
+    for k in ("packed", "scale"):
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(w[k]))
+    np.testing.assert_array_equal(np.asarray(moe_gemm.mxfp4_weight_reference(k4r), np.float64),
+                                  numpy_dequantize(w["packed"], w["scale"]))
+    packed = np.asarray(w["packed"])
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(3, 40, 192)  # input order
+    planes = np.asarray(k4r["planes_k4r"])
+    rotations = {(0, 0): (0, 0), (0, 1): (3, 1), (1, 0): (6, 6), (1, 1): (11, 5)}  # (plane, pair) -> (r, q)
+    for j in (0, 5):
+        word = int((planes[2, 8 + j, 28:32].astype(np.uint32) << np.arange(0, 32, 8, dtype=np.uint32)).sum())
+        for plane in (0, 1):
+            for i in range(4):
+                code = int(codes[2, 7, 64 + 32 * plane + 4 * j + i])
+                r, q = rotations[plane, i // 2]
+                rotated = ((word >> r) | (word << (32 - r))) & 0xFFFFFFFF if r else word
+                signed = ((word >> q) | (word << (32 - q))) & 0xFFFFFFFF if q else word
+                assert (rotated >> (6 + 16 * (i % 2))) & 7 == code & 7
+                assert (signed >> (15 + 16 * (i % 2))) & 1 == code >> 3
+    on_host = moe_gemm.prepare_mxfp4({k: np.asarray(v) for k, v in w.items()}, layout="k4r")
+    for k in ("planes_k4r", "scales_gn"):
+        np.testing.assert_array_equal(on_host[k], np.asarray(k4r[k]))
+    with pytest.raises(ValueError, match="up to 128"):
+        moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 64, lo=120, hi=129), layout="k4r")
+
+
+def test_k4r_bits_place_e2m1_for_every_code_tuple():
+    """`_k4r_bits` (the asm's steps in jnp) over all 65536 4-code tuples of each plane (the other plane holding the
+    reversed tuple): each half is sign << 15 | magnitude << 6, the bf16 bits of E2M1 * 2^-126 (codes 1 / 9: the
+    subnormal +-2^-127), in the documented halves."""
+    c = np.stack(np.meshgrid(*[np.arange(16)] * 4, indexing="ij"), axis=-1).reshape(-1, 4).astype(np.uint8)
+    for plane, tuples in ((0, c), (1, c[:, ::-1])):
+        block = np.zeros((len(c), 64), np.uint8)  # one 64-input block per tuple: word 0 holds it (+ the other plane)
+        block[:, 32 * plane: 32 * plane + 4] = tuples
+        block[:, 32 * (1 - plane): 32 * (1 - plane) + 4] = tuples[:, ::-1]
+        octets = moe_gemm._k4_words(block[:, None, :], "k4r")[:, 0, :4].astype(np.uint32)  # word 0 of each tuple
+        words = (octets << np.arange(0, 32, 8, dtype=np.uint32)).sum(-1).astype(np.uint32)
+        lo, hi = (np.asarray(v) for v in moe_gemm._k4r_bits(jnp.asarray(words), plane))
+        got = np.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], axis=-1)
+        sign, magnitude = (tuples >> 3).astype(np.uint32), (tuples & 7).astype(np.uint32)
+        np.testing.assert_array_equal(got, (sign << 15) | (magnitude << 6))
+        placed = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(got.astype(np.uint16)), jnp.bfloat16)
+                            .astype(jnp.float32), np.float64)  # exact conversion (no multiply)
+        np.testing.assert_array_equal(np.ldexp(placed, 126), E2M1_TABLE[tuples])
+
+
+def _run_ptx(text: str, word: int) -> list[int]:
+    """A tiny interpreter for the instructions `_k4r_asm` emits (shf.r.wrap, and, or, mov on .b32), $2 = word."""
+    regs, out = {"$2": word}, {}
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        val = [regs[a] if a in regs else int(a, 0) for a in src]
+        if op == "shf.r.wrap.b32":
+            assert val[0] == val[1]
+            n = val[2] % 32
+            result = ((val[0] >> n) | (val[0] << (32 - n))) & 0xFFFFFFFF if n else val[0]
+        elif op == "and.b32":
+            result = val[0] & val[1]
+        elif op == "or.b32":
+            result = val[0] | val[1]
+        elif op == "mov.b32":
+            result = val[0]
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        regs[dst] = result
+        if dst in ("$0", "$1"):
+            out[dst] = result
+    return [out["$0"], out["$1"]]
+
+
+def test_k4r_asm_computes_its_jnp_twin():
+    """The inline PTX the GPU runs (`_k4r_asm`, read by a small interpreter of its five instructions) computes what
+    its interpret-mode twin `_k4r_bits` computes, on 4096 random words and both planes: the GPU decode is the
+    one the CPU tests check (the H200 test `test_k4_decode_sizes_match_kn_and_dequantised_reference` runs it)."""
+    words = np.random.default_rng(23).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    for plane in (0, 1):
+        text = moe_gemm._k4r_asm(plane)
+        want = [np.asarray(v) for v in moe_gemm._k4r_bits(jnp.asarray(words), plane)]
+        got = np.array([_run_ptx(text, int(w)) for w in words], np.uint64).T
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
-def test_k4_experts_match_kn_and_float64(dtype, tol):
-    """moe_grouped_mlp on k4 experts (interpreted: the jnp decode) equals the same on "kn" experts and the float64
-    oracle: ragged groups with an empty expert (2) and a hot one (0), 13 tokens (odd), top_k 3, K 128 / I 64 (one
-    64-input block per step for the down GEMM, two for the GLU), scales 2^-10..2^10. fp32: the decoded weights are
-    exact in both layouts, so they differ by fp32 rounding only; bf16: the band of the module docstring."""
+def test_word_layout_experts_match_kn_and_float64(dtype, tol):
+    """moe_grouped_mlp on k4 and k4r experts (interpreted: the jnp decodes) equals the same on "kn" experts and the
+    float64 oracle: ragged groups with an empty expert (2) and a hot one (0), 13 tokens (odd), top_k 3, K 128 / I 64 (one
+    64-input block per step for the down GEMM, two for the GLU), scales 2^-10..2^1 (k4r's range). fp32: the decoded
+    weights are exact in every layout, so they differ by fp32 rounding only; bf16: the band of the module docstring."""
     rng = np.random.default_rng(21)
     e, k_dim, i_dim = 4, 128, 64
     x, ids, w, _ = make_case(rng, 13, 3, e, k_dim, i_dim, dtype, empty=(2,), hot=0)
-    hf = {"gate": random_mxfp4(rng, e, i_dim, k_dim), "up": random_mxfp4(rng, e, i_dim, k_dim),
-          "down": random_mxfp4(rng, e, k_dim, i_dim)}
+    hf = {"gate": random_mxfp4(rng, e, i_dim, k_dim, hi=128), "up": random_mxfp4(rng, e, i_dim, k_dim, hi=128),
+          "down": random_mxfp4(rng, e, k_dim, i_dim, hi=128)}
     x = (x * 2.0**-8).astype(dtype)
     want = numpy_moe(x, ids, w, {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}, "situ")
     config = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128)
     got = {lay: moe_grouped_mlp(x, ids, w, {k: moe_gemm.prepare_mxfp4(v, layout=lay) for k, v in hf.items()},
-                                config=config, interpret=True) for lay in ("kn", "k4")}
-    assert got["k4"].dtype == dtype
-    assert rel(got["k4"], want) < tol
-    assert rel(got["k4"], got["kn"]) < (1e-6 if dtype == jnp.float32 else 1e-2)
+                                config=config, interpret=True) for lay in ("kn", "k4", "k4r")}
+    for lay in ("k4", "k4r"):
+        assert got[lay].dtype == dtype
+        assert rel(got[lay], want) < tol, lay
+        assert rel(got[lay], got["kn"]) < (1e-6 if dtype == jnp.float32 else 1e-2), lay
 
 
 def test_mxfp4_layouts_lower_to_triton_for_an_h200():
@@ -520,6 +626,8 @@ def test_mxfp4_layouts_lower_to_triton_for_an_h200():
                                    "scale": spec((e, n_out, n_in // 32), u8)},
         "k4": lambda n_in, n_out: {"planes_k4": spec((e, n_in // 8, 4 * n_out), u8),  # the inline-asm decode
                                    "scales_gn": spec((e, n_in // 32, n_out), u8)},
+        "k4r": lambda n_in, n_out: {"planes_k4r": spec((e, n_in // 8, 4 * n_out), u8),
+                                    "scales_gn": spec((e, n_in // 32, n_out), u8)},
     }
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     for name, weight in layouts.items():

@@ -256,46 +256,56 @@ def numpy_kernel_layout_decode(planes: np.ndarray, scales: np.ndarray) -> np.nda
 
 
 def test_k3_mxfp4_kernel_layout_load(k3_mxfp4, tmp_path):
-    """experts="kernel": every MoE layer's experts in the MoE kernel's "k4" layout, exact: re-packed to the
-    checkpoint's layout they are the packed load's bytes (= the file's), decoded (moe_gemm.mxfp4_weight_reference)
-    and dequantised (quant.dequantize_experts) they equal the dequantised load bit for bit, and they are
-    prepare_mxfp4(.., "k4") of the packed load byte for byte; the logits equal the dequantised load's; writing
-    k4 params gives the checkpoint's bytes back (mxfp4) or the dequantised experts (bf16); orbax keeps them
-    bit-exact. The older "kn" layout stays an accepted input: its planes read independently equal the same
+    """experts="kernel": every MoE layer's experts in a MoE kernel word layout, exact: "k4r" for these trained-like
+    weights (scales <= 2^1), "k4" for a tensor whose scales exceed it (one expert's weights scaled up in the file);
+    re-packed to the checkpoint's layout they are the packed load's bytes (= the file's), decoded
+    (moe_gemm.mxfp4_weight_reference) and dequantised (quant.dequantize_experts) they equal the dequantised load bit
+    for bit, and they are prepare_mxfp4(.., layout) of the packed load byte for byte; the logits equal the
+    dequantised load's; writing kernel-layout params gives the checkpoint's bytes back (mxfp4) or the dequantised
+    experts (bf16); orbax keeps them bit-exact. The older "kn" layout stays an accepted input: its planes read independently equal the same
     weights and save_pretrained writes the same bytes from it. Expert widths that are not multiples of 64
     (k3_mxfp4's intermediate 32) are refused."""
     from k3jax.quant import dequantize_experts
-    from pallas_kernels.moe_gemm import mxfp4_checkpoint_layout, mxfp4_weight_reference, prepare_mxfp4
+    from pallas_kernels.moe_gemm import mxfp4_checkpoint_layout, mxfp4_layout, mxfp4_weight_reference, prepare_mxfp4
 
     cfg = k3_mxfp4_cfg().replace(moe_intermediate_size=64)  # latent 64, intermediate 64: kernel-layout widths
-    save_pretrained(tmp_path / "hf", cfg, random_params(cfg, 9), layout="k3", experts="mxfp4")
+    params = random_params(cfg, 9)
+    big = next(l for l in range(cfg.num_layers) if cfg.is_moe(l))
+    gate = params["layers"][big]["mlp"]["experts"]["gate"]
+    params["layers"][big]["mlp"]["experts"]["gate"] = gate.at[1].multiply(2.0**12)  # scales past 2^1: k4
+    save_pretrained(tmp_path / "hf", cfg, params, layout="k3", experts="mxfp4")
     _, deq = load_pretrained(tmp_path / "hf")
     _, packed = load_pretrained(tmp_path / "hf", experts="packed")
     cfg_k, kernel = load_pretrained(tmp_path / "hf", experts="kernel")
     moe_layers = [l for l in range(cfg.num_layers) if cfg.is_moe(l)]
     assert moe_layers
     kn_params = jax.tree.map(lambda x: x, kernel)  # same leaves, experts swapped to "kn" below
+    layouts = {}
     for l in moe_layers:
-        experts_k4 = kernel["layers"][l]["mlp"]["experts"]
-        dequantised = dequantize_experts(experts_k4, jnp.float32)
+        experts_kernel = kernel["layers"][l]["mlp"]["experts"]
+        dequantised = dequantize_experts(experts_kernel, jnp.float32)
         for name in ("gate", "up", "down"):
-            k4 = experts_k4[name]
+            words = experts_kernel[name]
             hf = packed["layers"][l]["mlp"]["experts"][name]
             want = np.asarray(deq["layers"][l]["mlp"]["experts"][name])  # [E, in, out]
             e, n_in, n_out = want.shape
-            assert set(k4) == {"planes_k4", "scales_gn"} and k4["planes_k4"].dtype == k4["scales_gn"].dtype == jnp.uint8
-            assert k4["planes_k4"].shape == (e, n_in // 8, 4 * n_out) and k4["scales_gn"].shape == (e, n_in // 32, n_out)
-            back = mxfp4_checkpoint_layout({k: np.asarray(v) for k, v in k4.items()})
+            layout = layouts[l, name] = mxfp4_layout(words)
+            assert layout == ("k4" if int(np.asarray(hf["scale"]).max()) > 128 else "k4r"), (l, name)
+            key = f"planes_{layout}"
+            assert set(words) == {key, "scales_gn"} and words[key].dtype == words["scales_gn"].dtype == jnp.uint8
+            assert words[key].shape == (e, n_in // 8, 4 * n_out) and words["scales_gn"].shape == (e, n_in // 32, n_out)
+            back = mxfp4_checkpoint_layout({k: np.asarray(v) for k, v in words.items()})
             for k in ("packed", "scale"):
                 assert back[k].dtype == np.uint8 and back[k].tobytes() == np.asarray(hf[k]).tobytes(), (l, name, k)
-            np.testing.assert_array_equal(np.asarray(mxfp4_weight_reference(k4)), want)
+            np.testing.assert_array_equal(np.asarray(mxfp4_weight_reference(words)), want)
             np.testing.assert_array_equal(np.asarray(dequantised[name]), want)
-            repacked = prepare_mxfp4(hf, layout="k4")
-            for k in ("planes_k4", "scales_gn"):
-                assert np.asarray(k4[k]).tobytes() == np.asarray(repacked[k]).tobytes(), (l, name, k)
+            repacked = prepare_mxfp4(hf, layout=layout)
+            for k in (key, "scales_gn"):
+                assert np.asarray(words[k]).tobytes() == np.asarray(repacked[k]).tobytes(), (l, name, k)
             kn = prepare_mxfp4({k: np.asarray(v) for k, v in hf.items()})
             np.testing.assert_array_equal(numpy_kernel_layout_decode(kn["planes_kn"], kn["scales_gn"]), want)
             kn_params["layers"][l]["mlp"]["experts"][name] = kn
+    assert layouts[big, "gate"] == "k4" and set(layouts.values()) == {"k4", "k4r"}
     assert_trees_bitexact(jax.tree.map(np.asarray, kernel["layers"][0]), jax.tree.map(np.asarray, deq["layers"][0]))
     toks = tokens(cfg, 1)
     np.testing.assert_allclose(np.asarray(forward(kernel, cfg_k, toks)), np.asarray(forward(deq, cfg, toks)),
@@ -317,7 +327,7 @@ def test_k3_mxfp4_kernel_layout_load(k3_mxfp4, tmp_path):
 
     # mis-shaped packed leaves are refused in each layout
     l = moe_layers[0]
-    for params, key in ((kernel, "planes_k4"), (kn_params, "planes_kn"), (packed, "packed")):
+    for params, key in ((kernel, f"planes_{layouts[l, 'gate']}"), (kn_params, "planes_kn"), (packed, "packed")):
         bad = jax.tree.map(lambda x: x, params)
         gate = dict(bad["layers"][l]["mlp"]["experts"]["gate"])
         gate[key] = gate[key][:, :-1]
