@@ -117,6 +117,8 @@ class MoeGemmConfig:
     each a full block_m-row MMA). tail_block_m (0 = off, mid-size groups): a work item with at most this many
     rows runs a tail_block_m-row MMA instead of a block_m-row one (both code paths are compiled; the branch is
     per item). down_num_stages: the down kernel's pipeline depth (0 = num_stages, both kernels alike).
+    down_split_k: the down kernel's contraction cut into this many slices, one program each (more programs when few
+    items are active, e.g. an EP shard at decode); the slices' fp32 partial rows are summed in the combine.
     """
 
     block_m: int = 64
@@ -127,6 +129,7 @@ class MoeGemmConfig:
     num_stages: int = 3
     tail_block_m: int = 0
     down_num_stages: int = 0
+    down_split_k: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
@@ -140,24 +143,27 @@ class MoeGemmConfig:
         if self.num_stages < 1 or self.down_num_stages < 0:
             raise ValueError(f"MoeGemmConfig stages must be >= 1 (down_num_stages 0 = num_stages), got "
                              f"{self.num_stages} / {self.down_num_stages}")
+        if self.down_split_k < 1:
+            raise ValueError(f"MoeGemmConfig.down_split_k must be >= 1, got {self.down_split_k}")
 
     @property
     def tiling(self) -> str:
-        """'bm/gn/dn/bk/warps/stages', then /tail_block_m and /down_num_stages when set (what `from_tiling` reads)."""
-        fields = [self.block_m, self.glu_block_n, self.down_block_n, self.block_k, self.num_warps, self.num_stages]
-        if self.tail_block_m or self.down_num_stages:
-            fields.append(self.tail_block_m)
-        if self.down_num_stages:
-            fields.append(self.down_num_stages)
+        """'bm/gn/dn/bk/warps/stages', then /tail_block_m, /down_num_stages and /down_split_k as far as set (what
+        `from_tiling` reads)."""
+        fields = [self.block_m, self.glu_block_n, self.down_block_n, self.block_k, self.num_warps, self.num_stages,
+                  self.tail_block_m, self.down_num_stages, self.down_split_k]
+        defaults = (0, 0, 1)
+        while len(fields) > 6 and fields[-1] == defaults[len(fields) - 7]:
+            fields.pop()
         return "/".join(map(str, fields))
 
     @classmethod
     def from_tiling(cls, tiling: str) -> "MoeGemmConfig":
-        """The config a `tiling` string names, e.g. 128/128/256/64/8/3/64 or 16/64/64/128/4/4/0/2."""
+        """The config a `tiling` string names, e.g. 128/128/256/64/8/3/64 or 16/64/64/128/4/4/0/2/2."""
         parts = tiling.split("/")
-        if len(parts) not in (6, 7, 8):
-            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m and "
-                             f"/down_num_stages; got {tiling!r}")
+        if len(parts) not in (6, 7, 8, 9):
+            raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m, "
+                             f"/down_num_stages and /down_split_k; got {tiling!r}")
         return cls(*(int(x) for x in parts))
 
 
@@ -728,7 +734,7 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
 
 
 def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout: str, config: MoeGemmConfig,
-                         block_n: int, block_k: int, interpret: bool = False):
+                         block_n: int, block_k: int, split_steps: int, interpret: bool = False):
     # items_ref   [4, W] int32 each work item's (tile row start, expert, first row, end row): the GLU kernel's
     # order_ref   [M_pad] int32 assignment of each expert-sorted row (pad rows: M, out of range, never stored);
     #             ranked: the GLU kernel's order_out, written at the stored rows only (the others are not read)
@@ -736,10 +742,12 @@ def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout
     # h_ref       [M_pad, I_pad] GLU output rows, expert-sorted
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
     #       planes [E, I_pad/2, D_pad] u8 | words [E, I_pad/8, 4 D_pad] u8, + scales [E, I_pad/32, D_pad] u8),
-    #       y_ref [M, D_pad] fp32 output by assignment: each row written once, by the item that owns it
+    #       y_ref [S * M, D_pad] fp32 output: contraction slice s's partial of assignment a at row s * M + a, each
+    #       written once, by the item that owns it (S = down_split_k; the combine sums the slices)
+    # program (item, column tile, slice): slice s runs the contraction steps [s * split_steps, (s + 1) * split_steps)
     down = _WeightRefs(rest[:-1], layout, interpret)
     y_ref = rest[-1]
-    item, col = pl.program_id(0), pl.program_id(1)
+    item, col, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
         n0 = col * block_n
@@ -748,18 +756,26 @@ def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout
         def step(kb, acc):
             return down.accumulate(acc, h_ref, sorted_rows, expert, kb * block_k, n0, block_k, block_n)
 
-        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((rows, block_n), jnp.float32))
+        steps = h_ref.shape[1] // block_k
+        if split_steps >= steps:  # one slice: static bounds, the loop Triton pipelines as before
+            first, last = 0, steps
+        else:
+            first = part * split_steps
+            last = jnp.minimum(first + split_steps, steps)
+        acc = jax.lax.fori_loop(first, last, step, jnp.zeros((rows, block_n), jnp.float32))
         m = routing_ref.shape[0]
         row_ids = row_start + jnp.arange(rows)
         mine = (row_ids >= lo) & (row_ids < hi)
         # other rows target row M (pad rows hold M; with ranked, the neighbours' rows may hold anything)
         assignment = jnp.where(mine, order_ref[sorted_rows], m)  # [rows]
         scale = routing_ref[jnp.minimum(assignment, m - 1)]  # [rows], pad rows clamped
+        # slice `part`'s rows; the masked-off rows target S * M, past the end (not a row of the next slice)
+        target = jnp.where(mine, part * m + assignment, y_ref.shape[0])
         keep = jnp.broadcast_to(mine[:, None], (rows, block_n))
         cols = n0 + jnp.arange(block_n)
         # scatter store as a pair of broadcast index arrays (interpret mode's masked store takes no array-and-slice
         # mix); pad rows target row M: masked on the GPU, and dropped (not a duplicate of a real row) when interpreted
-        plgpu.store(y_ref.at[assignment[:, None], cols[None, :]], acc * scale[:, None], mask=keep)
+        plgpu.store(y_ref.at[target[:, None], cols[None, :]], acc * scale[:, None], mask=keep)
 
     _for_item_rows(*(items_ref[i, item] for i in range(4)), config, tile)
 
@@ -930,23 +946,29 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
 def grouped_down(h: jax.Array, order: jax.Array, items: jax.Array, routing: jax.Array, down, *,
                  config: MoeGemmConfig, out_dim: int, interpret: bool = False) -> jax.Array:
     """routing[a] * (h_r @ down_e) of each expert-sorted row r, stored at its assignment a = order[r]:
-    h [M_pad, I_pad] -> y [M, out_dim] float32 in (token, slot) order, M = routing.shape[0] (the weighted combine
-    is then a plain sum over each token's top_k rows, no inverse permutation). items [4, W]: `grouped_glu`'s work
-    items (as `tile_schedule`'s). order: the sort's, or the ranked `grouped_glu`'s third result (only the rows some
-    item stores are read)."""
+    h [M_pad, I_pad] -> y [S, M, out_dim] float32 in (token, slot) order, M = routing.shape[0], S the contraction
+    slices (config.down_split_k, at most the number of steps): the weighted combine is then a plain sum over the
+    slices and each token's top_k rows, no inverse permutation. items [4, W]: `grouped_glu`'s work items (as
+    `tile_schedule`'s). order: the sort's, or the ranked `grouped_glu`'s third result (only the rows some item stores
+    are read)."""
     m_pad, i_pad = h.shape
+    steps = i_pad // config.block_k
+    split_steps = -(-steps // min(config.down_split_k, steps))
+    splits = -(-steps // split_steps)  # every slice non-empty
     kernel = functools.partial(
         _grouped_down_kernel, layout=mxfp4_layout(down), config=config,
-        block_n=config.down_block_n, block_k=config.block_k, interpret=interpret,
+        block_n=config.down_block_n, block_k=config.block_k, split_steps=split_steps, interpret=interpret,
     )
-    return pl.pallas_call(
+    m = routing.shape[0]
+    y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((routing.shape[0], out_dim), jnp.float32),
-        grid=(items.shape[1], out_dim // config.down_block_n),
+        out_shape=jax.ShapeDtypeStruct((splits * m, out_dim), jnp.float32),
+        grid=(items.shape[1], out_dim // config.down_block_n, splits),
         compiler_params=_compiler_params(config, interpret, down=True),
         interpret=interpret,
         name="moe_grouped_down",
     )(items, order, routing, h, *_pad_weight(down, i_pad, out_dim))
+    return y.reshape(splits, m, out_dim)
 
 
 def _check_inputs(x, ids, weights, experts, activation):
@@ -1035,13 +1057,15 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
         order = glu_out[2]
     y = grouped_down(h, order, items, routing, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
     if k_pad != k_dim:
-        y = y[:, :k_dim]
-    # each token's top_k consecutive rows, fp32, deterministic; as unrolled adds rather than a reduction so the sum
-    # is elementwise and fuses into its consumer (k3jax.moe's latent RMSNorm) instead of being a kernel of its own
-    rows = y.reshape(n, top_k, k_dim)
-    out = rows[:, 0]
-    for j in range(1, top_k):
-        out = out + rows[:, j]
+        y = y[..., :k_dim]
+    # each token's top_k consecutive rows of every contraction slice, fp32, deterministic; as unrolled adds rather
+    # than a reduction so the sum is elementwise and fuses into its consumer (k3jax.moe's latent RMSNorm) instead of
+    # being a kernel of its own
+    rows = y.reshape(y.shape[0], n, top_k, k_dim)
+    out = None
+    for s_ in range(rows.shape[0]):
+        for j in range(top_k):
+            out = rows[s_, :, j] if out is None else out + rows[s_, :, j]
     return out.astype(x.dtype)
 
 

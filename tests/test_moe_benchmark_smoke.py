@@ -99,19 +99,22 @@ def test_sweep_checks_modes_and_reports_the_peer(tmp_path, capsys):
 
 
 def test_tiling_strings_round_trip():
-    """A tiling string names every field it sets (tail_block_m and down_num_stages only when set), and
-    parse_configs reads back the config it names; a wrong field count is refused."""
+    """A tiling string names every field it sets (tail_block_m, down_num_stages, down_split_k only as far as set),
+    and parse_configs reads back the config it names; a wrong field count is refused."""
     import pytest
 
     from pallas_kernels.moe_gemm import DECODE_CONFIG, LARGE_GROUP_DEFAULT, MoeGemmConfig
 
     bench = load_benchmark()
     down3 = MoeGemmConfig(16, 64, 64, 128, 4, 4, down_num_stages=3)
+    split2 = MoeGemmConfig(16, 64, 64, 128, 4, 4, down_split_k=2)
     for cfg, name in ((DECODE_CONFIG, "16/64/64/128/4/4/0/2"), (LARGE_GROUP_DEFAULT, "128/128/256/64/8/3/64"),
-                      (down3, "16/64/64/128/4/4/0/3")):
+                      (down3, "16/64/64/128/4/4/0/3"), (split2, "16/64/64/128/4/4/0/0/2")):
         assert bench.config_name(cfg) == name
         assert bench.parse_configs(name) == [cfg]
     with pytest.raises(ValueError, match="6 fields"):
         bench.parse_configs("16/64/64/128/4")
     with pytest.raises(ValueError, match="stages"):
         MoeGemmConfig(16, 64, 64, 128, 4, 4, down_num_stages=-1)
+    with pytest.raises(ValueError, match="down_split_k"):
+        MoeGemmConfig(16, 64, 64, 128, 4, 4, down_split_k=0)

@@ -199,6 +199,33 @@ def test_k4_decode_sizes_match_kn_and_dequantised_reference(shape):
         assert rel(got[lay], got["kn"]) < 1e-3, (shape, lay)
 
 
+@pytest.mark.parametrize("split", [2, 3])
+def test_down_split_k_equals_one_slice(split):
+    """The down kernel's contraction cut into slices (MoeGemmConfig.down_split_k, and 5: four slices of K3's 24
+    steps of 5 and a last of 4) on the device, bf16 and k4r experts at one K3 EP16 shard's decode size (16 tokens,
+    top 16 of 896 kept where local): equal to one slice up to the fp32 summation order, after which an output may
+    round to the neighbouring bf16 (1e-3 norm-wise) -- a slice that ran the wrong steps, or stored into another
+    slice's rows, would differ by ~1."""
+    e, k, i, tokens, top_k = 56, 3584, 3072, 16, 16
+    rng = np.random.default_rng(8)
+    picks = np.stack([rng.choice(896, top_k, replace=False) for _ in range(tokens)])
+    ids = jnp.asarray(np.where(picks < e, picks, picks[:, :1] % e).astype(np.int32))
+    w = jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
+    x = jax.random.normal(jax.random.key(12), (tokens, k)).astype(jnp.bfloat16)
+    bf16 = _experts(e, k, i, 5)
+    packed = {}
+    for name, v in bf16.items():
+        p, s = moe_gemm_quantize(v)
+        packed[name] = moe_gemm.prepare_mxfp4({"packed": p, "scale": s}, layout="k4r")
+    for experts in (bf16, packed):
+        one = moe_gemm.moe_grouped_mlp(x, ids, w, experts, config=moe_gemm.DECODE_CONFIG)
+        for parts in (split, 5):
+            config = dataclasses.replace(moe_gemm.DECODE_CONFIG, down_split_k=parts)
+            got = moe_gemm.moe_grouped_mlp(x, ids, w, experts, config=config)
+            assert np.isfinite(np.asarray(got, np.float32)).all()
+            assert rel(got, one) < 1e-3, parts
+
+
 def test_model_moe_op_on_kernel_layout_experts():
     """The model's registered "pallas" moe_experts op (what k3jax.moe.moe calls) on quantised experts in the kernel
     layout, as load_pretrained(experts="kernel") holds them, at K3 widths and 7 decode tokens: equal (1e-2, the

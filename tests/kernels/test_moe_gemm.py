@@ -388,6 +388,32 @@ def test_mxfp4_variants_match_float64(config, variants):
         assert rel(got, want) < 2e-6, name
 
 
+@pytest.mark.parametrize("tokens", [21, 400], ids=["ranked", "sorted"])
+def test_down_split_k_equals_one_slice_and_float64(tokens):
+    """The down GEMM's contraction cut into slices (down_split_k 2, 3 and 7 of 3 steps: at most one slice a step,
+    the last one shorter for 2), each slice's fp32 partials in rows of its own, summed in the combine: equal to the
+    float64 oracle and to one slice up to fp32 summation order, on fp32 experts and on k4r experts, with rows ranked
+    in the kernel (21 tokens) and sorted (400 tokens x top 3)."""
+    rng = np.random.default_rng(24)
+    e, k_dim, i_dim = 5, 192, 320  # I 320 -> 384 at block_k 128: 3 contraction steps
+    x, ids, w, dense = make_case(rng, tokens, 3, e, k_dim, i_dim, jnp.float32, empty=(3,), hot=1)
+    hf = {"gate": random_mxfp4(rng, e, i_dim, k_dim, hi=128), "up": random_mxfp4(rng, e, i_dim, k_dim, hi=128),
+          "down": random_mxfp4(rng, e, k_dim, i_dim, hi=128)}
+    packed = {k: moe_gemm.prepare_mxfp4(v, layout="k4r") for k, v in hf.items()}
+    xq = x * 2.0**-2
+    cases = ((x, dense, {k: np.asarray(v, np.float64) for k, v in dense.items()}),
+             (xq, packed, {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}))
+    for inputs, experts, oracle in cases:
+        want = numpy_moe(inputs, ids, w, oracle, "situ")
+        one = moe_grouped_mlp(inputs, ids, w, experts, interpret=True,
+                              config=MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128))
+        for parts in (2, 3, 7):
+            config = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128, down_split_k=parts)
+            got = moe_grouped_mlp(inputs, ids, w, experts, config=config, interpret=True)
+            assert rel(got, want) < 2e-6, parts
+            assert rel(got, one) < 1e-6, parts
+
+
 def test_mxfp4_layout_errors():
     rng = np.random.default_rng(12)
     x, ids, w, experts = make_case(rng, 4, 2, 3, 64, 64, jnp.float32)
