@@ -447,31 +447,37 @@ def k4_word(c, d) -> int:
     return word
 
 
-def test_k4_layout_is_an_exact_repacking():
-    """prepare_mxfp4(layout="k4") re-packs the checkpoint's codes: the inverse gives its bytes back, the reference
-    weights are the checkpoint's, word j of block 1 for column 7 holds the documented bits, and numpy in (the loader's
-    path) gives the same bytes as jax in."""
-    rng = np.random.default_rng(20)
-    w = random_mxfp4(rng, 3, 40, 192)
-    k4 = moe_gemm.prepare_mxfp4(w, layout="k4")
-    assert moe_gemm.mxfp4_layout(k4) == "k4"
-    assert k4["planes_k4"].shape == (3, 24, 160) and k4["scales_gn"].shape == (3, 6, 40)
-    back = moe_gemm.mxfp4_checkpoint_layout(k4)
+def exact_word_repacking(w, layout):
+    """prepare_mxfp4(w, layout) of a [3, 40, 192] checkpoint-layout weight is an exact re-packing: named and shaped
+    as documented, the inverse gives the checkpoint's bytes back, the reference weights are the checkpoint's, and
+    numpy in (the loader's path) gives the same bytes as jax in. Returns (the words' bytes, the codes [E, out, in]
+    in input order) for the layout's own bit checks."""
+    words = moe_gemm.prepare_mxfp4(w, layout=layout)
+    key = f"planes_{layout}"
+    assert moe_gemm.mxfp4_layout(words) == layout
+    assert words[key].shape == (3, 24, 160) and words["scales_gn"].shape == (3, 6, 40)
+    back = moe_gemm.mxfp4_checkpoint_layout(words)
     for k in ("packed", "scale"):
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(w[k]))
-    np.testing.assert_array_equal(np.asarray(moe_gemm.mxfp4_weight_reference(k4), np.float64),
+    np.testing.assert_array_equal(np.asarray(moe_gemm.mxfp4_weight_reference(words), np.float64),
                                   numpy_dequantize(w["packed"], w["scale"]))
+    on_host = moe_gemm.prepare_mxfp4({k: np.asarray(v) for k, v in w.items()}, layout=layout)
+    assert all(isinstance(v, np.ndarray) for v in on_host.values())
+    for k in (key, "scales_gn"):
+        np.testing.assert_array_equal(on_host[k], np.asarray(words[k]))
     packed = np.asarray(w["packed"])
-    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(3, 40, 192)  # input order
-    planes = np.asarray(k4["planes_k4"])
+    return np.asarray(words[key]), np.stack([packed & 15, packed >> 4], axis=-1).reshape(3, 40, 192)
+
+
+def test_k4_layout_is_an_exact_repacking():
+    """prepare_mxfp4(layout="k4") re-packs the checkpoint's codes exactly (`exact_word_repacking`), word j of block 1
+    for column 7 holds the documented bits, and inputs not a multiple of 64 are refused."""
+    rng = np.random.default_rng(20)
+    planes, codes = exact_word_repacking(random_mxfp4(rng, 3, 40, 192), "k4")
     for j in (0, 5):
         c, d = codes[2, 7, 64 + 4 * j: 68 + 4 * j], codes[2, 7, 96 + 4 * j: 100 + 4 * j]
         word = planes[2, 8 + j, 28:32].astype(np.uint32) << np.arange(0, 32, 8, dtype=np.uint32)
         assert int(word.sum()) == k4_word([int(v) for v in c], [int(v) for v in d])
-    on_host = moe_gemm.prepare_mxfp4({k: np.asarray(v) for k, v in w.items()}, layout="k4")
-    assert all(isinstance(v, np.ndarray) for v in on_host.values())
-    for k in ("planes_k4", "scales_gn"):
-        np.testing.assert_array_equal(on_host[k], np.asarray(k4[k]))
     with pytest.raises(ValueError, match="multiple of 64"):
         moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 96), layout="k4")
 
@@ -517,25 +523,15 @@ def test_word_layout_interpret_tiles_match_reference_weights(layout):
 
 
 def test_k4r_words_tile_the_bits_and_repack_exactly():
-    """Every bit of a k4r word holds exactly one bit of one code; prepare_mxfp4(layout="k4r") is an exact re-packing
-    (the inverse gives the checkpoint's bytes back, the reference weights are the checkpoint's, numpy in gives the
-    same bytes as jax in, word j of block 1 for column 7 holds the documented bits) and refuses scales above 2^1."""
+    """Every bit of a k4r word holds exactly one bit of one code; prepare_mxfp4(layout="k4r") re-packs exactly
+    (`exact_word_repacking`), word j of block 1 for column 7 holds the documented bits (each pair's magnitudes and
+    signs rotated right by its (r, q) land on bf16 bits 8..6 / 24..22 and 15 / 31), and scales above 2^1 are
+    refused."""
     bits = [b for p in (0, 1) for r in range(4) for b in (*moe_gemm._word_bits("k4r", p, r)[0],
                                                            moe_gemm._word_bits("k4r", p, r)[1])]
     assert sorted(bits) == list(range(32))
     rng = np.random.default_rng(22)
-    w = random_mxfp4(rng, 3, 40, 192, lo=100, hi=128)
-    k4r = moe_gemm.prepare_mxfp4(w, layout="k4r")
-    assert moe_gemm.mxfp4_layout(k4r) == "k4r"
-    assert k4r["planes_k4r"].shape == (3, 24, 160) and k4r["scales_gn"].shape == (3, 6, 40)
-    back = moe_gemm.mxfp4_checkpoint_layout(k4r)
-    for k in ("packed", "scale"):
-        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(w[k]))
-    np.testing.assert_array_equal(np.asarray(moe_gemm.mxfp4_weight_reference(k4r), np.float64),
-                                  numpy_dequantize(w["packed"], w["scale"]))
-    packed = np.asarray(w["packed"])
-    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(3, 40, 192)  # input order
-    planes = np.asarray(k4r["planes_k4r"])
+    planes, codes = exact_word_repacking(random_mxfp4(rng, 3, 40, 192, lo=100, hi=128), "k4r")
     rotations = {(0, 0): (0, 0), (0, 1): (3, 1), (1, 0): (6, 6), (1, 1): (11, 5)}  # (plane, pair) -> (r, q)
     for j in (0, 5):
         word = int((planes[2, 8 + j, 28:32].astype(np.uint32) << np.arange(0, 32, 8, dtype=np.uint32)).sum())
@@ -547,9 +543,6 @@ def test_k4r_words_tile_the_bits_and_repack_exactly():
                 signed = ((word >> q) | (word << (32 - q))) & 0xFFFFFFFF if q else word
                 assert (rotated >> (6 + 16 * (i % 2))) & 7 == code & 7
                 assert (signed >> (15 + 16 * (i % 2))) & 1 == code >> 3
-    on_host = moe_gemm.prepare_mxfp4({k: np.asarray(v) for k, v in w.items()}, layout="k4r")
-    for k in ("planes_k4r", "scales_gn"):
-        np.testing.assert_array_equal(on_host[k], np.asarray(k4r[k]))
     with pytest.raises(ValueError, match="up to 128"):
         moe_gemm.prepare_mxfp4(random_mxfp4(rng, 1, 8, 64, lo=120, hi=129), layout="k4r")
 
