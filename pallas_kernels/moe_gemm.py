@@ -118,7 +118,9 @@ class MoeGemmConfig:
     rows runs a tail_block_m-row MMA instead of a block_m-row one (both code paths are compiled; the branch is
     per item). down_num_stages: the down kernel's pipeline depth (0 = num_stages, both kernels alike).
     down_split_k: the down kernel's contraction cut into this many slices, one program each (more programs when few
-    items are active, e.g. an EP shard at decode); the slices' fp32 partial rows are summed in the combine.
+    items are active, e.g. an EP shard at decode: at 16 tokens a K3 EP16 shard's down kernel runs ~5 programs per SM
+    at 0.50 instructions issued per cycle, Nsight Compute 2026-12-02); the slices' fp32 partial rows are summed in
+    the combine. Opt-in and not yet timed on a GPU (interpret-mode tests; tests/gpu/test_moe_gpu.py has a check).
     """
 
     block_m: int = 64
