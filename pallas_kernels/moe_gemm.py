@@ -433,14 +433,14 @@ def _rotl(x, n: int):
     return x if n == 0 else (x << n) | (x >> (32 - n))
 
 
-def _word_bits(layout: str, plane: int, r: int) -> tuple[tuple[int, int, int], int]:
-    """Where code r (0..3) of a plane sits in a word of `layout`: (bits of magnitude bits 0, 1, 2; sign bit)."""
+def _word_bits(layout: str, plane: int, r: int) -> tuple[int, int]:
+    """Where code r (0..3) of a plane sits in a word of `layout`: (the bit of its magnitude's bit 0 -- bits 1 and 2
+    follow, mod 32 --, its sign bit)."""
     if layout == "k4":
-        low = 16 * plane + 4 * r
-        return (low, low + 1, low + 2), _K4_SIGN_BITS[4 * plane + r]
+        return 16 * plane + 4 * r, _K4_SIGN_BITS[4 * plane + r]
     rot_m, rot_s = _K4R_ROTATIONS[plane][r // 2]
     half = 16 * (r % 2)
-    return tuple((6 + half + b + rot_m) % 32 for b in range(3)), (15 + half + rot_s) % 32
+    return (6 + half + rot_m) % 32, (15 + half + rot_s) % 32
 
 
 def _k4_words(codes, layout: str = "k4"):
@@ -454,10 +454,8 @@ def _k4_words(codes, layout: str = "k4"):
     for plane in (0, 1):
         for r in range(4):
             code = blocks[..., plane, :, r]
-            mag_bits, sign_bit = _word_bits(layout, plane, r)
-            for b, at in enumerate(mag_bits):
-                words = words | (((code >> b) & 1) << at)
-            words = words | ((code >> 3) << sign_bit)
+            mag_bit, sign_bit = _word_bits(layout, plane, r)
+            words = words | _rotl(code & 7, mag_bit) | ((code >> 3) << sign_bit)
     octets = xp.stack([(words >> (8 * i)) & 0xFF for i in range(4)], axis=-1).astype(xp.uint8)  # [E, out, B, 8, 4]
     return octets.transpose(0, 2, 3, 1, 4).reshape(e, n_in // 8, 4 * n_out)
 
@@ -470,11 +468,8 @@ def _k4_codes(planes, layout: str = "k4"):
     words = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16) | (octets[..., 3] << 24)  # [E, B, 8, out]
 
     def code(p, r):
-        mag_bits, sign_bit = _word_bits(layout, p, r)
-        out = ((words >> sign_bit) & 1) << 3
-        for b, at in enumerate(mag_bits):
-            out = out | (((words >> at) & 1) << b)
-        return out
+        mag_bit, sign_bit = _word_bits(layout, p, r)
+        return (_rotl(words, -mag_bit) & 7) | (((words >> sign_bit) & 1) << 3)
 
     codes = xp.stack([xp.stack([code(p, r) for r in range(4)], axis=-1) for p in (0, 1)], axis=-2)
     return codes.transpose(0, 3, 1, 4, 2, 5).reshape(e, width // 4, 8 * rows).astype(xp.uint8)

@@ -527,8 +527,11 @@ def test_k4r_words_tile_the_bits_and_repack_exactly():
     (`exact_word_repacking`), word j of block 1 for column 7 holds the documented bits (each pair's magnitudes and
     signs rotated right by its (r, q) land on bf16 bits 8..6 / 24..22 and 15 / 31), and scales above 2^1 are
     refused."""
-    bits = [b for p in (0, 1) for r in range(4) for b in (*moe_gemm._word_bits("k4r", p, r)[0],
-                                                           moe_gemm._word_bits("k4r", p, r)[1])]
+    bits = []
+    for plane in (0, 1):
+        for r in range(4):
+            magnitude, sign = moe_gemm._word_bits("k4r", plane, r)
+            bits += [(magnitude + b) % 32 for b in range(3)] + [sign]
     assert sorted(bits) == list(range(32))
     rng = np.random.default_rng(22)
     planes, codes = exact_word_repacking(random_mxfp4(rng, 3, 40, 192, lo=100, hi=128), "k4r")
