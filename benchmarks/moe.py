@@ -92,8 +92,9 @@ def parse_args(argv=None):
                    help="the sweep's expert shape (k3-small: the model benchmarks/model_forward.py decodes)")
     p.add_argument("--mxfp4-variants", type=str, default="",
                    help="comma list of moe_gemm.MXFP4_VARIANTS to time against bf16 at --sweep-tokens (k3-ep16)")
-    p.add_argument("--mxfp4-configs", type=str, default="16/64/64/128/4/4,16/128/128/128/4/3",
-                   help="tilings (bm/gn/dn/bk/warps/stages) of the MXFP4 variant section, each run for bf16 and every variant")
+    p.add_argument("--mxfp4-configs", type=str, default="16/64/64/128/4/4/0/2,16/128/128/128/4/3",
+                   help="tilings (bm/gn/dn/bk/warps/stages[/tail_block_m[/down_stages[/down_split_k]]], "
+                        "MoeGemmConfig.from_tiling) of the MXFP4 variant section, each run for bf16 and every variant")
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="the MXFP4 variant section starts no new case after this many seconds")
     p.add_argument("--sweep-budget-s", type=float, default=None,
