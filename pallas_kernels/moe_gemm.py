@@ -381,7 +381,7 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
     packed, scale = w["packed"], w["scale"]
     xp = _xp(packed)
     codes = xp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n_out, n_in)  # input order
-    if layout == "k4r" and int(scale.max()) > K4R_MAX_SCALE:
+    if layout == "k4r" and word_layout_for(scale) != "k4r":
         raise ValueError(f"layout k4r takes E8M0 scales up to {K4R_MAX_SCALE} (2^1), got {int(scale.max())}: use k4")
     if layout in WORD_LAYOUTS:
         return {f"planes_{layout}": _k4_words(codes, layout), "scales_gn": scale.swapaxes(-1, -2)}
@@ -1059,10 +1059,10 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     # than a reduction so the sum is elementwise and fuses into its consumer (k3jax.moe's latent RMSNorm) instead of
     # being a kernel of its own
     rows = y.reshape(y.shape[0], n, top_k, k_dim)
-    out = None
-    for s_ in range(rows.shape[0]):
-        for j in range(top_k):
-            out = rows[s_, :, j] if out is None else out + rows[s_, :, j]
+    terms = [rows[part, :, j] for part in range(rows.shape[0]) for j in range(top_k)]
+    out = terms[0]
+    for term in terms[1:]:
+        out = out + term
     return out.astype(x.dtype)
 
 
