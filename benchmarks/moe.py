@@ -505,8 +505,12 @@ def bench_mxfp4_variants(shape, token_counts, limits, interpret, variants, confi
         ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
         dense = jax.jit(functools.partial(dense_loop_moe, num_experts=e, capacity=int(counts.max())))
         want = {"bf16": dense(x, ids, w, bf16), "mxfp4": dense(x, ids, w, mx_deq)}
-        # bf16 also at the tiling moe_grouped_mlp picks for this size (the model's bf16 path), then every tiling
-        runs = [(moe_gemm.default_config(m, e), ["bf16"], "default ")] + [(cfg, ["bf16", *variants], "") for cfg in configs]
+        # bf16 and the word layouts also at the tilings moe_grouped_mlp picks for this size (the model's paths: the
+        # word layouts' down contraction cut at decode sizes, moe_gemm.word_down_split), then every tiling
+        words = [v for v in variants if moe_gemm.MXFP4_VARIANTS[v] in moe_gemm.WORD_LAYOUTS]
+        runs = [(moe_gemm.default_config(m, e), ["bf16"], "default "),
+                *([(moe_gemm.default_config(m, e, (k_dim, i_dim)), words, "default ")] if words else []),
+                *((cfg, ["bf16", *variants], "") for cfg in configs)]
         for cfg, names, tag in runs:
             for name in names:
                 tiling = tag + config_name(cfg)

@@ -8,11 +8,11 @@ E2M1 codes: bit 3 is the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
 
 Stacked expert weights come in four layouts (pallas_kernels.moe_gemm.mxfp4_layout), all exact re-packings of
 the same bytes: the checkpoint's {"packed": [E, out, in/2], "scale": [E, out, in/32]} and the MoE kernel's three
-(`moe_gemm.prepare_mxfp4`): the word layouts "k4r" {"planes_k4r": [E, in/8, 4 * out], "scales_gn": [E, in/32,
-out]} (E8M0 scales <= 2^1) and "k4" {"planes_k4", "scales_gn"}, made at load time by
-`k3jax.weights.load_pretrained(experts="kernel")` (k4r where the scales allow) because the "pallas" MoE op
-decodes them fastest (H200, K3 EP16 shard, decode sizes: 1.3-1.4x / 1.2x faster than bf16 weights;
-docs/benchmarks.md), and the older "kn" {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}, still
+(`moe_gemm.prepare_mxfp4`): the word layouts "k4r" {"planes_k4r": [E, in/8, 4 * out], "scale_words": uint32 [E,
+ceil(in/128), out]} (E8M0 scales <= 2^1; four groups' scales per word) and "k4" {"planes_k4", "scale_words"},
+made at load time by `k3jax.weights.load_pretrained(experts="kernel")` (k4r where the scales allow) because the
+"pallas" MoE op decodes them fastest (H200, K3 EP16 shard, decode sizes: 1.57x / 1.36-1.38x faster than bf16
+weights; docs/benchmarks.md), and the older "kn" {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]}, still
 accepted everywhere.
 """
 

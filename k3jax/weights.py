@@ -440,12 +440,12 @@ class _Assembler:
         layout = word_layout_for(scale)
         e, n_out, half = packed.shape
         planes = np.empty((e, half // 4, 4 * n_out), np.uint8)  # [E, in/8, 4 * out]
-        scales = np.empty((e, scale.shape[2], n_out), np.uint8)
+        scales = np.empty((e, -(-scale.shape[2] // 4), n_out), np.uint32)  # one scale word per 128 inputs
         step = max(1, _DEQUANT_CHUNK // (n_out * half * 2))
         for s in range(0, e, step):
             chunk = prepare_mxfp4({"packed": packed[s:s + step], "scale": scale[s:s + step]}, layout=layout)
-            planes[s:s + step], scales[s:s + step] = chunk[f"planes_{layout}"], chunk["scales_gn"]
-        self.leaves[path] = {f"planes_{layout}": planes, "scales_gn": scales}
+            planes[s:s + step], scales[s:s + step] = chunk[f"planes_{layout}"], chunk["scale_words"]
+        self.leaves[path] = {f"planes_{layout}": planes, "scale_words": scales}
 
     def finish(self) -> dict:
         if self.stash:  # cannot happen after the missing-name check; kept as a guard
@@ -473,11 +473,12 @@ def load_pretrained(
     experts: "dequantize" -> MXFP4 routed experts become dtype arrays [E, in, out]; "packed" -> they stay
         {"packed": uint8 [E, out, in/2], "scale": uint8 [E, out, in/32]} (the checkpoint's bytes, HF
         orientation); "kernel" -> they stay packed in a MoE kernel word layout, per tensor the fastest that holds
-        its scales (`moe_gemm.word_layout_for`): "k4r" {"planes_k4r": [E, in/8, 4 * out], "scales_gn": [E, in/32,
-        out]} when every E8M0 scale is <= 2^1 (trained weights: |w| <= 12), else "k4" {"planes_k4", "scales_gn"}
-        (pallas_kernels.moe_gemm.prepare_mxfp4, exact re-packings; expert input widths must be multiples of 64).
+        its scales (`moe_gemm.word_layout_for`): "k4r" {"planes_k4r": [E, in/8, 4 * out], "scale_words": uint32
+        [E, ceil(in/128), out]} when every E8M0 scale is <= 2^1 (trained weights: |w| <= 12), else "k4" {"planes_k4",
+        "scale_words"} (pallas_kernels.moe_gemm.prepare_mxfp4, exact re-packings; expert input widths must be
+        multiples of 64).
         On the H200 (benchmarks/moe.py, K3 EP16 shard, decode sizes; docs/benchmarks.md) bf16 ms / MXFP4 ms is
-        1.31 / 1.42 with k4r and 1.22 / 1.25 with k4 at 16 / 256 tokens. Every consumer (the MoE ops,
+        1.57 / 1.57 with k4r and 1.38 / 1.36 with k4 at 16 / 256 tokens. Every consumer (the MoE ops,
         save_pretrained, orbax, quant.dequantize_experts) takes any packed layout (checkpoint, kn, k4, k4r).
         Unquantised checkpoints give dense experts whatever the mode.
     Raises ValueError naming the tensor on a missing, unexpected or mis-shaped tensor.

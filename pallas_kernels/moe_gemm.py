@@ -48,9 +48,12 @@ activations stay bf16), in one of four layouts (`mxfp4_layout`; gate and up may 
         shuffle (`_decode_plane`: f16 bits (m << 9) | sign << 15 = E2M1(m) * 2^-14, m = 1 the exact f16
         subnormal 2^-15, the 2^14 folded into the scale), multiplied a @ W (B operand, no transpose), the group
         scale applied to the fp32 partial product. Inputs must be multiples of 64.
-  word layouts "k4" / "k4r" ({"planes_k4" | "planes_k4r": [E, in/8, 4 * out], "scales_gn"}, WORD_LAYOUTS): per block
-        of 64 inputs and output column, 8 little-endian 32-bit words, word j holding the codes of inputs 4j..4j+3
-        (c0..c3, low plane) and 32+4j..32+4j+3 (d0..d3, high plane). A k-step loads [8, 4 * block_n] bytes and
+  word layouts "k4" / "k4r" ({"planes_k4" | "planes_k4r": [E, in/8, 4 * out], "scale_words": [E, ceil(in/128),
+        out] uint32}, WORD_LAYOUTS): per block of 64 inputs and output column, 8 little-endian 32-bit words, word j
+        holding the codes of inputs 4j..4j+3 (c0..c3, low plane) and 32+4j..32+4j+3 (d0..d3, high plane); per 128
+        inputs and column one scale word, byte g the bf16 exponent field of the factor applied to group g's decoded
+        weights (`_scale_words`: k4 the E8M0 s, k4r s + 126), so that a k-step's scale load is one word and a
+        shift and a mask give two groups' bf16 factors, one per 16-bit half. A k-step loads [8, 4 * block_n] bytes and
         views them as [32, block_n] rows 4j + i, so each thread's 4 k-consecutive MMA-operand bytes are one word;
         on the GPU one inline-PTX instance per plane and word decodes them (`_word_tile`), then one bf16 multiply
         applies the plane's group scale to the weights (exact: a power of two; the scale loads then feed the MMA
@@ -65,12 +68,15 @@ activations stay bf16), in one of four layouts (`mxfp4_layout`; gate and up may 
         2^-127, which the H200's bf16 multiply keeps), the 2^126 folded into the scale: 2^(s-1).
         Offline (pip Triton 3.6 with its TTIR passes, ptxas sm_90a; K3 EP16, decode tiling), loop SASS per k-step
         (block_k 128) of the GLU / down kernels and registers: k4 with the scale on the partial products 820 / 417
-        (128 / 72 registers), k4 scaling the weights 771 / 400 (92 / 56), k4r 546 / 288 (77 / 48), bf16 139 / 92.
-        H200, 2026-12-02 (benchmarks/moe.py --mxfp4-variants k4,k4r, K3 EP16 shard, on-device check 4.3e-3 against
-        the dense einsum; docs/benchmarks.md), bf16 ms / MXFP4 ms at 16 / 256 tokens: k4r 1.31 / 1.42, k4 1.22 /
-        1.25, k4 with the scale on the partial products (before) 1.05 / 1.16; Nsight Compute at 256 tokens: the
-        k4r GLU kernel issues 0.66 instructions per scheduler cycle (the loop is issue-bound; ~105 of its ~600
-        instructions per k-step are register moves assembling the activation operand for each MMA).
+        (128 / 72 registers), k4 scaling the weights 771 / 400 (92 / 56), k4r 546 / 288 (77 / 48) with a byte of
+        scale per group, 505 / 265 (80 / 58) with the scale words (k4 696 / 360), bf16 139 / 92.
+        H200 (benchmarks/moe.py --mxfp4-variants k4,k4r, K3 EP16 shard, on-device check 4.3e-3 against the dense
+        einsum; docs/benchmarks.md), bf16 ms / MXFP4 ms at 16 / 256 tokens, moe_grouped_mlp's default tiling (the
+        down contraction cut in 3 at 16 tokens, `word_down_split`): k4r 1.57 / 1.57, k4 1.38 / 1.36 (2026-12-03; k4r
+        at one slice 1.45 / 1.57; with a byte of scale per group, same call: 1.29 / 1.42, and 1.39 cut in 2).
+        Earlier: k4 with the scale on the partial products 1.05 / 1.16 (2026-12-02). Nsight Compute at 256 tokens
+        (byte scales): the k4r GLU kernel issues 0.66 instructions per scheduler cycle (the loop is issue-bound;
+        ~105 of its ~600 instructions per k-step are register moves assembling the activation operand for each MMA).
 Measured on the H200 (benchmarks/moe.py --mxfp4-variants, K3 EP16 shard, 2026-11-30, all variants correct;
 docs/results/moe_mxfp4_h200_2026-11-30e.json), bf16 ms / MXFP4 ms at 16 / 256 / 1024 tokens, best tiling each:
 "kn" (variant "kmajor") 0.81 / 0.84 / 0.59, "hf" ("interleave") 0.59 / 0.55 / 0.37. Tried and removed, all
@@ -120,7 +126,7 @@ class MoeGemmConfig:
     down_split_k: the down kernel's contraction cut into this many slices, one program each (more programs when few
     items are active, e.g. an EP shard at decode: at 16 tokens a K3 EP16 shard's down kernel runs ~5 programs per SM
     at 0.50 instructions issued per cycle, Nsight Compute 2026-12-02); the slices' fp32 partial rows are summed in
-    the combine. Opt-in and not yet timed on a GPU (interpret-mode tests; tests/gpu/test_moe_gpu.py has a check).
+    the combine. `default_config` cuts MXFP4 word-layout down GEMMs at decode sizes (`word_down_split`).
     """
 
     block_m: int = 64
@@ -187,7 +193,26 @@ DECODE_CONFIG = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block
                               down_num_stages=2)
 
 
-def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
+# MXFP4 word-layout down kernels at decode sizes are issue-bound, and with few active experts they run too few
+# programs to hide that: their contraction is cut (down_split_k) until the expected active programs reach this many,
+# 20 per SM of the H200. H200, 2026-12-02/03 (benchmarks/moe.py, K3 EP16 shard, k4r, bf16 ms / MXFP4 ms;
+# docs/benchmarks.md): 15 rows on 12 experts (~840 active programs) 1.46 at 1 slice, 1.57 / 1.60 / 1.61 at 2 / 3 / 4;
+# 269 rows on 56 experts (~3140) 1.55-1.57 at 1, 1.51-1.54 at 2-4. bf16 weights (memory-bound) are 0.94-0.99x
+# with slices at both sizes: never cut.
+WORD_DOWN_TARGET_PROGRAMS = 20 * 132
+WORD_DOWN_MAX_SPLIT = 4
+
+
+def word_down_split(num_rows: int, num_experts: int, down_out: int, down_in: int, config: MoeGemmConfig) -> int:
+    """down_split_k for an MXFP4 word-layout down GEMM [down_in -> down_out] at `config`'s tiles: the expected active
+    programs (at most one work item per row or per expert, times the output column tiles) are cut into slices up
+    to WORD_DOWN_TARGET_PROGRAMS, at most WORD_DOWN_MAX_SPLIT and the contraction's steps."""
+    programs = min(num_rows, num_experts) * -(-down_out // config.down_block_n)
+    steps = -(-down_in // config.block_k)
+    return max(1, min(WORD_DOWN_MAX_SPLIT, steps, round(WORD_DOWN_TARGET_PROGRAMS / max(programs, 1))))
+
+
+def default_config(num_rows: int, num_experts: int, word_down: tuple[int, int] | None = None) -> MoeGemmConfig:
     """Tiles by the mean rows per expert: decode-sized groups take 16-row tiles (the step is a weight
     read, so the MMA shape hardly matters and fewer padded rows are computed), large groups take 128x128
     tiles with 8 warps (best of the H200 sweep in benchmarks/moe.py at 292 rows/expert: 302 TFLOP/s, against
@@ -195,10 +220,14 @@ def default_config(num_rows: int, num_experts: int) -> MoeGemmConfig:
     in the 2026-11-30 sweep at 65536 tokens, 1170 rows/expert: 10.58 ms = 62.5 % of the jnp.dot peak against
     11.08 ms / 59.7 %, and matched the reference on the H200 (tests/gpu/test_moe_gpu.py, 2026-11-30): it is the
     default from 256 rows per expert (the issue's large-group range), where the down GEMM's 3584-wide output
-    gives every 128-row item 14 wide tiles."""
+    gives every 128-row item 14 wide tiles. word_down: (out, in) of an MXFP4 word-layout down weight, whose
+    decode-size contraction is then cut in `word_down_split` slices."""
     per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 16:
-        return DECODE_CONFIG
+        if word_down is None:
+            return DECODE_CONFIG
+        split = word_down_split(num_rows, num_experts, *word_down, DECODE_CONFIG)
+        return dataclasses.replace(DECODE_CONFIG, down_split_k=split)
     if per_expert <= 64:
         return MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64, num_warps=4, num_stages=3)
     if per_expert >= 256:
@@ -329,16 +358,16 @@ _PLANE_BIAS = 2.0**14
 # benchmark variant name (benchmarks/moe.py --mxfp4-variants) -> the MXFP4 layout it runs on
 MXFP4_VARIANTS = {"interleave": "hf", "kmajor": "kn", "k4": "k4", "k4r": "k4r"}
 # layout -> its dict keys (packed nibbles, E8M0 scales)
-MXFP4_LAYOUT_KEYS = {"hf": ("packed", "scale"), "kn": ("planes_kn", "scales_gn"), "k4": ("planes_k4", "scales_gn"),
-                     "k4r": ("planes_k4r", "scales_gn")}
+MXFP4_LAYOUT_KEYS = {"hf": ("packed", "scale"), "kn": ("planes_kn", "scales_gn"), "k4": ("planes_k4", "scale_words"),
+                     "k4r": ("planes_k4r", "scale_words")}
 # the layouts `prepare_mxfp4` makes (cut in PLANE_BLOCK-input blocks)
 KERNEL_LAYOUTS = ("kn", "k4", "k4r")
 
 
 def mxfp4_layout(w) -> str:
     """"float" (an array), "hf" ({"packed", "scale"}: the checkpoint's), "kn" ({"planes_kn", "scales_gn"}:
-    `prepare_mxfp4`'s kernel layout) or its word layouts "k4" ({"planes_k4", "scales_gn"}) and "k4r"
-    ({"planes_k4r", "scales_gn"}); ValueError for a dict of other keys."""
+    `prepare_mxfp4`'s kernel layout) or its word layouts "k4" ({"planes_k4", "scale_words"}) and "k4r"
+    ({"planes_k4r", "scale_words"}); ValueError for a dict of other keys."""
     if not isinstance(w, dict):
         return "float"
     for layout, keys in MXFP4_LAYOUT_KEYS.items():
@@ -366,8 +395,9 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
     Returns {"planes_kn": [E, in/2, out], "scales_gn": [E, in/32, out]} with the nibbles de-interleaved per
     block of 64 inputs: the low nibbles of a block are its first 32 inputs = one scale group, the high nibbles
     the next 32 = the next group, so each nibble plane decodes straight into an MMA operand with a single
-    scale per output column. layout="k4" / "k4r": {"planes_k4" | "planes_k4r": [E, in/8, 4 * out], "scales_gn"},
-    the same codes as 32-bit words (`_k4_words`, module docstring); "k4r" raises ValueError for E8M0 scales above
+    scale per output column. layout="k4" / "k4r": {"planes_k4" | "planes_k4r": [E, in/8, 4 * out], "scale_words":
+    [E, ceil(in/128), out] uint32}, the same codes as 32-bit words (`_k4_words`, module docstring) and four groups'
+    scales per word as the bf16 exponent fields of their factors (`_scale_words`); "k4r" raises ValueError for E8M0 scales above
     K4R_MAX_SCALE (its scale 2^(s-1) must be a finite bf16; needs concrete scales, not traced ones).
     `mxfp4_checkpoint_layout` is the inverse of all three.
     """
@@ -384,14 +414,15 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
     if layout == "k4r" and word_layout_for(scale) != "k4r":
         raise ValueError(f"layout k4r takes E8M0 scales up to {K4R_MAX_SCALE} (2^1), got {int(scale.max())}: use k4")
     if layout in WORD_LAYOUTS:
-        return {f"planes_{layout}": _k4_words(codes, layout), "scales_gn": scale.swapaxes(-1, -2)}
+        return {f"planes_{layout}": _k4_words(codes, layout),
+                "scale_words": _scale_words(scale, layout).swapaxes(-1, -2)}
     blocks = codes.reshape(e, n_out, n_in // PLANE_BLOCK, 2, PLANE_BLOCK // 2)
     planes = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(e, n_out, n_in // 2)
     return {"planes_kn": planes.swapaxes(-1, -2), "scales_gn": scale.swapaxes(-1, -2)}
 
 
 def mxfp4_checkpoint_layout(w: dict) -> dict:
-    """The inverse of `prepare_mxfp4` (exact): {"planes_kn" | "planes_k4" | "planes_k4r", "scales_gn"} ->
+    """The inverse of `prepare_mxfp4` (exact): {"planes_kn", "scales_gn"} | {"planes_k4" | "planes_k4r", "scale_words"} ->
     {"packed": [E, out, in/2], "scale": [E, out, in/32]}, numpy or jax arrays; a checkpoint-layout dict is returned
     as it is."""
     layout = mxfp4_layout(w)
@@ -403,12 +434,63 @@ def mxfp4_checkpoint_layout(w: dict) -> dict:
     if layout in WORD_LAYOUTS:
         codes = _k4_codes(w[f"planes_{layout}"], layout)  # [E, out, in], input order
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        return {"packed": packed.astype(np.uint8), "scale": w["scales_gn"].swapaxes(-1, -2)}
+        scale = _scale_bytes(w["scale_words"].swapaxes(-1, -2), layout, n_in // MXFP4_GROUP)
+        return {"packed": packed.astype(np.uint8), "scale": scale}
     planes = w["planes_kn"].swapaxes(-1, -2).reshape(e, n_out, n_in // PLANE_BLOCK, PLANE_BLOCK // 2)
     xp = _xp(planes)
     codes = xp.concatenate([planes & 0x0F, planes >> 4], axis=-1).reshape(e, n_out, n_in)  # input order
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return {"packed": packed, "scale": w["scales_gn"].swapaxes(-1, -2)}
+
+
+# a word layout's decoded bf16 weight times 2^(field - 127) is the weight: the scale words hold field = s + bias
+_WORD_SCALE_BIAS = {"k4": 0, "k4r": 126}  # k4 decodes E2M1 exactly; k4r as E2M1 * 2^-126
+SCALE_WORD_INPUTS = 4 * MXFP4_GROUP  # inputs per scale word: 128
+
+
+def _scale_words(scale, layout: str):
+    """E8M0 scales [..., in/32] uint8 -> the word layout's scale words [..., ceil(in/128)] uint32: byte g of word b the
+    bf16 exponent field of the factor of inputs 128b + 32g .. + 31 (s + _WORD_SCALE_BIAS[layout]; missing groups of
+    a last, half word are 0). One word per two 64-input blocks and column, not four bytes: the kernel loads one word
+    per k-step and a shift and a mask (`_word_factors`) give two groups' factors, one per 16-bit half, which the
+    bf16 multiply takes as they are. Offline (K3 EP16, decode tiling) the GLU / down loops' SASS per k-step 546 / 288
+    with four byte loads -> 496 / 259; 16-bit words of two groups with a shift and mask each: 541 / 299."""
+    xp = _xp(scale)
+    groups = scale.shape[-1]
+    fields = scale.astype(xp.uint32) + _WORD_SCALE_BIAS[layout]
+    pad = -groups % 4
+    if pad:
+        fields = xp.concatenate([fields, xp.zeros((*fields.shape[:-1], pad), xp.uint32)], axis=-1)
+    fields = fields.reshape(*fields.shape[:-1], -1, 4)
+    return fields[..., 0] | (fields[..., 1] << 8) | (fields[..., 2] << 16) | (fields[..., 3] << 24)
+
+
+def _scale_bytes(words, layout: str, groups: int):
+    """The inverse of `_scale_words`: [..., ceil(in/128)] uint32 -> E8M0 scales [..., groups = in/32] uint8."""
+    xp = _xp(words)
+    fields = xp.stack([(words >> (8 * g)) & 0xFF for g in range(4)], axis=-1).reshape(*words.shape[:-1], -1)
+    return (fields[..., :groups] - _WORD_SCALE_BIAS[layout]).astype(xp.uint8)
+
+
+# scale word ($1) -> groups 0 / 2 (evens) or 1 / 3 (odds) on the exponent bits of the low / high halves ($0). Inline,
+# because LLVM narrows the jnp statement of it to a shift and mask per 16-bit half (what the multiply takes), where
+# the asm's 32-bit result leaves each half to be selected by the bf16 multiply's operand (.H0_H0 / .H1_H1) for free
+_SCALE_FIELDS_ASM = {"evens": "{ shl.b32 $0, $1, 7; and.b32 $0, $0, 0x7F807F80; }",
+                     "odds": "{ shr.b32 $0, $1, 1; and.b32 $0, $0, 0x7F807F80; }"}
+
+
+def _word_factors(words: jax.Array, high: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Scale words [block_n] uint32 -> the bf16 factors [block_n] of the two planes of the word's first (high=False,
+    groups 0 and 1) or second 64-input block (groups 2 and 3): a shift and a mask put groups 0 / 2 (and 1 / 3) on
+    the exponent bits of the low / high half, and the half is the bf16 (`_SCALE_FIELDS_ASM` on the GPU)."""
+    if interpret:
+        evens, odds = (words << 7) & 0x7F807F80, (words >> 1) & 0x7F807F80
+    else:
+        evens, odds = (plgpu.elementwise_inline_asm(_SCALE_FIELDS_ASM[k], args=[words], constraints="=r,r", pack=1,
+                                                    result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])[0]
+                       for k in ("evens", "odds"))
+    half = (lambda v: v >> 16) if high else (lambda v: v & 0xFFFF)
+    return tuple(jax.lax.bitcast_convert_type(half(v).astype(jnp.uint16), jnp.bfloat16) for v in (evens, odds))
 
 
 # k4 word: bit of the sign of c0 c1 c2 c3 (low plane, inputs 4j + r) and d0 d1 d2 d3 (high plane, 32 + 4j + r); the
@@ -556,27 +638,25 @@ def _k4_lut_bits(words: jax.Array, plane: int) -> tuple[jax.Array, jax.Array]:
     return _prmt(*_K4_BYTES, i) | signs[0], _prmt(*_K4_BYTES, i >> 16) | signs[1]
 
 
-def _word_tile(raw: jax.Array, plane: int, scale: jax.Array, layout: str, interpret: bool) -> jax.Array:
-    """One plane of a 64-input block of a word layout (k4 / k4r): bytes [8, 4 * block_n] uint8 and the plane's group
-    scales [block_n] uint8 -> the weight tile [32, block_n] bf16 (row 4j + r = input 4j + r of the plane's 32),
-    E2M1 times its scale: exact, the product of a 2-bit significand and a power of two.
+def _word_tile(raw: jax.Array, plane: int, factor: jax.Array, layout: str, interpret: bool) -> jax.Array:
+    """One plane of a 64-input block of a word layout (k4 / k4r): bytes [8, 4 * block_n] uint8 and the plane's bf16
+    factors [block_n] (`_word_factors`) -> the weight tile [32, block_n] bf16 (row 4j + r = input 4j + r of the
+    plane's 32), E2M1 times its scale: exact, the product of a 2-bit significand and a power of two.
 
     GPU: the bytes viewed as [32, block_n] (row 4j + i = byte i of word j: a free reshape/transpose in Triton's
     linear layouts, each thread's kWidth=4 operand bytes one register), one inline-PTX instance per word
     (pack=4: element i in byte i of $2, output elements 0..3 in the low / high halves of $0, $1), then one bf16
-    multiply by the scale: k4 decodes exact E2M1 by `_K4_LUT_ASM` (the scale 2^(s-127)), k4r places E2M1 * 2^-126
-    by `_k4r_asm` (the scale 2^(s-1): E8M0 s <= 128, which `prepare_mxfp4` checks). Interpreted: the same word bits
+    multiply by the factor: k4 decodes exact E2M1 by `_K4_LUT_ASM` (the factor 2^(s-127)), k4r places E2M1 * 2^-126
+    by `_k4r_asm` (the factor 2^(s-1): E8M0 s <= 128, which `prepare_mxfp4` checks). Interpreted: the same word bits
     in jnp (`_k4_lut_bits`, `_k4r_bits`), values in float32 (XLA:CPU flushes the subnormals k4r's placement relies
     on). E8M0 s = 0 scales by 0 (as `_e8m0_to_f32`) except on the GPU in k4r: 2^-127, its true value."""
     block_n = raw.shape[1] // 4
-    s = scale.astype(jnp.uint16)
     if not interpret:
         packed = raw.reshape(8, block_n, 4).swapaxes(1, 2).reshape(4 * 8, block_n)
         asm = _K4_LUT_ASM[plane] if layout == "k4" else _k4r_asm(plane)
         tile = plgpu.elementwise_inline_asm(asm, args=[packed], constraints="=r,=r,r", pack=4,
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])[0]
-        exponent = s if layout == "k4" else s + 126  # k4r: s = 0 gives 2^-127, the E8M0 value (k4: 0)
-        return tile * jax.lax.bitcast_convert_type(exponent << 7, jnp.bfloat16)[None, :]
+        return tile * factor[None, :]
     octets = raw.reshape(8, block_n, 4).astype(jnp.uint32)
     words = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16) | (octets[..., 3] << 24)  # [8, block_n]
     lo, hi = (_k4_lut_bits if layout == "k4" else _k4r_bits)(words, plane)
@@ -585,7 +665,9 @@ def _word_tile(raw: jax.Array, plane: int, scale: jax.Array, layout: str, interp
         values = jax.lax.bitcast_convert_type(halves.astype(jnp.uint16), jnp.bfloat16).astype(jnp.float32)
     else:  # the placed bits back to the code: magnitude on bits 8..6, sign on bit 15
         values = _e2m1_to_f32((((halves >> 6) & 7) | ((halves >> 12) & 8)).astype(jnp.int32))
-    return (values * _e8m0_to_f32(s.astype(jnp.int32))[None, :]).astype(jnp.bfloat16)
+    field = jax.lax.bitcast_convert_type(factor, jnp.uint16).astype(jnp.int32) >> 7
+    s = jnp.maximum(field - _WORD_SCALE_BIAS[layout], 0)  # a padded word's field 0 (zero codes) stays finite
+    return (values * _e8m0_to_f32(s)[None, :]).astype(jnp.bfloat16)
 
 
 def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
@@ -605,7 +687,7 @@ def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
 class _WeightRefs:
     """One expert weight operand: float [E, K, N] refs, MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs
     (checkpoint layout "hf"), or a kernel layout: "kn" (planes [E, K/2, N] + scales [E, K/32, N]) or a word layout
-    "k4" / "k4r" (words [E, K/8, 4N] + the same scales). interpret: the kernel runs interpreted (word layouts: jnp
+    "k4" / "k4r" (words [E, K/8, 4N] + scale words [E, ceil(K/128), N] uint32). interpret: the kernel runs interpreted (word layouts: jnp
     decodes instead of inline asm)."""
 
     def __init__(self, refs, layout: str, interpret: bool = False):
@@ -636,18 +718,25 @@ class _WeightRefs:
             kc = k0 + c * PLANE_BLOCK
             if words:  # 8 words per column, 4 adjacent bytes each: [8, 4 * block_n]
                 raw = planes_ref[expert, pl.ds(kc // 8, 8), pl.ds(4 * n0, 4 * block_n)]
+                if c % 2 == 0:  # one scale word per 128 inputs: [block_n] uint32
+                    scale_words = scales_ref[expert, kc // SCALE_WORD_INPUTS, pl.ds(n0, block_n)]
+                if block_k % SCALE_WORD_INPUTS == 0:  # k0 is a multiple of 128: block c is the word's half c % 2
+                    factors = _word_factors(scale_words, c % 2 == 1, self.interpret)
+                else:  # block_k 64: the block's half of its word is known at run time
+                    half_shift = (kc & PLANE_BLOCK).astype(jnp.uint32) >> 2  # 16 for a word's second block, else 0
+                    factors = _word_factors(scale_words >> half_shift, False, self.interpret)
             else:
                 packed = planes_ref[expert, pl.ds(kc // 2, half), pl.ds(n0, block_n)]  # [32, block_n]
             for plane in (0, 1):
                 a = a_ref[rows, pl.ds(kc + plane * half, half)]  # [block_m, 32]
-                s = scales_ref[expert, kc // MXFP4_GROUP + plane, pl.ds(n0, block_n)]  # [block_n]
                 if words:
                     # the scale on the bf16 weights (exact): no fp32 work per group, and the scale loads feed the
                     # MMA operand, so Triton pipelines them with the weights (on the partial products they were
                     # a synchronous global load each step)
-                    w = _word_tile(raw, plane, s, self.layout, self.interpret)
+                    w = _word_tile(raw, plane, factors[plane], self.layout, self.interpret)
                     acc = acc + jnp.dot(a, w.astype(a.dtype), preferred_element_type=jnp.float32)
                     continue
+                s = scales_ref[expert, kc // MXFP4_GROUP + plane, pl.ds(n0, block_n)]  # [block_n]
                 factor = _e8m0_to_f32(s.astype(jnp.int32)) * _PLANE_BIAS  # the kn decode's 2^-14, undone below
                 w = _decode_plane(packed, plane == 1).astype(a.dtype)  # E2M1 * 2^-14, exact in f16, bf16, f32
                 part = jnp.dot(a, w, preferred_element_type=jnp.float32)  # [block_m, block_n]
@@ -678,7 +767,8 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
     #            finds its rows' tokens (`_ranked_tokens`), column 0 their assignments (`_ranked_assignments`)
     # x_ref      [N, >= in_dim] tokens (columns past in_dim unread); rows gathered by token = assignment // top_k
     # rest: gate refs ([E, K_pad, I_pad] | packed [E, I_pad, K_pad/2] u8 + scale [E, I_pad, K_pad/32] u8 |
-    #       planes [E, K_pad/2, I_pad] u8 | words [E, K_pad/8, 4 I_pad] u8, + scales [E, K_pad/32, I_pad] u8),
+    #       planes [E, K_pad/2, I_pad] u8 + scales [E, K_pad/32, I_pad] u8 |
+    #       words [E, K_pad/8, 4 I_pad] u8 + scale words [E, ceil(K_pad/128), I_pad] u32),
     #       up refs (same layout), h_ref [M_pad, I_pad] output in expert-sorted row order, items_ref [4, W] int32
     #       output: each work item's (tile row start, expert, first row, end row), for the down kernel; ranked: then
     #       order_out_ref [M_pad] int32, each stored row's assignment (rows of no item stay unwritten)
@@ -738,7 +828,8 @@ def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout
     # routing_ref [M] fp32 routing weight of each assignment (token * top_k + slot)
     # h_ref       [M_pad, I_pad] GLU output rows, expert-sorted
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
-    #       planes [E, I_pad/2, D_pad] u8 | words [E, I_pad/8, 4 D_pad] u8, + scales [E, I_pad/32, D_pad] u8),
+    #       planes [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8 |
+    #       words [E, I_pad/8, 4 D_pad] u8 + scale words [E, ceil(I_pad/128), D_pad] u32),
     #       y_ref [S * M, D_pad] fp32 output: contraction slice s's partial of assignment a at row s * M + a, each
     #       written once, by the item that owns it (S = down_split_k; the combine sums the slices)
     # program (item, column tile, slice): slice s runs the contraction steps [s * split_steps, (s + 1) * split_steps)
@@ -842,8 +933,10 @@ def expert_weight_dims(w) -> tuple[int, int, int]:
             raise ValueError(f"expert weight must be float [E, in, out], got {w.dtype}{list(w.shape)}")
         return w.shape
     packed, scale = (w[k] for k in MXFP4_LAYOUT_KEYS[layout])
-    if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
-        raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+    scale_dtype = jnp.uint32 if layout in WORD_LAYOUTS else jnp.uint8
+    if packed.dtype != jnp.uint8 or scale.dtype != scale_dtype:
+        raise ValueError(f"MXFP4 {layout} tensors must be uint8 / {jnp.dtype(scale_dtype).name}, got {packed.dtype} / "
+                         f"{scale.dtype}")
     if packed.ndim != 3 or scale.ndim != 3:
         raise ValueError(f"MXFP4 tensors must be 3-d [E, ...], got {packed.shape} / {scale.shape}")
     width_ok = True
@@ -856,7 +949,7 @@ def expert_weight_dims(w) -> tuple[int, int, int]:
     else:  # word layouts: [E, in/8, 4 * out]
         e, rows, width = packed.shape
         half, n_out, width_ok = 4 * rows, width // 4, width % 4 == 0
-        want, block = (e, half * 2 // MXFP4_GROUP, n_out), PLANE_BLOCK
+        want, block = (e, -(-half * 2 // SCALE_WORD_INPUTS), n_out), PLANE_BLOCK
     if scale.shape != want or (2 * half) % block or not width_ok:
         raise ValueError(f"MXFP4 {layout} shapes {sorted(w)} = {list(packed.shape)} / {list(scale.shape)} do not match "
                          f"(inputs must be a multiple of {block}; see prepare_mxfp4)")
@@ -881,9 +974,10 @@ def _pad_weight(w, n_in: int, n_out: int) -> tuple[jax.Array, ...]:
     if layout == "hf":
         packed = jnp.pad(packed, ((0, 0), (0, d_out), (0, d_half)))
         scale = jnp.pad(scale, ((0, 0), (0, d_out), (0, d_group)), constant_values=127)
-    elif layout in WORD_LAYOUTS:  # zero words are code 0 (+0.0) in both planes
+    elif layout in WORD_LAYOUTS:  # zero words are code 0 (+0.0) in both planes, zero scale words factor 0
         packed = jnp.pad(packed, ((0, 0), (0, d_half // 4), (0, 4 * d_out)))
-        scale = jnp.pad(scale, ((0, 0), (0, d_group), (0, d_out)), constant_values=127)
+        d_words = -(-n_in // SCALE_WORD_INPUTS) - scale.shape[1]
+        scale = jnp.pad(scale, ((0, 0), (0, d_words), (0, d_out)))
     else:
         packed = jnp.pad(packed, ((0, 0), (0, d_half), (0, d_out)))
         scale = jnp.pad(scale, ((0, 0), (0, d_group), (0, d_out)), constant_values=127)
@@ -1009,8 +1103,9 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     num_experts, k_dim, i_dim = _check_inputs(x, ids, weights, experts, activation)
     n, top_k = ids.shape
     m = n * top_k
-    config = config or default_config(m, num_experts)
     layouts = {mxfp4_layout(w) for w in experts.values()}
+    word_down = (k_dim, i_dim) if mxfp4_layout(experts["down"]) in WORD_LAYOUTS else None
+    config = config or default_config(m, num_experts, word_down)
     packed = layouts != {"float"}
     if packed and config.block_k < MXFP4_GROUP:
         raise ValueError(f"MXFP4 weights need block_k >= {MXFP4_GROUP}, got {config.block_k}")

@@ -202,13 +202,14 @@ def test_k4_decode_sizes_match_kn_and_dequantised_reference(shape):
 @pytest.mark.parametrize("split", [2, 3])
 def test_down_split_k_equals_one_slice(split):
     """The down kernel's contraction cut into slices (MoeGemmConfig.down_split_k, and 5: four slices of K3's 24
-    steps of 5 and a last of 4) on the device, bf16 and k4r experts at one K3 EP16 shard's decode size (16 tokens,
-    top 16 of 896 kept where local): equal to one slice up to the fp32 summation order, after which an output may
-    round to the neighbouring bf16 (1e-3 norm-wise) -- a slice that ran the wrong steps, or stored into another
-    slice's rows, would differ by ~1."""
-    e, k, i, tokens, top_k = 56, 3584, 3072, 16, 16
+    steps of 5 and a last of 4) on the device, bf16 and k4r experts at K3 widths and a K3 EP16 shard's decode
+    occupancy (16 tokens, top 16 of 16 x 14 experts kept where local: ~1 row per active expert; 14 rather than 56
+    experts so the host-side quantisation takes seconds, not minutes): equal to one slice up to the fp32 summation
+    order, after which an output may round to the neighbouring bf16 (1e-3 norm-wise) -- a slice that ran the wrong
+    steps, or stored into another slice's rows, would differ by ~1."""
+    e, k, i, tokens, top_k = 14, 3584, 3072, 16, 16
     rng = np.random.default_rng(8)
-    picks = np.stack([rng.choice(896, top_k, replace=False) for _ in range(tokens)])
+    picks = np.stack([rng.choice(16 * e, top_k, replace=False) for _ in range(tokens)])
     ids = jnp.asarray(np.where(picks < e, picks, picks[:, :1] % e).astype(np.int32))
     w = jnp.asarray(rng.uniform(0.1, 1, ids.shape), jnp.float32)
     x = jax.random.normal(jax.random.key(12), (tokens, k)).astype(jnp.bfloat16)

@@ -12,6 +12,8 @@ Tolerances (relative Frobenius error against float64):
 """
 
 from collections import Counter
+import dataclasses
+import functools
 from unittest import mock
 
 import jax
@@ -426,8 +428,13 @@ def test_mxfp4_layout_errors():
         moe_gemm.mxfp4_checkpoint_layout({"planes_kn": hf["packed"], "scales_gn": hf["scale"]})
     with pytest.raises(ValueError, match="MXFP4 dict"):
         moe_gemm.mxfp4_checkpoint_layout(experts["gate"])
+    scale_words = moe_gemm.prepare_mxfp4(hf, layout="k4")["scale_words"]  # [3, 1, 64] uint32
     with pytest.raises(ValueError, match="do not match"):  # k4 words are [E, in/8, 4 out]
-        moe_gemm.mxfp4_checkpoint_layout({"planes_k4": hf["packed"][:, :, :30], "scales_gn": hf["scale"]})
+        moe_gemm.mxfp4_checkpoint_layout({"planes_k4": hf["packed"][:, :, :30], "scale_words": scale_words})
+    with pytest.raises(ValueError, match="uint8 / uint32"):  # the word layouts' scales are 32-bit words
+        moe_gemm.mxfp4_checkpoint_layout({"planes_k4": hf["packed"][:, :8], "scale_words": scale_words.astype(jnp.uint8)})
+    with pytest.raises(ValueError, match="match no layout"):  # word planes with the kn layout's scale groups
+        moe_gemm.mxfp4_layout({"planes_k4r": hf["packed"][:, :8], "scales_gn": hf["scale"]})
     with pytest.raises(ValueError, match="layout must be one of"):
         moe_gemm.prepare_mxfp4(hf, layout="nk")
 
@@ -455,7 +462,13 @@ def exact_word_repacking(w, layout):
     words = moe_gemm.prepare_mxfp4(w, layout=layout)
     key = f"planes_{layout}"
     assert moe_gemm.mxfp4_layout(words) == layout
-    assert words[key].shape == (3, 24, 160) and words["scales_gn"].shape == (3, 6, 40)
+    assert words[key].shape == (3, 24, 160) and words["scale_words"].shape == (3, 2, 40)  # 192 inputs: 1.5 words
+    assert words[key].dtype == jnp.uint8 and words["scale_words"].dtype == jnp.uint32
+    # byte g of word b: group 4b + g's bf16 exponent field (E8M0 + the layout's bias); the half word's bytes 2, 3 zero
+    fields = np.asarray(w["scale"]).astype(np.uint64) + {"k4": 0, "k4r": 126}[layout]  # [3, 40, 6]
+    fields = np.concatenate([fields, np.zeros((3, 40, 2), np.uint64)], axis=-1).reshape(3, 40, 2, 4)
+    np.testing.assert_array_equal(np.asarray(words["scale_words"]).swapaxes(1, 2),
+                                  (fields << np.arange(0, 32, 8, dtype=np.uint64)).sum(-1))
     back = moe_gemm.mxfp4_checkpoint_layout(words)
     for k in ("packed", "scale"):
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(w[k]))
@@ -463,7 +476,7 @@ def exact_word_repacking(w, layout):
                                   numpy_dequantize(w["packed"], w["scale"]))
     on_host = moe_gemm.prepare_mxfp4({k: np.asarray(v) for k, v in w.items()}, layout=layout)
     assert all(isinstance(v, np.ndarray) for v in on_host.values())
-    for k in (key, "scales_gn"):
+    for k in (key, "scale_words"):
         np.testing.assert_array_equal(on_host[k], np.asarray(words[k]))
     packed = np.asarray(w["packed"])
     return np.asarray(words[key]), np.stack([packed & 15, packed >> 4], axis=-1).reshape(3, 40, 192)
@@ -509,8 +522,9 @@ def test_word_layout_interpret_tiles_match_reference_weights(layout):
     words = moe_gemm.prepare_mxfp4(w, layout=layout)
     for b in range(n_in // 64):
         for plane in (0, 1):
-            tile = moe_gemm._word_tile(words[f"planes_{layout}"][0, 8 * b: 8 * b + 8], plane,
-                                       words["scales_gn"][0, 2 * b + plane], layout, interpret=True)
+            factors = moe_gemm._word_factors(words["scale_words"][0, b // 2], b % 2 == 1, interpret=True)
+            tile = moe_gemm._word_tile(words[f"planes_{layout}"][0, 8 * b: 8 * b + 8], plane, factors[plane], layout,
+                                       interpret=True)
             assert tile.dtype == jnp.bfloat16 and tile.shape == (32, n_out)
             got = np.asarray(tile, np.float64)
             rows = slice(64 * b + 32 * plane, 64 * b + 32 * plane + 32)
@@ -570,12 +584,13 @@ def test_k4r_bits_place_e2m1_for_every_code_tuple():
         np.testing.assert_array_equal(np.ldexp(placed, 126), E2M1_TABLE[tuples])
 
 
-def _run_ptx(text: str, word: int) -> list[int]:
-    """A tiny interpreter for the instructions `_k4r_asm` emits (shf.r.wrap, and, or, mov on .b32), $2 = word."""
-    regs, out = {"$2": word}, {}
-    for line in text.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
+def _run_ptx(text: str, word: int, source: str = "$2", results=("$0", "$1")) -> list[int]:
+    """A tiny interpreter for the instructions `_k4r_asm` and `_SCALE_FIELDS_ASM` emit (shf.r.wrap, shl, shr, and,
+    or, mov on .b32), source = word."""
+    regs, out = {source: word}, {}
+    for line in text.replace("{", ";").replace("}", ";").replace("\n", ";").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
         dst, *src = [a.strip() for a in args.split(",")]
@@ -584,6 +599,10 @@ def _run_ptx(text: str, word: int) -> list[int]:
             assert val[0] == val[1]
             n = val[2] % 32
             result = ((val[0] >> n) | (val[0] << (32 - n))) & 0xFFFFFFFF if n else val[0]
+        elif op == "shl.b32":
+            result = (val[0] << val[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            result = val[0] >> val[1]
         elif op == "and.b32":
             result = val[0] & val[1]
         elif op == "or.b32":
@@ -593,9 +612,9 @@ def _run_ptx(text: str, word: int) -> list[int]:
         else:
             raise AssertionError(f"unexpected instruction {op}")
         regs[dst] = result
-        if dst in ("$0", "$1"):
+        if dst in results:
             out[dst] = result
-    return [out["$0"], out["$1"]]
+    return [out[r] for r in results]
 
 
 def test_k4r_asm_computes_its_jnp_twin():
@@ -611,12 +630,28 @@ def test_k4r_asm_computes_its_jnp_twin():
         np.testing.assert_array_equal(got[1], want[1])
 
 
+def test_scale_fields_asm_computes_the_interpret_factors():
+    """The inline PTX that splits a scale word into its groups' bf16 factors on the GPU (`_SCALE_FIELDS_ASM`, read by
+    the interpreter above) gives, per half, the bits of `_word_factors`' interpret-mode factors: 4096 random words
+    (every byte value) and both blocks of a word."""
+    words = np.random.default_rng(24).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    asm = moe_gemm._SCALE_FIELDS_ASM
+    got = {k: np.array([_run_ptx(asm[k], int(w), "$1", ("$0",))[0] for w in words], np.uint32) for k in asm}
+    for high in (False, True):
+        factors = moe_gemm._word_factors(jnp.asarray(words), high, interpret=True)
+        for k, factor in zip(("evens", "odds"), factors):
+            want = got[k] >> 16 if high else got[k] & 0xFFFF
+            np.testing.assert_array_equal(np.asarray(factor).view(np.uint16), want.astype(np.uint16))
+
+
+@pytest.mark.parametrize("block_k", [128, 64])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
-def test_word_layout_experts_match_kn_and_float64(dtype, tol):
+def test_word_layout_experts_match_kn_and_float64(dtype, tol, block_k):
     """moe_grouped_mlp on k4 and k4r experts (interpreted: the jnp decodes) equals the same on "kn" experts and the
-    float64 oracle: ragged groups with an empty expert (2) and a hot one (0), 13 tokens (odd), top_k 3, K 128 / I 64 (one
-    64-input block per step for the down GEMM, two for the GLU), scales 2^-10..2^1 (k4r's range). fp32: the decoded
-    weights are exact in every layout, so they differ by fp32 rounding only; bf16: the band of the module docstring."""
+    float64 oracle: ragged groups with an empty expert (2) and a hot one (0), 13 tokens (odd), top_k 3, K 128 / I 64
+    (the down GEMM's 64 inputs: half a scale word), scales 2^-10..2^1 (k4r's range); block_k 128 (a step = one scale
+    word) and 64 (a step = half a word, which half known at run time). fp32: the decoded weights are exact in every
+    layout, so they differ by fp32 rounding only; bf16: the band of the module docstring."""
     rng = np.random.default_rng(21)
     e, k_dim, i_dim = 4, 128, 64
     x, ids, w, _ = make_case(rng, 13, 3, e, k_dim, i_dim, dtype, empty=(2,), hot=0)
@@ -624,7 +659,7 @@ def test_word_layout_experts_match_kn_and_float64(dtype, tol):
           "down": random_mxfp4(rng, e, k_dim, i_dim, hi=128)}
     x = (x * 2.0**-8).astype(dtype)
     want = numpy_moe(x, ids, w, {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}, "situ")
-    config = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=128)
+    config = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block_k=block_k)
     got = {lay: moe_grouped_mlp(x, ids, w, {k: moe_gemm.prepare_mxfp4(v, layout=lay) for k, v in hf.items()},
                                 config=config, interpret=True) for lay in ("kn", "k4", "k4r")}
     for lay in ("k4", "k4r"):
@@ -633,10 +668,36 @@ def test_word_layout_experts_match_kn_and_float64(dtype, tol):
         assert rel(got[lay], got["kn"]) < (1e-6 if dtype == jnp.float32 else 1e-2), lay
 
 
+def test_default_config_cuts_word_layout_down_kernels_with_few_active_programs():
+    """`default_config` cuts the down contraction of MXFP4 word-layout experts at decode sizes (`word_down_split`), by
+    the H200 figures in its comment: a K3 EP16 shard at 16 tokens (15 rows on 56 experts, 56 output tiles: ~840
+    programs) in 3, at 256 tokens (269 rows) not at all; bf16 / other layouts (word_down None) and groups past decode
+    size never; never more slices than contraction steps. moe_grouped_mlp passes the down weight's dims when it is a
+    word layout, and its default on such experts (cut in 2: 3 rows, 2 steps) equals the float64 oracle."""
+    dc = moe_gemm.DECODE_CONFIG
+    assert moe_gemm.default_config(15, 56, (3584, 3072)) == dataclasses.replace(dc, down_split_k=3)
+    assert moe_gemm.default_config(269, 56, (3584, 3072)) == dc
+    assert moe_gemm.default_config(15, 56) == dc
+    assert moe_gemm.default_config(4096, 56, (3584, 3072)) == moe_gemm.default_config(4096, 56)  # 73 rows/expert
+    assert moe_gemm.default_config(512, 192, (1024, 512)).down_split_k == 1  # k3-small decode B64: 3072 programs
+    assert moe_gemm.default_config(3, 8, (128, 256)).down_split_k == 2  # 6 programs, but 2 steps of 128
+    rng = np.random.default_rng(25)
+    x, ids, w, _ = make_case(rng, 3, 1, 6, 128, 256, jnp.float32)
+    hf = {"gate": random_mxfp4(rng, 6, 256, 128, hi=128), "up": random_mxfp4(rng, 6, 256, 128, hi=128),
+          "down": random_mxfp4(rng, 6, 128, 256, hi=128)}
+    want = numpy_moe(x, ids, w, {k: numpy_dequantize(v["packed"], v["scale"]) for k, v in hf.items()}, "situ")
+    experts = {k: moe_gemm.prepare_mxfp4(v, layout="k4r") for k, v in hf.items()}
+    with mock.patch.object(moe_gemm, "default_config", wraps=moe_gemm.default_config) as picked:
+        got = moe_grouped_mlp(x, ids, w, experts, interpret=True)
+    picked.assert_called_once_with(3, 6, (128, 256))
+    assert rel(got, want) < 2e-6  # exact weights, fp32 rounding only (as the word-layout test above)
+
+
 def test_mxfp4_layouts_lower_to_triton_for_an_h200():
-    """Both kernels lower through Pallas's Triton path for an abstract H200 on this CPU with MXFP4 experts in either
-    layout at the decode tiling (uint8 refs, the f16 bit-placement decode, the per-group scale): catches lowering
-    errors before device time (Triton's own compile to PTX only happens on a GPU)."""
+    """Both kernels lower through Pallas's Triton path for an abstract H200 on this CPU with MXFP4 experts in every
+    layout at the decode tiling (uint8 refs, the f16 bit-placement decode, the per-group scale), and the word layouts
+    also at block_k 64 (a step reads half a scale word, which half computed at run time: a `%` there once failed to
+    lower): catches lowering errors before device time (Triton's own compile to PTX only happens on a GPU)."""
     from jax.sharding import AbstractDevice, AbstractMesh
 
     e, k, i, n, top_k = 5, 256, 128, 7, 4
@@ -647,16 +708,19 @@ def test_mxfp4_layouts_lower_to_triton_for_an_h200():
         "hf": lambda n_in, n_out: {"packed": spec((e, n_out, n_in // 2), u8),
                                    "scale": spec((e, n_out, n_in // 32), u8)},
         "k4": lambda n_in, n_out: {"planes_k4": spec((e, n_in // 8, 4 * n_out), u8),  # the inline-asm decode
-                                   "scales_gn": spec((e, n_in // 32, n_out), u8)},
+                                   "scale_words": spec((e, n_in // 128, n_out), jnp.uint32)},
         "k4r": lambda n_in, n_out: {"planes_k4r": spec((e, n_in // 8, 4 * n_out), u8),
-                                    "scales_gn": spec((e, n_in // 32, n_out), u8)},
+                                    "scale_words": spec((e, n_in // 128, n_out), jnp.uint32)},
     }
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    for name, weight in layouts.items():
+    k64 = MoeGemmConfig(block_m=64, glu_block_n=64, down_block_n=128, block_k=64)
+    for (name, weight), config in [*((kv, None) for kv in layouts.items()), *((kv, k64) for kv in layouts.items()
+                                                                           if kv[0] in moe_gemm.WORD_LAYOUTS)]:
         args = (spec((n, k), jnp.bfloat16), spec((n, top_k), jnp.int32), spec((n, top_k), jnp.float32),
                 {"gate": weight(k, i), "up": weight(k, i), "down": weight(i, k)})
         with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
-            lowered = jax.jit(moe_grouped_mlp).trace(*args).lower(lowering_platforms=("cuda",))
+            lowered = jax.jit(functools.partial(moe_grouped_mlp, config=config)).trace(*args).lower(
+                lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, name  # grouped_glu and grouped_down
 
 

@@ -292,15 +292,17 @@ def test_k3_mxfp4_kernel_layout_load(k3_mxfp4, tmp_path):
             layout = layouts[l, name] = mxfp4_layout(words)
             assert layout == ("k4" if int(np.asarray(hf["scale"]).max()) > 128 else "k4r"), (l, name)
             key = f"planes_{layout}"
-            assert set(words) == {key, "scales_gn"} and words[key].dtype == words["scales_gn"].dtype == jnp.uint8
-            assert words[key].shape == (e, n_in // 8, 4 * n_out) and words["scales_gn"].shape == (e, n_in // 32, n_out)
+            assert set(words) == {key, "scale_words"}
+            assert words[key].dtype == jnp.uint8 and words["scale_words"].dtype == jnp.uint32
+            assert words[key].shape == (e, n_in // 8, 4 * n_out)
+            assert words["scale_words"].shape == (e, -(-n_in // 128), n_out)
             back = mxfp4_checkpoint_layout({k: np.asarray(v) for k, v in words.items()})
             for k in ("packed", "scale"):
                 assert back[k].dtype == np.uint8 and back[k].tobytes() == np.asarray(hf[k]).tobytes(), (l, name, k)
             np.testing.assert_array_equal(np.asarray(mxfp4_weight_reference(words)), want)
             np.testing.assert_array_equal(np.asarray(dequantised[name]), want)
             repacked = prepare_mxfp4(hf, layout=layout)
-            for k in (key, "scales_gn"):
+            for k in (key, "scale_words"):
                 assert np.asarray(words[k]).tobytes() == np.asarray(repacked[k]).tobytes(), (l, name, k)
             kn = prepare_mxfp4({k: np.asarray(v) for k, v in hf.items()})
             np.testing.assert_array_equal(numpy_kernel_layout_decode(kn["planes_kn"], kn["scales_gn"]), want)
