@@ -72,8 +72,9 @@ activations stay bf16), in one of four layouts (`mxfp4_layout`; gate and up may 
         scale per group, 505 / 265 (80 / 58) with the scale words (k4 696 / 360), bf16 139 / 92.
         H200 (benchmarks/moe.py --mxfp4-variants k4,k4r, K3 EP16 shard, on-device check 4.3e-3 against the dense
         einsum; docs/benchmarks.md), bf16 ms / MXFP4 ms at 16 / 256 tokens, moe_grouped_mlp's default tiling (the
-        down contraction cut in 3 at 16 tokens, `word_down_split`): k4r 1.57 / 1.57, k4 1.38 / 1.36 (2026-12-03; k4r
-        at one slice 1.45 / 1.57; with a byte of scale per group, same call: 1.29 / 1.42, and 1.39 cut in 2).
+        down contraction cut in 3 at 16 tokens, `word_down_split`): k4r 1.57 / 1.57, k4 1.38 / 1.36 (2026-12-02,
+        eighteenth session; k4r at one slice 1.45 / 1.57; with a byte of scale per group, same call: 1.29 / 1.42,
+        and 1.39 cut in 2).
         Earlier: k4 with the scale on the partial products 1.05 / 1.16 (2026-12-02). Nsight Compute at 256 tokens
         (byte scales): the k4r GLU kernel issues 0.66 instructions per scheduler cycle (the loop is issue-bound;
         ~105 of its ~600 instructions per k-step are register moves assembling the activation operand for each MMA).
@@ -195,7 +196,7 @@ DECODE_CONFIG = MoeGemmConfig(block_m=16, glu_block_n=64, down_block_n=64, block
 
 # MXFP4 word-layout down kernels at decode sizes are issue-bound, and with few active experts they run too few
 # programs to hide that: their contraction is cut (down_split_k) until the expected active programs reach this many,
-# 20 per SM of the H200. H200, 2026-12-02/03 (benchmarks/moe.py, K3 EP16 shard, k4r, bf16 ms / MXFP4 ms;
+# 20 per SM of the H200. H200, 2026-12-02 (benchmarks/moe.py, K3 EP16 shard, k4r, bf16 ms / MXFP4 ms;
 # docs/benchmarks.md): 15 rows on 12 experts (~840 active programs) 1.46 at 1 slice, 1.57 / 1.60 / 1.61 at 2 / 3 / 4;
 # 269 rows on 56 experts (~3140) 1.55-1.57 at 1, 1.51-1.54 at 2-4. bf16 weights (memory-bound) are 0.94-0.99x
 # with slices at both sizes: never cut.
