@@ -17,8 +17,8 @@ Mid-size groups (issue 4: >= 60 % of the jnp.dot peak and >= 1.0x ragged_dot_mgp
 <= 90 s on the H200 (limits ~15 s, then the sweep starts no new case after --sweep-budget-s 65):
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe \
         --sweep-tokens 16384,65536 --sweep-budget-s 65 --sweep-configs 128/128/256/64/8/3,\
-128/128/256/64/8/3/64,64/256/256/64/8/3 --out $OUT/moe_mid.json
-  per T: moe_grouped_mlp's default, each tiling (/tail_block_m: MoeGemmConfig's mid-size mode), then
+128/128/256/64/8/3/64,128/128/256/64/8/3/64/0/1/1 --out $OUT/moe_mid.json
+  per T: moe_grouped_mlp's default, each tiling (/tail_block_m and /aligned: MoeGemmConfig's mid-size modes), then
   ragged_dot_mgpu (rows zero-padded to its 128-row tile, pad_sorted_rows); each checked against the dense einsum on
   the device; TFLOP/s, % of the jnp.dot peak of the same run, peer ms / ours; a summary line per T against the bar.
 
@@ -370,8 +370,8 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
 
 def parse_configs(spec: str) -> list[MoeGemmConfig]:
     """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages),
-    optionally followed by /tail_block_m (0 = off), e.g. 128/128/256/64/8/3/64, and /down_num_stages (0 = the
-    same), e.g. 16/64/64/128/4/4/0/3."""
+    optionally followed by /tail_block_m (0 = off), e.g. 128/128/256/64/8/3/64, /down_num_stages (0 = the
+    same), e.g. 16/64/64/128/4/4/0/3, /down_split_k and /aligned (0 / 1), e.g. 128/128/256/64/8/3/64/0/1/1."""
     return [MoeGemmConfig.from_tiling(item) for item in filter(None, spec.split(","))]
 
 
@@ -454,7 +454,7 @@ def mma_rows(cfg: MoeGemmConfig, counts: np.ndarray) -> int:
     tail_block_m when it has at most that many): the wasted-work model behind the mid-size modes."""
     sizes = jnp.asarray(counts, jnp.int32)
     m = int(counts.sum())
-    sched = moe_gemm.tile_schedule(sizes, m, cfg.block_m)
+    sched = moe_gemm.tile_schedule(sizes, m, cfg.block_m, cfg.aligned)
     n = np.asarray(sched[3] - sched[2])
     n = n[n > 0]
     if cfg.tail_block_m:

@@ -28,13 +28,14 @@ kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-s
   5. each token sums its top_k consecutive rows of y (elementwise adds, deterministic: fuse into the consumer).
 `tile_schedule` lists all items at once (tests, the benchmark's MMA-row count).
 
-Mid-size groups (opt-in MoeGemmConfig.tail_block_m; defaults unchanged except LARGE_GROUP_DEFAULT). Every work
-item costs a full block_m-row MMA, so items waste the rows of a tile that belong to a neighbouring expert: with 56
-groups of ~292 rows in 128-row tiles the MMAs compute 1.42x the real rows (1.11x at ~1170 rows).
+Mid-size groups (MoeGemmConfig.tail_block_m and .aligned; both set in LARGE_GROUP_DEFAULT only). Every work item
+costs a full block_m-row MMA, so items waste the rows of a tile that belong to a neighbouring expert: with 56
+groups of ~292 rows in global 128-row tiles the MMAs compute 1.42x the real rows (1.11x at ~1170 rows).
 tail_block_m=64 runs items of <= 64 rows as a 64-row MMA (a second compiled branch of each kernel): 1.21x
-(counted by benchmarks/moe.py's sweep, `mma_rows`). A group-aligned row layout (each expert starting a tile of a
-padded row buffer, 1.10x with 64-row tails) was slower than this packed layout on the H200 at both 294 and 1172
-rows/expert (docs/benchmarks.md, MoE section) and was removed; it is in this file's git history.
+(counted by benchmarks/moe.py's sweep, `mma_rows`). aligned=True starts each expert's tiles at its first row, so
+only its last tile is partial: 1.10x with 64-row tails, no copy (the kernels gather rows by index; the row buffers
+get one more tile of padding), and 4-8 % faster at 294 rows/expert on the H200 (LARGE_GROUP_DEFAULT's comment).
+An earlier group-aligned layout that copied the rows into a padded buffer was slower and was removed.
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
 one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
@@ -128,6 +129,8 @@ class MoeGemmConfig:
     items are active, e.g. an EP shard at decode: at 16 tokens a K3 EP16 shard's down kernel runs ~5 programs per SM
     at 0.50 instructions issued per cycle, Nsight Compute 2026-12-02); the slices' fp32 partial rows are summed in
     the combine. `default_config` cuts MXFP4 word-layout down GEMMs at decode sizes (`word_down_split`).
+    aligned: work items start at their expert's first row (`work_item`): an expert of n rows is cdiv(n, block_m)
+    items, only its last one partial, where global tiles cut each expert at both ends (two partial items).
     """
 
     block_m: int = 64
@@ -139,6 +142,7 @@ class MoeGemmConfig:
     tail_block_m: int = 0
     down_num_stages: int = 0
     down_split_k: int = 1
+    aligned: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
@@ -157,32 +161,37 @@ class MoeGemmConfig:
 
     @property
     def tiling(self) -> str:
-        """'bm/gn/dn/bk/warps/stages', then /tail_block_m, /down_num_stages and /down_split_k as far as set (what
-        `from_tiling` reads)."""
+        """'bm/gn/dn/bk/warps/stages', then /tail_block_m, /down_num_stages, /down_split_k and /aligned (0 / 1) as far
+        as set (what `from_tiling` reads)."""
         fields = [self.block_m, self.glu_block_n, self.down_block_n, self.block_k, self.num_warps, self.num_stages,
-                  self.tail_block_m, self.down_num_stages, self.down_split_k]
-        defaults = (0, 0, 1)
+                  self.tail_block_m, self.down_num_stages, self.down_split_k, int(self.aligned)]
+        defaults = (0, 0, 1, 0)
         while len(fields) > 6 and fields[-1] == defaults[len(fields) - 7]:
             fields.pop()
         return "/".join(map(str, fields))
 
     @classmethod
     def from_tiling(cls, tiling: str) -> "MoeGemmConfig":
-        """The config a `tiling` string names, e.g. 128/128/256/64/8/3/64 or 16/64/64/128/4/4/0/2/2."""
+        """The config a `tiling` string names, e.g. 128/128/256/64/8/3/64, 16/64/64/128/4/4/0/2/2 or
+        128/128/256/64/8/3/64/0/1/1."""
         parts = tiling.split("/")
-        if len(parts) not in (6, 7, 8, 9):
+        if len(parts) not in (6, 7, 8, 9, 10) or (len(parts) == 10 and parts[9] not in ("0", "1")):
             raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m, "
-                             f"/down_num_stages and /down_split_k; got {tiling!r}")
-        return cls(*(int(x) for x in parts))
+                             f"/down_num_stages, /down_split_k and /aligned (0 or 1); got {tiling!r}")
+        values = [int(x) for x in parts]
+        return cls(*values[:9], *(bool(v) for v in values[9:]))
 
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
                                       num_stages=3)
-# The large-group default: the wide-down tiling with 64-row MMAs for work items of <= 64 rows (the pieces of tiles
-# that straddle two experts). H200, benchmarks/moe.py --sweep-tokens 16384,65536 (2026-11-30, on-device check 4.4e-3,
-# docs/results/moe_mid_h200_2026-11-30e.json): 294 rows/expert 3.06 vs 3.36 ms (54.8 vs 49.9 % of the jnp.dot peak),
-# 1172 rows/expert 10.16 vs 10.44 ms (65.7 vs 63.9 %); a group-aligned row layout (removed) was slower at both sizes.
-LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64)
+# The large-group default: the wide-down tiling with expert-aligned work items (`work_item`) and 64-row MMAs for
+# items of <= 64 rows (an expert's last, partial tile). H200, benchmarks/moe.py --sweep-tokens 16384,65536
+# (on-device check 4.4e-3): 2026-11-30 (docs/results/moe_mid_h200_2026-11-30e.json) global tiles with 64-row tails vs
+# without, 294 rows/expert 3.06 vs 3.36 ms, 1172 rows/expert 10.16 vs 10.44 ms; 2026-12-02
+# (docs/results/moe_aligned_h200_2026-12-02.json) aligned with tails vs global tiles with tails, same call: 2.84 vs
+# 2.96-3.12 ms (54.9 vs 50.1-52.8 % of the jnp.dot peak; MMA rows / rows 1.10 vs 1.21) and 9.54 vs 9.67-9.85 ms
+# (65.3 vs 63.2-64.3 %); aligned without tails 2.91 / 9.81 ms.
+LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64, aligned=True)
 
 
 # decode-sized groups (<= 16 rows per expert). The down kernel's loop is short (k3-small: 512 inputs, 4 steps of 128):
@@ -278,19 +287,26 @@ def row_bounds(flat_ids: jax.Array, num_experts: int) -> jax.Array:
     return (flat_ids.astype(jnp.int32)[None, :] < e[:, None]).sum(1, dtype=jnp.int32)
 
 
-def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int):
+def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int, aligned: bool = False):
     """(tile row start, expert, first row, end row) of work item `item` (int32 scalars) from the first and one-past-
     last rows of each expert, starts = `row_bounds`[:P] and ends = `row_bounds`[1:] (P a power of two).
 
     Items are the (row tile, expert) pairs that overlap, ordered by expert, then by tile, so consecutive programs
     reuse one expert's weights; items past the real count have first row == end row == 0 (the kernels skip them).
+    aligned: an expert's tiles start at its first row instead (tile start = first row; cdiv(rows, block_m) items,
+    never more than the global tiles give, so `num_work_items` bounds both); a tile may then reach block_m - 1
+    rows past the last row, which the callers' row buffers cover (`moe_grouped_mlp` pads them by block_m).
     Plain jnp on the two power-of-two vectors, so the same code runs inside the Triton GLU
     kernel (a few P-wide vector ops per program, P = 256 for 192 experts) and in `tile_schedule`. Expert lookups
     are compare-and-count and one-hot sums (no gather, no while loop: Triton has neither)."""
     p = starts.shape[0]
     sizes = ends - starts
-    first_tile = jax.lax.div(starts, block_m)  # non-negative: truncation is floor
-    count = jnp.where(sizes > 0, jax.lax.div(jnp.maximum(ends - 1, 0), block_m) - first_tile + 1, 0)
+    if aligned:
+        first_tile = jnp.zeros_like(starts)
+        count = jax.lax.div(sizes + block_m - 1, block_m)  # non-negative: truncation is floor; 0 for an empty one
+    else:
+        first_tile = jax.lax.div(starts, block_m)  # non-negative: truncation is floor
+        count = jnp.where(sizes > 0, jax.lax.div(jnp.maximum(ends - 1, 0), block_m) - first_tile + 1, 0)
     item_end = jnp.cumsum(count)
     num_items = jnp.sum(count)
     expert = jnp.minimum(jnp.sum((item_end <= item).astype(jnp.int32)), p - 1)
@@ -300,14 +316,14 @@ def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int):
         return jnp.sum(jnp.where(pick, v, 0))
 
     tile = at_expert(first_tile) + item - at_expert(item_end - count)
-    row0 = tile * block_m
+    row0 = at_expert(starts) + tile * block_m if aligned else tile * block_m
     valid = item < num_items
     lo = jnp.where(valid, jnp.maximum(at_expert(starts), row0), 0)
     hi = jnp.where(valid, jnp.minimum(at_expert(ends), row0 + block_m), 0)
     return jnp.where(valid, row0, 0), expert, lo, hi
 
 
-def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int, aligned: bool = False) -> jax.Array:
     """All work items [4, W] int32 (tile row start, expert, first row, end row), W = `num_work_items`, for
     expert-sorted rows with group_sizes [E] int32 (summing to <= num_rows): the table the GLU kernel's programs
     compute with `work_item` and hand to the down kernel (here for tests and benchmarks/moe.py's MMA-row count)."""
@@ -316,7 +332,7 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Ar
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     bounds = jnp.concatenate([jnp.zeros(1, jnp.int32), ends, jnp.full(p - e, ends[-1], jnp.int32)])
     items = jnp.arange(num_work_items(num_rows, e, block_m), dtype=jnp.int32)
-    row0, expert, lo, hi = jax.vmap(lambda w: work_item(bounds[:p], bounds[1:], w, block_m))(items)
+    row0, expert, lo, hi = jax.vmap(lambda w: work_item(bounds[:p], bounds[1:], w, block_m, aligned))(items)
     return jnp.stack([row0, jnp.minimum(expert, e - 1), lo, hi]).astype(jnp.int32)
 
 
@@ -811,7 +827,7 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
         plgpu.store(h_ref.at[pl.ds(row_start, rows), pl.ds(n0, block_n)], h, mask=keep)
 
     p = bounds_ref.shape[0] - 1
-    entry = work_item(bounds_ref[pl.ds(0, p)], bounds_ref[pl.ds(1, p)], item, config.block_m)
+    entry = work_item(bounds_ref[pl.ds(0, p)], bounds_ref[pl.ds(1, p)], item, config.block_m, config.aligned)
 
     def hand_on_item():  # the down kernel reads its item instead of deriving it again from the bounds
         for i, v in enumerate(entry):
@@ -1120,7 +1136,8 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     # every padded dim is a multiple of each block that tiles it (all blocks are powers of two)
     k_pad = _round_up(k_dim, max(block_k, config.down_block_n))
     i_pad = _round_up(i_dim, max(block_k, config.glu_block_n))
-    m_pad = _round_up(m, config.block_m)
+    # aligned items start anywhere: a tile may reach block_m - 1 rows past the last one, so one more tile of rows
+    m_pad = _round_up(m, config.block_m) + (config.block_m if config.aligned else 0)
 
     flat = ids.reshape(-1).astype(jnp.int32)
     # the only XLA ops of the schedule: one compare-and-count (row_bounds) and, past decode sizes, one sort (rows

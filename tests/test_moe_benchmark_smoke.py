@@ -99,7 +99,7 @@ def test_sweep_checks_modes_and_reports_the_peer(tmp_path, capsys):
 
 
 def test_tiling_strings_round_trip():
-    """A tiling string names every field it sets (tail_block_m, down_num_stages, down_split_k only as far as set),
+    """A tiling string names every field it sets (tail_block_m, down_num_stages, down_split_k, aligned only as far as set),
     and parse_configs reads back the config it names; a wrong field count is refused."""
     import pytest
 
@@ -108,12 +108,17 @@ def test_tiling_strings_round_trip():
     bench = load_benchmark()
     down3 = MoeGemmConfig(16, 64, 64, 128, 4, 4, down_num_stages=3)
     split2 = MoeGemmConfig(16, 64, 64, 128, 4, 4, down_split_k=2)
-    for cfg, name in ((DECODE_CONFIG, "16/64/64/128/4/4/0/2"), (LARGE_GROUP_DEFAULT, "128/128/256/64/8/3/64"),
-                      (down3, "16/64/64/128/4/4/0/3"), (split2, "16/64/64/128/4/4/0/0/2")):
+    aligned = MoeGemmConfig(128, 128, 256, 64, 8, 3, tail_block_m=64, aligned=True, down_split_k=2)
+    for cfg, name in ((DECODE_CONFIG, "16/64/64/128/4/4/0/2"), (LARGE_GROUP_DEFAULT, "128/128/256/64/8/3/64/0/1/1"),
+                      (down3, "16/64/64/128/4/4/0/3"), (split2, "16/64/64/128/4/4/0/0/2"),
+                      (aligned, "128/128/256/64/8/3/64/0/2/1")):
         assert bench.config_name(cfg) == name
         assert bench.parse_configs(name) == [cfg]
+    assert bench.parse_configs("128/128/256/64/8/3/64/0/2/1")[0].aligned is True
     with pytest.raises(ValueError, match="6 fields"):
         bench.parse_configs("16/64/64/128/4")
+    with pytest.raises(ValueError, match="aligned"):
+        bench.parse_configs("16/64/64/128/4/4/0/0/1/2")
     with pytest.raises(ValueError, match="stages"):
         MoeGemmConfig(16, 64, 64, 128, 4, 4, down_num_stages=-1)
     with pytest.raises(ValueError, match="down_split_k"):

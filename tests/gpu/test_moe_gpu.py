@@ -100,10 +100,11 @@ def test_large_groups_match_reference(config):
     assert rel(got, want) < 1e-2
 
 
-MID_SIZE_MODES = {  # the opt-in tail tiles for mid-size groups (benchmarks/moe.py --sweep-configs names them alike)
+MID_SIZE_MODES = {  # tail tiles and expert-aligned items for mid-size groups (benchmarks/moe.py --sweep-configs tilings)
     "packed_tail64": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, tail_block_m=64),
     "64x256": moe_gemm.MoeGemmConfig(block_m=64, glu_block_n=256, down_block_n=256, block_k=64, num_warps=8,
                                      num_stages=3),
+    "aligned_tail64": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, tail_block_m=64, aligned=True),
 }
 
 

@@ -86,24 +86,36 @@ def as_f64(experts):
     return {k: np.asarray(v, np.float64) for k, v in experts.items()}
 
 
-@pytest.mark.parametrize("num_rows,block_m", [(1, 16), (37, 16), (100, 32)])
-def test_schedule_covers_each_row_once_inside_its_expert(num_rows, block_m):
+@pytest.mark.parametrize("aligned", [False, True], ids=["global_tiles", "aligned"])
+@pytest.mark.parametrize("num_rows,block_m", [(1, 16), (37, 16), (100, 32), (500, 32)])
+def test_schedule_covers_each_row_once_inside_its_expert(num_rows, block_m, aligned):
+    """Every row in exactly one item of its own expert, inside the item's tile; global tiles start at multiples of
+    block_m, aligned ones at their expert's first row (so only an expert's last item is partial) and never need
+    more items than global tiles (the grid's bound, `num_work_items`)."""
     rng = np.random.default_rng(num_rows)
     e = 9
     sizes = rng.multinomial(num_rows, rng.dirichlet(np.full(e, 0.3)))
     sizes[0] += sizes[3]
     sizes[3] = 0  # an empty expert (and the Dirichlet draw empties more)
-    sched = np.asarray(tile_schedule(jnp.asarray(sizes, jnp.int32), num_rows, block_m))
+    sched = np.asarray(tile_schedule(jnp.asarray(sizes, jnp.int32), num_rows, block_m, aligned))
     assert sched.shape == (4, moe_gemm.num_work_items(num_rows, e, block_m))
     owner = np.repeat(np.arange(e), sizes)
+    first_row = np.cumsum(sizes) - sizes
     seen = np.zeros(num_rows, int)
     for row0, expert, lo, hi in sched.T:
         if hi <= lo:
             continue
-        assert row0 % block_m == 0 and row0 <= lo < hi <= row0 + block_m
+        assert row0 <= lo < hi <= row0 + block_m
+        if aligned:
+            assert row0 == lo and (lo - first_row[expert]) % block_m == 0
+            assert hi - lo == block_m or hi == first_row[expert] + sizes[expert]  # only the last item partial
+        else:
+            assert row0 % block_m == 0
         assert (owner[lo:hi] == expert).all()
         seen[lo:hi] += 1
     assert (seen == 1).all()
+    used = int((sched[3] > sched[2]).sum())
+    assert used == (-(-sizes // block_m)).sum() if aligned else used >= (-(-sizes // block_m)).sum()
 
 
 def _primitives(jaxpr) -> Counter:
@@ -727,16 +739,21 @@ def test_mxfp4_layouts_lower_to_triton_for_an_h200():
 @pytest.mark.parametrize("config", [
     MoeGemmConfig(block_m=32, tail_block_m=16),
     MoeGemmConfig(block_m=64, glu_block_n=32, down_block_n=32, block_k=32, tail_block_m=16),
-], ids=["tail16", "64x32_tail16"])
+    MoeGemmConfig(block_m=32, tail_block_m=16, aligned=True),
+    MoeGemmConfig(block_m=32, aligned=True),
+], ids=["tail16", "64x32_tail16", "aligned_tail16", "aligned"])
 def test_mid_size_modes_match_float64(config):
-    """The opt-in tail tiles for mid-size groups on ragged groups with an empty expert (1), a hot expert (2) spanning
-    several tiles and odd sizes: fp32, so the 2e-6 band of the default path. The routing has items on both sides
-    of tail_block_m, so both compiled branches of the kernels run."""
+    """The opt-in tail tiles and expert-aligned items for mid-size groups on ragged groups with an empty expert (1), a
+    hot expert (2) spanning several tiles and odd sizes: fp32, so the 2e-6 band of the default path. The routing has
+    items on both sides of tail_block_m, so both compiled branches of the kernels run; aligned, the last expert's
+    tile reaches past the last row (the padded row buffers)."""
     rng = np.random.default_rng(5)
     x, ids, w, experts = make_case(rng, 75, 2, 5, 40, 24, jnp.float32, empty=(1,), hot=2)
     sizes = jnp.bincount(ids.reshape(-1), length=5).astype(jnp.int32)
-    sched = tile_schedule(sizes, ids.size, config.block_m)
+    sched = tile_schedule(sizes, ids.size, config.block_m, config.aligned)
     counts = np.asarray(sched[3] - sched[2])
+    if config.aligned:
+        assert (sched[0] + config.block_m > ids.size).any()
     if config.tail_block_m:
         assert ((counts > 0) & (counts <= config.tail_block_m)).any() and (counts > config.tail_block_m).any()
     want = numpy_moe(x, ids, w, as_f64(experts), "situ")
@@ -772,7 +789,8 @@ def test_mid_size_modes_lower_to_triton_for_an_h200():
              "down": spec((e, i, k), jnp.bfloat16)})
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     wide = moe_gemm.LARGE_GROUP_WIDE_DOWN
-    for config in (MoeGemmConfig(**{**wide.__dict__, "tail_block_m": 64}), MoeGemmConfig(64, 256, 256, 64, 8, 3)):
+    for config in (MoeGemmConfig(**{**wide.__dict__, "tail_block_m": 64}), MoeGemmConfig(64, 256, 256, 64, 8, 3),
+                   dataclasses.replace(wide, tail_block_m=64, aligned=True)):
         with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
             lowered = jax.jit(lambda *a, c=config: moe_grouped_mlp(*a, config=c)).trace(*args).lower(
                 lowering_platforms=("cuda",))
