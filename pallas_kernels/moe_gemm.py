@@ -36,6 +36,8 @@ tail_block_m=64 runs items of <= 64 rows as a 64-row MMA (a second compiled bran
 only its last tile is partial: 1.10x with 64-row tails, no copy (the kernels gather rows by index; the row buffers
 get one more tile of padding), and 4-8 % faster at 294 rows/expert on the H200 (LARGE_GROUP_DEFAULT's comment).
 An earlier group-aligned layout that copied the rows into a padded buffer was slower and was removed.
+column_group=8 (also LARGE_GROUP_DEFAULT's) launches G column tiles of one item back to back, so an item's x rows
+are read once per G column tiles rather than once per tile: 6-10 % faster at 294 and 1172 rows/expert.
 
 Weights: {"gate", "up": [E, K, I], "down": [E, I, D]} in a float dtype, or any of them MXFP4 (E2M1 nibbles,
 one E8M0 scale per 32 inputs), dequantised inside the kernel right before the MMA (weight-only: the
@@ -131,6 +133,8 @@ class MoeGemmConfig:
     the combine. `default_config` cuts MXFP4 word-layout down GEMMs at decode sizes (`word_down_split`).
     aligned: work items start at their expert's first row (`work_item`): an expert of n rows is cdiv(n, block_m)
     items, only its last one partial, where global tiles cut each expert at both ends (two partial items).
+    column_group: the launch order of both kernels' programs (`_item_and_column`): 0, consecutive programs take one
+    column tile of consecutive items; G > 0, G column tiles of one item, then of the next.
     """
 
     block_m: int = 64
@@ -143,6 +147,7 @@ class MoeGemmConfig:
     down_num_stages: int = 0
     down_split_k: int = 1
     aligned: bool = False
+    column_group: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "glu_block_n", "down_block_n", "block_k"):
@@ -158,14 +163,16 @@ class MoeGemmConfig:
                              f"{self.num_stages} / {self.down_num_stages}")
         if self.down_split_k < 1:
             raise ValueError(f"MoeGemmConfig.down_split_k must be >= 1, got {self.down_split_k}")
+        if self.column_group < 0:
+            raise ValueError(f"MoeGemmConfig.column_group must be >= 0 (0 = items first), got {self.column_group}")
 
     @property
     def tiling(self) -> str:
-        """'bm/gn/dn/bk/warps/stages', then /tail_block_m, /down_num_stages, /down_split_k and /aligned (0 / 1) as far
-        as set (what `from_tiling` reads)."""
+        """'bm/gn/dn/bk/warps/stages', then /tail_block_m, /down_num_stages, /down_split_k, /aligned (0 / 1) and
+        /column_group as far as set (what `from_tiling` reads)."""
         fields = [self.block_m, self.glu_block_n, self.down_block_n, self.block_k, self.num_warps, self.num_stages,
-                  self.tail_block_m, self.down_num_stages, self.down_split_k, int(self.aligned)]
-        defaults = (0, 0, 1, 0)
+                  self.tail_block_m, self.down_num_stages, self.down_split_k, int(self.aligned), self.column_group]
+        defaults = (0, 0, 1, 0, 0)
         while len(fields) > 6 and fields[-1] == defaults[len(fields) - 7]:
             fields.pop()
         return "/".join(map(str, fields))
@@ -175,23 +182,26 @@ class MoeGemmConfig:
         """The config a `tiling` string names, e.g. 128/128/256/64/8/3/64, 16/64/64/128/4/4/0/2/2 or
         128/128/256/64/8/3/64/0/1/1."""
         parts = tiling.split("/")
-        if len(parts) not in (6, 7, 8, 9, 10) or (len(parts) == 10 and parts[9] not in ("0", "1")):
+        if len(parts) not in range(6, 12) or (len(parts) >= 10 and parts[9] not in ("0", "1")):
             raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m, "
-                             f"/down_num_stages, /down_split_k and /aligned (0 or 1); got {tiling!r}")
+                             f"/down_num_stages, /down_split_k, /aligned (0 or 1) and /column_group; got {tiling!r}")
         values = [int(x) for x in parts]
-        return cls(*values[:9], *(bool(v) for v in values[9:]))
+        return cls(*values[:9], *(bool(v) for v in values[9:10]), *values[10:])
 
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
                                       num_stages=3)
-# The large-group default: the wide-down tiling with expert-aligned work items (`work_item`) and 64-row MMAs for
-# items of <= 64 rows (an expert's last, partial tile). H200, benchmarks/moe.py --sweep-tokens 16384,65536
+# The large-group default: the wide-down tiling with expert-aligned work items (`work_item`), 64-row MMAs for
+# items of <= 64 rows (an expert's last, partial tile) and column-grouped launch order (`_item_and_column`). H200, benchmarks/moe.py --sweep-tokens 16384,65536
 # (on-device check 4.4e-3): 2026-11-30 (docs/results/moe_mid_h200_2026-11-30e.json) global tiles with 64-row tails vs
 # without, 294 rows/expert 3.06 vs 3.36 ms, 1172 rows/expert 10.16 vs 10.44 ms; 2026-12-02
 # (docs/results/moe_aligned_h200_2026-12-02.json) aligned with tails vs global tiles with tails, same call: 2.84 vs
 # 2.96-3.12 ms (54.9 vs 50.1-52.8 % of the jnp.dot peak; MMA rows / rows 1.10 vs 1.21) and 9.54 vs 9.67-9.85 ms
-# (65.3 vs 63.2-64.3 %); aligned without tails 2.91 / 9.81 ms.
-LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64, aligned=True)
+# (65.3 vs 63.2-64.3 %); aligned without tails 2.91 / 9.81 ms. Programs launched in groups of 8 column tiles per item
+# (column_group; docs/results/moe_column_groups_h200_2026-12-02.json, four calls): 294 rows/expert 2.49-2.79 ms
+# (median 2.75, 56-68 % of each run's peak) vs 2.82-3.01 ms item-first; 1172 rows/expert 8.99-9.06 vs 9.76-9.83 ms;
+# groups of 2, 4, 6, 12, 16, 24 were within the run-to-run spread of 8 or slower.
+LARGE_GROUP_DEFAULT = dataclasses.replace(LARGE_GROUP_WIDE_DOWN, tail_block_m=64, aligned=True, column_group=8)
 
 
 # decode-sized groups (<= 16 rows per expert). The down kernel's loop is short (k3-small: 512 inputs, 4 steps of 128):
@@ -794,7 +804,7 @@ def _grouped_glu_kernel(bounds_ref, order_ref, x_ref, *rest, gate_layout: str, u
     gate = _WeightRefs(rest[:n_gate], gate_layout, interpret)
     up = _WeightRefs(rest[n_gate:n_gate + n_up], up_layout, interpret)
     h_ref, items_ref = rest[n_gate + n_up:n_gate + n_up + 2]
-    item, col = pl.program_id(0), pl.program_id(1)
+    item, col = _item_and_column(items_ref.shape[1], h_ref.shape[1] // block_n, config.column_group)
 
     def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
         n0 = col * block_n
@@ -852,7 +862,8 @@ def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout
     # program (item, column tile, slice): slice s runs the contraction steps [s * split_steps, (s + 1) * split_steps)
     down = _WeightRefs(rest[:-1], layout, interpret)
     y_ref = rest[-1]
-    item, col, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    item, col = _item_and_column(items_ref.shape[1], y_ref.shape[1] // block_n, config.column_group)
+    part = pl.program_id(2 if not config.column_group else 1)
 
     def tile(row_start, rows, expert, lo, hi):  # rows x block_n outputs from row_start; stores rows lo..hi-1
         n0 = col * block_n
@@ -883,6 +894,30 @@ def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout
         plgpu.store(y_ref.at[target[:, None], cols[None, :]], acc * scale[:, None], mask=keep)
 
     _for_item_rows(*(items_ref[i, item] for i in range(4)), config, tile)
+
+
+def _item_and_column(num_items: int, num_columns: int, column_group: int):
+    """(work item, column tile) of this program. column_group 0: the grid is (items, columns, ...), items varying
+    fastest in launch order, so consecutive programs take one column tile of consecutive items (an expert's row tiles
+    share each weight tile), and an item's x rows are read again for every column tile. G > 0: the grid's first axis
+    is items x columns, walked G columns of one item, then the same G of the next item, ... (the last group may be
+    narrower): consecutive programs share the item's x rows, and an expert's items the G weight tiles."""
+    if not column_group:
+        return pl.program_id(0), pl.program_id(1)
+    pid = pl.program_id(0)
+    per_group = num_items * column_group
+    group = jax.lax.div(pid, per_group)
+    rest = pid - group * per_group
+    width = jnp.minimum(column_group, num_columns - group * column_group)
+    item = jax.lax.div(rest, width)
+    return item, group * column_group + rest - item * width
+
+
+def _programs(num_items: int, num_columns: int, config: MoeGemmConfig, *more: int) -> tuple[int, ...]:
+    """The grid of a kernel whose programs `_item_and_column` places (then `more` axes)."""
+    if config.column_group:
+        return (num_items * num_columns, *more)
+    return (num_items, num_columns, *more)
 
 
 def _expert_rows(ids_ref, bounds_ref, row_start, rows: int, expert, top_k: int):
@@ -1044,7 +1079,7 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(num_items, i_pad // config.glu_block_n),
+        grid=_programs(num_items, i_pad // config.glu_block_n, config),
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
         name="moe_grouped_glu",
@@ -1071,7 +1106,7 @@ def grouped_down(h: jax.Array, order: jax.Array, items: jax.Array, routing: jax.
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits * m, out_dim), jnp.float32),
-        grid=(items.shape[1], out_dim // config.down_block_n, splits),
+        grid=_programs(items.shape[1], out_dim // config.down_block_n, config, splits),
         compiler_params=_compiler_params(config, interpret, down=True),
         interpret=interpret,
         name="moe_grouped_down",

@@ -101,6 +101,8 @@ def test_sweep_checks_modes_and_reports_the_peer(tmp_path, capsys):
 def test_tiling_strings_round_trip():
     """A tiling string names every field it sets (tail_block_m, down_num_stages, down_split_k, aligned only as far as set),
     and parse_configs reads back the config it names; a wrong field count is refused."""
+    import dataclasses
+
     import pytest
 
     from pallas_kernels.moe_gemm import DECODE_CONFIG, LARGE_GROUP_DEFAULT, MoeGemmConfig
@@ -109,9 +111,10 @@ def test_tiling_strings_round_trip():
     down3 = MoeGemmConfig(16, 64, 64, 128, 4, 4, down_num_stages=3)
     split2 = MoeGemmConfig(16, 64, 64, 128, 4, 4, down_split_k=2)
     aligned = MoeGemmConfig(128, 128, 256, 64, 8, 3, tail_block_m=64, aligned=True, down_split_k=2)
-    for cfg, name in ((DECODE_CONFIG, "16/64/64/128/4/4/0/2"), (LARGE_GROUP_DEFAULT, "128/128/256/64/8/3/64/0/1/1"),
+    for cfg, name in ((DECODE_CONFIG, "16/64/64/128/4/4/0/2"), (LARGE_GROUP_DEFAULT, "128/128/256/64/8/3/64/0/1/1/8"),
                       (down3, "16/64/64/128/4/4/0/3"), (split2, "16/64/64/128/4/4/0/0/2"),
-                      (aligned, "128/128/256/64/8/3/64/0/2/1")):
+                      (aligned, "128/128/256/64/8/3/64/0/2/1"),
+                      (dataclasses.replace(aligned, column_group=8), "128/128/256/64/8/3/64/0/2/1/8")):
         assert bench.config_name(cfg) == name
         assert bench.parse_configs(name) == [cfg]
     assert bench.parse_configs("128/128/256/64/8/3/64/0/2/1")[0].aligned is True

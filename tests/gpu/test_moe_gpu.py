@@ -105,6 +105,9 @@ MID_SIZE_MODES = {  # tail tiles and expert-aligned items for mid-size groups (b
     "64x256": moe_gemm.MoeGemmConfig(block_m=64, glu_block_n=256, down_block_n=256, block_k=64, num_warps=8,
                                      num_stages=3),
     "aligned_tail64": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, tail_block_m=64, aligned=True),
+    "aligned_tail64_groups8": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, tail_block_m=64, aligned=True,
+                                                  column_group=8),
+    "groups3_split2": dataclasses.replace(moe_gemm.LARGE_GROUP_WIDE_DOWN, column_group=3, down_split_k=2),
 }
 
 

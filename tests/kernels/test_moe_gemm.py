@@ -762,6 +762,30 @@ def test_mid_size_modes_match_float64(config):
     assert rel(moe_grouped_mlp_reference(x, ids, w, experts), want) < 2e-6
 
 
+@pytest.mark.parametrize("config", [
+    MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=32, block_k=32, column_group=2),
+    MoeGemmConfig(block_m=32, glu_block_n=32, down_block_n=32, block_k=32, column_group=3, aligned=True,
+                  tail_block_m=16, down_split_k=2),
+    MoeGemmConfig(block_m=16, glu_block_n=32, down_block_n=32, block_k=32, column_group=4),
+], ids=["groups_of_2", "one_group_aligned_split", "wider_than_the_columns"])
+def test_column_groups_match_float64(config):
+    """The column-grouped launch order (`_item_and_column`): 3 column tiles in groups of 2 (a narrower last group),
+    of 3, and of 4 (wider than the columns), fp32 (the 2e-6 band above), with the other modes on top: every
+    (item, column) program runs exactly once, or a tile of h / y would be missing or doubled. 75 tokens in 16-row
+    tiles rank in the kernel (`ranks_in_kernel`), the others sort."""
+    rng = np.random.default_rng(26)
+    x, ids, w, experts = make_case(rng, 75, 2, 5, 96, 80, jnp.float32, empty=(1,), hot=2)
+    want = numpy_moe(x, ids, w, as_f64(experts), "situ")
+    assert rel(moe_grouped_mlp(x, ids, w, experts, config=config, interpret=True), want) < 2e-6
+    seen = Counter()
+    num_items, columns = 7, 3
+    for pid in range(num_items * columns):
+        with mock.patch.object(moe_gemm.pl, "program_id", lambda axis, pid=pid: pid):
+            item, col = moe_gemm._item_and_column(num_items, columns, config.column_group)
+        seen[int(item), int(col)] += 1
+    assert seen == Counter({(i, c): 1 for i in range(num_items) for c in range(columns)})
+
+
 def test_mid_size_modes_bf16_and_config_errors():
     """bf16 activations with a tail tile (1e-2: the bf16 band above), and tail_block_m's ValueErrors."""
     rng = np.random.default_rng(6)
@@ -790,7 +814,7 @@ def test_mid_size_modes_lower_to_triton_for_an_h200():
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     wide = moe_gemm.LARGE_GROUP_WIDE_DOWN
     for config in (MoeGemmConfig(**{**wide.__dict__, "tail_block_m": 64}), MoeGemmConfig(64, 256, 256, 64, 8, 3),
-                   dataclasses.replace(wide, tail_block_m=64, aligned=True)):
+                   dataclasses.replace(wide, tail_block_m=64, aligned=True, column_group=4)):
         with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
             lowered = jax.jit(lambda *a, c=config: moe_grouped_mlp(*a, config=c)).trace(*args).lower(
                 lowering_platforms=("cuda",))
