@@ -192,8 +192,8 @@ class MoeGemmConfig:
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
                                       num_stages=3)
 # The large-group default: the wide-down tiling with expert-aligned work items (`work_item`), 64-row MMAs for
-# items of <= 64 rows (an expert's last, partial tile) and column-grouped launch order (`_item_and_column`). H200, benchmarks/moe.py --sweep-tokens 16384,65536
-# (on-device check 4.4e-3): 2026-11-30 (docs/results/moe_mid_h200_2026-11-30e.json) global tiles with 64-row tails vs
+# items of <= 64 rows (an expert's last, partial tile) and column-grouped launch order (`_item_and_column`). H200,
+# benchmarks/moe.py --sweep-tokens 16384,65536 (on-device check 4.4e-3): 2026-11-30 (docs/results/moe_mid_h200_2026-11-30e.json) global tiles with 64-row tails vs
 # without, 294 rows/expert 3.06 vs 3.36 ms, 1172 rows/expert 10.16 vs 10.44 ms; 2026-12-02
 # (docs/results/moe_aligned_h200_2026-12-02.json) aligned with tails vs global tiles with tails, same call: 2.84 vs
 # 2.96-3.12 ms (54.9 vs 50.1-52.8 % of the jnp.dot peak; MMA rows / rows 1.10 vs 1.21) and 9.54 vs 9.67-9.85 ms
@@ -424,8 +424,8 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
     the next 32 = the next group, so each nibble plane decodes straight into an MMA operand with a single
     scale per output column. layout="k4" / "k4r": {"planes_k4" | "planes_k4r": [E, in/8, 4 * out], "scale_words":
     [E, ceil(in/128), out] uint32}, the same codes as 32-bit words (`_k4_words`, module docstring) and four groups'
-    scales per word as the bf16 exponent fields of their factors (`_scale_words`); "k4r" raises ValueError for E8M0 scales above
-    K4R_MAX_SCALE (its scale 2^(s-1) must be a finite bf16; needs concrete scales, not traced ones).
+    scales per word as the bf16 exponent fields of their factors (`_scale_words`); "k4r" raises ValueError for E8M0
+    scales above K4R_MAX_SCALE (its scale 2^(s-1) must be a finite bf16; needs concrete scales, not traced ones).
     `mxfp4_checkpoint_layout` is the inverse of all three.
     """
     if layout not in KERNEL_LAYOUTS:
@@ -449,9 +449,9 @@ def prepare_mxfp4(w: dict, layout: str = "kn") -> dict:
 
 
 def mxfp4_checkpoint_layout(w: dict) -> dict:
-    """The inverse of `prepare_mxfp4` (exact): {"planes_kn", "scales_gn"} | {"planes_k4" | "planes_k4r", "scale_words"} ->
-    {"packed": [E, out, in/2], "scale": [E, out, in/32]}, numpy or jax arrays; a checkpoint-layout dict is returned
-    as it is."""
+    """The inverse of `prepare_mxfp4` (exact): {"planes_kn", "scales_gn"} or {"planes_k4" | "planes_k4r",
+    "scale_words"} -> {"packed": [E, out, in/2], "scale": [E, out, in/32]}, numpy or jax arrays; a checkpoint-layout
+    dict is returned as it is."""
     layout = mxfp4_layout(w)
     if layout == "hf":
         return w
@@ -480,8 +480,10 @@ def _scale_words(scale, layout: str):
     bf16 exponent field of the factor of inputs 128b + 32g .. + 31 (s + _WORD_SCALE_BIAS[layout]; missing groups of
     a last, half word are 0). One word per two 64-input blocks and column, not four bytes: the kernel loads one word
     per k-step and a shift and a mask (`_word_factors`) give two groups' factors, one per 16-bit half, which the
-    bf16 multiply takes as they are. Offline (K3 EP16, decode tiling) the GLU / down loops' SASS per k-step 546 / 288
-    with four byte loads -> 496 / 259; 16-bit words of two groups with a shift and mask each: 541 / 299."""
+    bf16 multiply takes as they are. Offline (K3 EP16, decode tiling) the GLU / down loops' SASS per k-step: a byte
+    per group (before) 546 / 288; scale words 505 / 265 (523 / 284 with the split written in jnp, which LLVM narrows
+    to a shift and mask per half); 16-bit words of two groups 541 / 299; precomputed bf16 factors in 32-bit pairs
+    (twice the scale bytes) 496 / 259."""
     xp = _xp(scale)
     groups = scale.shape[-1]
     fields = scale.astype(xp.uint32) + _WORD_SCALE_BIAS[layout]
@@ -513,9 +515,9 @@ def _word_factors(words: jax.Array, high: bool, interpret: bool) -> tuple[jax.Ar
     if interpret:
         evens, odds = (words << 7) & 0x7F807F80, (words >> 1) & 0x7F807F80
     else:
+        out = [jax.ShapeDtypeStruct(words.shape, jnp.int32)]  # Triton's asm results are signless
         evens, odds = (plgpu.elementwise_inline_asm(_SCALE_FIELDS_ASM[k], args=[words], constraints="=r,r", pack=1,
-                                                    result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])[0]
-                       for k in ("evens", "odds"))
+                                                    result_shape_dtypes=out)[0] for k in ("evens", "odds"))
     half = (lambda v: v >> 16) if high else (lambda v: v & 0xFFFF)
     return tuple(jax.lax.bitcast_convert_type(half(v).astype(jnp.uint16), jnp.bfloat16) for v in (evens, odds))
 
@@ -714,8 +716,8 @@ def _decode_plane(packed: jax.Array, high: bool) -> jax.Array:
 class _WeightRefs:
     """One expert weight operand: float [E, K, N] refs, MXFP4 packed [E, N, K/2] + scale [E, N, K/32] refs
     (checkpoint layout "hf"), or a kernel layout: "kn" (planes [E, K/2, N] + scales [E, K/32, N]) or a word layout
-    "k4" / "k4r" (words [E, K/8, 4N] + scale words [E, ceil(K/128), N] uint32). interpret: the kernel runs interpreted (word layouts: jnp
-    decodes instead of inline asm)."""
+    "k4" / "k4r" (words [E, K/8, 4N] + scale words [E, ceil(K/128), N] uint32). interpret: the kernel runs
+    interpreted (word layouts: jnp decodes instead of inline asm)."""
 
     def __init__(self, refs, layout: str, interpret: bool = False):
         self.refs, self.layout, self.interpret = refs, layout, interpret

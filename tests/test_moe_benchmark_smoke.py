@@ -99,8 +99,8 @@ def test_sweep_checks_modes_and_reports_the_peer(tmp_path, capsys):
 
 
 def test_tiling_strings_round_trip():
-    """A tiling string names every field it sets (tail_block_m, down_num_stages, down_split_k, aligned only as far as set),
-    and parse_configs reads back the config it names; a wrong field count is refused."""
+    """A tiling string names every field it sets (tail_block_m, down_num_stages, down_split_k, aligned, column_group
+    only as far as set), and parse_configs reads back the config it names; a wrong field count is refused."""
     import dataclasses
 
     import pytest

@@ -444,7 +444,8 @@ def test_mxfp4_layout_errors():
     with pytest.raises(ValueError, match="do not match"):  # k4 words are [E, in/8, 4 out]
         moe_gemm.mxfp4_checkpoint_layout({"planes_k4": hf["packed"][:, :, :30], "scale_words": scale_words})
     with pytest.raises(ValueError, match="uint8 / uint32"):  # the word layouts' scales are 32-bit words
-        moe_gemm.mxfp4_checkpoint_layout({"planes_k4": hf["packed"][:, :8], "scale_words": scale_words.astype(jnp.uint8)})
+        moe_gemm.mxfp4_checkpoint_layout({"planes_k4": hf["packed"][:, :8],
+                                          "scale_words": scale_words.astype(jnp.uint8)})
     with pytest.raises(ValueError, match="match no layout"):  # word planes with the kn layout's scale groups
         moe_gemm.mxfp4_layout({"planes_k4r": hf["packed"][:, :8], "scales_gn": hf["scale"]})
     with pytest.raises(ValueError, match="layout must be one of"):
