@@ -155,8 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(pallas_kernels.moe_gemm.ranks_in_kernel); 0: one XLA sort per MoE layer, as before")
     p.add_argument("--moe-decode-tiling", default=None,
                    help="pallas_kernels.moe_gemm.DECODE_CONFIG for this run, as bm/gn/dn/bk/warps/stages"
-                        "[/tail_block_m[/down_stages[/down_split_k]]] (the grouped GEMMs' tiling at <= 16 rows per "
-                        "expert; MoeGemmConfig.from_tiling)")
+                        "[/tail_block_m[/down_stages[/down_split_k[/aligned[/column_group]]]]] (the grouped GEMMs' "
+                        "tiling at <= 16 rows per expert; MoeGemmConfig.from_tiling)")
     p.add_argument("--dense-kernel", choices=k3_layers.DENSE_KERNELS, default=k3_layers.DENSE_DECODE_KERNEL,
                    help="the pallas backend's dense GEMMs at decode sizes (k3jax.layers.DENSE_DECODE_KERNEL; default "
                         f"{k3_layers.DENSE_DECODE_KERNEL}): xla, or skinny (pallas_kernels/skinny_gemm.py)")

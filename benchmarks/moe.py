@@ -93,15 +93,17 @@ def parse_args(argv=None):
     p.add_argument("--mxfp4-variants", type=str, default="",
                    help="comma list of moe_gemm.MXFP4_VARIANTS to time against bf16 at --sweep-tokens (k3-ep16)")
     p.add_argument("--mxfp4-configs", type=str, default="16/64/64/128/4/4/0/2,16/128/128/128/4/3",
-                   help="tilings (bm/gn/dn/bk/warps/stages[/tail_block_m[/down_stages[/down_split_k]]], "
-                        "MoeGemmConfig.from_tiling) of the MXFP4 variant section, each run for bf16 and every variant")
+                   help="tilings (bm/gn/dn/bk/warps/stages[/tail_block_m[/down_stages[/down_split_k[/aligned"
+                        "[/column_group]]]]], MoeGemmConfig.from_tiling) of the MXFP4 variant section, each run for "
+                        "bf16 and every variant")
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="the MXFP4 variant section starts no new case after this many seconds")
     p.add_argument("--sweep-budget-s", type=float, default=None,
                    help="the sweep section starts no new case after this many seconds (default: no limit)")
     p.add_argument("--sweep-configs", type=str, default=None,
-                   help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages[/tail_block_m]"
-                        " tilings for the sweep (default: the built-in alternatives)")
+                   help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages[/tail_block_m"
+                        "[/down_stages[/down_split_k[/aligned[/column_group]]]]] tilings for the sweep (default: the "
+                        "built-in alternatives)")
     return p.parse_args(argv)
 
 
