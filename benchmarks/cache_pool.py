@@ -40,6 +40,7 @@ from serving.cache.hashing import prefix_hashes  # noqa: E402
 from serving.cache.host_tier import HostStore  # noqa: E402
 from serving.cache.pool_client import PoolStore  # noqa: E402
 from serving.cache.store import PageBlob  # noqa: E402
+from serving.ports import free_port  # noqa: E402
 
 _MIB = 1 << 20
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -154,12 +155,6 @@ def loopback_tcp_gbps(nbytes: int) -> float:
         conn.close()
     listener.close()
     return nbytes / statistics.median(times) / 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_pool_server(capacity_bytes: int):

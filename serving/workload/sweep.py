@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from serving.ports import free_port
 from serving.workload.replay import (
     Replay,
     ReplayConfig,
@@ -112,7 +113,7 @@ class ServerProcess:
                  env: dict | None = None, ready_timeout_s: float = 900.0, stop_timeout_s: float = 30.0):
         if any(a == "--http-port" or a.startswith("--http-port=") for a in serve_args):
             raise ValueError("serve_args must not set --http-port (the sweep picks the port)")
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "k3jax", "serve", *serve_args, "--http-port", str(self.port)]
         self.log_path = Path(log_path) if log_path else None
@@ -167,14 +168,6 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ sweep

@@ -11,13 +11,13 @@ deployment launcher's child wrapper (serving.disagg.deploy.ChildProcess).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from serving.disagg.deploy import ChildProcess
+from serving.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
@@ -25,12 +25,6 @@ ENGINE_FLAGS = ["--model", "k3-tiny", "--max-running", "1", "--max-prefill-token
                 "--max-model-len", "256", "--num-pages", "96", "--num-slots", "24", "--bucket-growth", "64",
                 "--no-warmup"]
 START_TIMEOUT_S = 420
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def Process(argv: list[str], env: dict, name: str) -> ChildProcess:

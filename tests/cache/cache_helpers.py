@@ -15,6 +15,7 @@ import numpy as np
 from serving.cache.hashing import prefix_hashes
 from serving.cache.mooncake_store import mooncake_env, mooncake_master_command
 from serving.cache.store import PageBlob
+from serving.ports import free_port  # noqa: F401 (test_pool_store imports it from here)
 
 POOL_SERVER_PY = os.path.join(os.path.dirname(__file__), "..", "..", "serving", "cache", "pool_server.py")
 
@@ -47,12 +48,6 @@ def hash_chain(rng: np.random.Generator, pages: int, page_size: int = 4) -> list
     """Chained page keys of a random token history of `pages` full pages plus a partial one."""
     tokens = rng.integers(0, 50_000, pages * page_size + 3).tolist()
     return prefix_hashes(tokens, page_size)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PoolProcess:
