@@ -373,7 +373,8 @@ def bench_moe(name, shape, token_counts, limits, args, interpret):
 def parse_configs(spec: str) -> list[MoeGemmConfig]:
     """'128/128/128/64/8/3,...' -> MoeGemmConfigs (block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages),
     optionally followed by /tail_block_m (0 = off), e.g. 128/128/256/64/8/3/64, /down_num_stages (0 = the
-    same), e.g. 16/64/64/128/4/4/0/3, /down_split_k and /aligned (0 / 1), e.g. 128/128/256/64/8/3/64/0/1/1."""
+    same), e.g. 16/64/64/128/4/4/0/3, /down_split_k, /aligned (0 / 1) and /column_group, e.g.
+    128/128/256/64/8/3/64/0/1/1/8."""
     return [MoeGemmConfig.from_tiling(item) for item in filter(None, spec.split(","))]
 
 

@@ -28,7 +28,7 @@ kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-s
   5. each token sums its top_k consecutive rows of y (elementwise adds, deterministic: fuse into the consumer).
 `tile_schedule` lists all items at once (tests, the benchmark's MMA-row count).
 
-Mid-size groups (MoeGemmConfig.tail_block_m and .aligned; both set in LARGE_GROUP_DEFAULT only). Every work item
+Mid-size groups (MoeGemmConfig.tail_block_m, .aligned and .column_group; set in LARGE_GROUP_DEFAULT only). Every work item
 costs a full block_m-row MMA, so items waste the rows of a tile that belong to a neighbouring expert: with 56
 groups of ~292 rows in global 128-row tiles the MMAs compute 1.42x the real rows (1.11x at ~1170 rows).
 tail_block_m=64 runs items of <= 64 rows as a 64-row MMA (a second compiled branch of each kernel): 1.21x
@@ -185,16 +185,18 @@ class MoeGemmConfig:
         if len(parts) not in range(6, 12) or (len(parts) >= 10 and parts[9] not in ("0", "1")):
             raise ValueError(f"a tiling has 6 fields bm/gn/dn/bk/warps/stages, then optionally /tail_block_m, "
                              f"/down_num_stages, /down_split_k, /aligned (0 or 1) and /column_group; got {tiling!r}")
-        values = [int(x) for x in parts]
-        return cls(*values[:9], *(bool(v) for v in values[9:10]), *values[10:])
+        values: list = [int(x) for x in parts]
+        if len(values) > 9:
+            values[9] = bool(values[9])  # aligned
+        return cls(*values)
 
 
 LARGE_GROUP_WIDE_DOWN = MoeGemmConfig(block_m=128, glu_block_n=128, down_block_n=256, block_k=64, num_warps=8,
                                       num_stages=3)
 # The large-group default: the wide-down tiling with expert-aligned work items (`work_item`), 64-row MMAs for
 # items of <= 64 rows (an expert's last, partial tile) and column-grouped launch order (`_item_and_column`). H200,
-# benchmarks/moe.py --sweep-tokens 16384,65536 (on-device check 4.4e-3): 2026-11-30 (docs/results/moe_mid_h200_2026-11-30e.json) global tiles with 64-row tails vs
-# without, 294 rows/expert 3.06 vs 3.36 ms, 1172 rows/expert 10.16 vs 10.44 ms; 2026-12-02
+# benchmarks/moe.py --sweep-tokens 16384,65536 (on-device check 4.4e-3): 2026-11-30
+# (docs/results/moe_mid_h200_2026-11-30e.json) global tiles with 64-row tails vs without, 294 rows/expert 3.06 vs 3.36 ms, 1172 rows/expert 10.16 vs 10.44 ms; 2026-12-02
 # (docs/results/moe_aligned_h200_2026-12-02.json) aligned with tails vs global tiles with tails, same call: 2.84 vs
 # 2.96-3.12 ms (54.9 vs 50.1-52.8 % of the jnp.dot peak; MMA rows / rows 1.10 vs 1.21) and 9.54 vs 9.67-9.85 ms
 # (65.3 vs 63.2-64.3 %); aligned without tails 2.91 / 9.81 ms. Programs launched in groups of 8 column tiles per item
@@ -312,7 +314,6 @@ def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int, aligned: b
     p = starts.shape[0]
     sizes = ends - starts
     if aligned:
-        first_tile = jnp.zeros_like(starts)
         count = jax.lax.div(sizes + block_m - 1, block_m)  # non-negative: truncation is floor; 0 for an empty one
     else:
         first_tile = jax.lax.div(starts, block_m)  # non-negative: truncation is floor
@@ -325,10 +326,11 @@ def work_item(starts: jax.Array, ends: jax.Array, item, block_m: int, aligned: b
     def at_expert(v):
         return jnp.sum(jnp.where(pick, v, 0))
 
-    tile = at_expert(first_tile) + item - at_expert(item_end - count)
-    row0 = at_expert(starts) + tile * block_m if aligned else tile * block_m
+    local = item - at_expert(item_end - count)  # the item's index among its expert's
+    start = at_expert(starts)
+    row0 = start + local * block_m if aligned else (at_expert(first_tile) + local) * block_m
     valid = item < num_items
-    lo = jnp.where(valid, jnp.maximum(at_expert(starts), row0), 0)
+    lo = jnp.where(valid, jnp.maximum(start, row0), 0)
     hi = jnp.where(valid, jnp.minimum(at_expert(ends), row0 + block_m), 0)
     return jnp.where(valid, row0, 0), expert, lo, hi
 

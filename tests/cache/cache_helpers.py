@@ -15,7 +15,7 @@ import numpy as np
 from serving.cache.hashing import prefix_hashes
 from serving.cache.mooncake_store import mooncake_env, mooncake_master_command
 from serving.cache.store import PageBlob
-from serving.ports import free_port  # noqa: F401 (test_pool_store imports it from here)
+from serving.ports import free_port
 
 POOL_SERVER_PY = os.path.join(os.path.dirname(__file__), "..", "..", "serving", "cache", "pool_server.py")
 

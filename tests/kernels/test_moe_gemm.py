@@ -772,8 +772,8 @@ def test_mid_size_modes_match_float64(config):
 def test_column_groups_match_float64(config):
     """The column-grouped launch order (`_item_and_column`): 3 column tiles in groups of 2 (a narrower last group),
     of 3, and of 4 (wider than the columns), fp32 (the 2e-6 band above), with the other modes on top: every
-    (item, column) program runs exactly once, or a tile of h / y would be missing or doubled. 75 tokens in 16-row
-    tiles rank in the kernel (`ranks_in_kernel`), the others sort."""
+    (item, column) program runs exactly once, or a tile of h / y would be missing or doubled. 75 tokens of top 2:
+    every config ranks its rows in the kernel (`ranks_in_kernel`)."""
     rng = np.random.default_rng(26)
     x, ids, w, experts = make_case(rng, 75, 2, 5, 96, 80, jnp.float32, empty=(1,), hot=2)
     want = numpy_moe(x, ids, w, as_f64(experts), "situ")
