@@ -50,10 +50,11 @@ takes 0.206 ms per layer with one wave of programs (66 parts; 69 % of copy bandw
 reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py); on the H200 (2026-11-30,
 benchmarks/mla.py --backends, docs/results/mla_backends_h200_2026-11-30b.json) it compiled, matched the
 reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4, and ran B64 x 32k in 4.25 ms
-(q_len 1, 13% of copy) and 7.61 ms (q_len 4): 1.48x / 1.69x the Triton kernel. With the current plan defaults (2026-12-03,
-docs/results/mla_mosaic96_h200_2026-12-03.json): 1.56-1.62 ms (35-37 % of copy; the shipped decode_attention 2.82 ms)
-and 5.23 ms at q_len 4; its loads alone take 1.24-1.27 ms there (both row-block programs stream the KV through L2). Its shared memory (Q 72 KiB + two
-72 KiB KV slots, the output reusing the KV ring) is ~221 KiB of the 227 KiB.
+(q_len 1, 13% of copy) and 7.61 ms (q_len 4): 1.48x / 1.69x the Triton kernel. With the current plan defaults
+(2026-12-03, docs/results/mla_mosaic96_h200_2026-12-03.json): 1.56-1.62 ms (35-37 % of copy; the shipped
+decode_attention 2.82 ms) and 5.23 ms at q_len 4; its loads alone take 1.24-1.27 ms there (both row-block programs
+stream the KV through L2). Its shared memory (Q 72 KiB + two 72 KiB KV slots, the output reusing the KV ring) is
+~221 KiB of the 227 KiB.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
