@@ -306,11 +306,12 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
 KDA_STAGE1 = "pallas"
 KDA_STAGE1_INTERPRET = "v2"
 # The fused decode kernel (read at trace time): "triton" (pallas_kernels/kda_decode.py) or "mosaic"
-# (pallas_kernels/kda_decode_mgpu.py: the state streamed by TMA; decode only, K a multiple of 128 -- verify and other
-# sizes keep the Triton kernel). On the H200 (2026-12-02, docs/benchmarks.md) "mosaic" is 1.05x / 1.08x the Triton
-# kernel at B64 / B256 T1 H96 (81.8 % of copy at B256). In the whole k3-small model (16 heads: under 8 items per CTA)
-# it measured the same as the Triton kernel (0.792 vs 0.793 ms/step of KDA decode, shadow check passed; H200,
-# 2026-12-02), so it stays opt-in: it pays at K3's head count, not at k3-small's.
+# (pallas_kernels/kda_decode_mgpu.py: the state streamed by TMA; decode and verify, K a multiple of 128 -- other
+# sizes keep the Triton kernel). On the H200 (2026-12-03, docs/benchmarks.md) "mosaic" is 1.10x / 1.12x the Triton
+# kernel at B64 / B256 T1 H96 (81 / 86 % of copy) and 1.05x in verify T4 (77-79 %). In the whole k3-small model (16
+# heads: under 8 items per CTA) it measured the same as the Triton kernel before those gains (0.792 vs 0.793 ms/step
+# of KDA decode, shadow check passed; H200, 2026-12-02), and the model has not run with it since, so it stays
+# opt-in: it pays at K3's head count; at k3-small's it has not been shown to.
 KDA_DECODE_KERNEL = "triton"
 
 
@@ -337,13 +338,13 @@ def _fused_decode(*args, interpret: bool, all_states: bool = False, packed=None,
 
     if KDA_DECODE_KERNEL not in ("triton", "mosaic"):
         raise ValueError(f"KDA_DECODE_KERNEL must be 'triton' or 'mosaic'; got {KDA_DECODE_KERNEL!r}")
-    if KDA_DECODE_KERNEL == "mosaic" and not all_states:
+    if KDA_DECODE_KERNEL == "mosaic":
         unpacked = list(args)
         if packed is not None:
             state = args[6]
             unpacked[0], unpacked[4], unpacked[5] = unpack_projection(args[0], packed, state.shape[1], state.shape[2])
         if kda_decode_mgpu.supported(*unpacked):
-            return kda_decode_mgpu.kda_decode_mgpu(*unpacked, interpret=interpret, **kw)
+            return kda_decode_mgpu.kda_decode_mgpu(*unpacked, interpret=interpret, all_states=all_states, **kw)
     return kda_decode(*args, interpret=interpret, all_states=all_states, packed=packed, **kw)
 
 

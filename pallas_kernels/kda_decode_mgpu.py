@@ -1,6 +1,6 @@
-"""Fused KDA decode on Mosaic GPU: the recurrent state streamed through shared memory by TMA.
+"""Fused KDA decode / verify on Mosaic GPU: the recurrent state streamed through shared memory by TMA.
 
-The same job as `kda_decode.kda_decode` in decode mode (all_states=False; verify stays on the Triton kernel): per
+The same job as `kda_decode.kda_decode`, decode and verify (all_states: every position's state written): per
 sequence b (state slot slots[b]) and head h, for each of the T <= 8 new tokens, the short conv (conv state in and out,
 in place), SiLU, q / k L2 norm, the gate, beta, the delta rule on the V-first fp32 state S [V, K], the output and the
 gated RMSNorm -- one launch per layer, k3-model.md §3:
@@ -38,9 +38,24 @@ bf16 rounding (5e-5); in place (no pool copy in the optimized HLO). The way ther
 warpgroup doing everything with operands from global memory 0.61 ms (ablation: its TMA streaming alone 0.228 ms =
 84 % of copy, with the state update 0.236); operands by TMA 0.47; two warpgroups sharing the vector work 0.37; prep
 specialised (vectors in the WGMMA column form, 32 replicated values a thread) 0.46; prep in the strided layout 0.25.
-The model uses it with k3jax.kda.KDA_DECODE_KERNEL = "mosaic" (opt-in: see there). Not done: verify (all_states:
-every position's state written) stays on the Triton kernel; B64 is still under 80 % (fewer items per CTA: 47, so
-the ring's fill and drain weigh more; a deeper ring needs smaller slots).
+The model uses it with k3jax.kda.KDA_DECODE_KERNEL = "mosaic" (opt-in: see there).
+
+2026-12-03 (twentieth session; benchmarks/kda.py --decode-variants mgpu, raw JSON
+docs/results/kda_decode_verify_mgpu_h200_2026-12-03.json; torch copy 4.19-4.20 TB/s). Two changes to decode and
+verify mode. (1) The state has its own TMA barrier (`state_bars`): the prep warpgroup waits only for the item's few
+KB of operands, not for its 64 KB state. Patched A/B in one run: B64 0.2503 against 0.2572 ms, B256 0.9095 against
+0.9399. (2) Verify: the update warpgroups keep the state in registers across the positions and stage each
+position's rows through their slice of the slot, one TMA store each (the store reads shared memory while the next
+position's math runs; the wait comes before the next write). Storing the rows straight from registers to global
+memory instead was 13-15 % slower (B64 T4 0.722 against 0.627 ms). Final figures, H96: decode B64 **0.236 ms =
+3.41 TB/s of state = 81 % of copy**, B256 0.898 ms = 86 % (Triton 0.259 / 1.001; fla pooled 0.270 / 1.180);
+verify T4 B64 0.619 ms = 77 %, B256 2.432 ms = 79 % (Triton 0.649 / 2.564; fla pooled, the same job, 0.759 /
+3.003). The benchmark now passes the step's small per-row operands as arguments. Closed over, the equal-valued ones
+(lengths, norm weight, fresh zeros) became three broadcast kernels per step; that was ~10 us of the old B64 figure.
+Ablations (B64 / B256 T1, patched copies): without the prep warpgroup's vector work 0.240 / 0.898 ms; without any
+vector work 0.238 / 0.892. In a profile (before both changes) the kernel alone took 0.236 / 0.914 ms of the 0.257 /
+0.940 ms steps. 128 CTAs (48 / 192 items each, no tail) instead of 132: 0.238 / 0.923 ms against 0.240 / 0.904 ms,
+so the grid stays one CTA per SM.
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
@@ -72,11 +87,11 @@ _L2_EPS = 1e-6
 _COL = plgpu.Layout.WGMMA.reduce(0)  # a [K] vector as a tile's columns (broadcast down the rows)
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector as a tile's rows (one value per row)
 _TILE = plgpu.Layout.WGMMA
-TMA_COPIES_PER_ITEM = 9  # the item's state; q|k|v inputs and conv windows (3 x 2); z; output gate
+OPERAND_COPIES_PER_ITEM = 8  # q|k|v inputs and conv windows (3 x 2); z; output gate (the state has its own barrier)
 APPROX_MATH = True  # MUFU exp / log / reciprocal / rsqrt: shorter latency chains in the prep warpgroup's vector code
 
-# kda_decode_mgpu's reference: the decode path of kda_decode's (same arguments, same results)
-kda_decode_mgpu_reference = functools.partial(kda_decode_reference, all_states=False)
+# kda_decode_mgpu's reference: kda_decode's (same arguments, same results, decode and verify)
+kda_decode_mgpu_reference = kda_decode_reference
 
 
 def _cols(ref):
@@ -119,13 +134,14 @@ def _gate(z, a, dt_bias, gate, lower_bound):
     return -a * lax.select(x > 20.0, x, _log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def _conv_positions(tap, window, x_at, valids, act_dtype, store):
+def _conv_positions(tap, window, x_at, valids, act_dtype, store, on_window=None):
     """Causal short conv + SiLU of one channel segment over its T positions (vectors in one layout), loading each
     tap (`tap(j)`, fp32, oldest tap first) and input (`x_at(t)`) where it is used, to keep few vectors live.
 
     window: the W-1 previous inputs (activation dtype); valids: T scalar bools. Calls store(t, act) with each
-    position's SiLU output (fp32, rounded to the activation dtype as the reference rounds it). Returns the last W-1
-    valid inputs (the new conv state)."""
+    position's SiLU output (fp32, rounded to the activation dtype as the reference rounds it), and (verify)
+    on_window(t, window) with the W-1 inputs ending at position t, valid or not (the reference's per-position conv
+    state). Returns the last W-1 valid inputs (the new conv state)."""
     f32 = jnp.float32
     kept = list(window)
     for t, valid in enumerate(valids):
@@ -134,24 +150,28 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
         for i, w_prev in enumerate(window):
             acc = acc + tap(i) * w_prev.astype(f32)
         window = window[1:] + [x_t.astype(act_dtype)]
+        if on_window is not None:
+            on_window(t, window)
         kept = [_select(valid, new, old) for new, old in zip(window, kept)]
         store(t, jax.nn.silu(acc).astype(act_dtype).astype(f32))
     return kept
 
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
-                 onw_ref, conv_ref, state_ref, y_ref, st_smem, x_smem, win_smem, z_smem, og_smem, cw_smem, prep_smem,
-                 vb_smem, o_smem, bars, taps_bars, prep_bars, done_bars, *, num_items, num_heads, num_tokens, stages,
-                 gate, lower_bound, eps, act_dtype):
+                 onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, gate,
+                 lower_bound, eps, act_dtype, all_states):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   alog_ref: [H] fp32; dtb_ref: [H, K] fp32; onw_ref: [V] o_norm weight
-    #   conv_ref: [P, W-1, 3*H*K] conv-state pool, read by TMA and written in place (a mutable ref)
-    #   state_ref: [P, H, V, K] fp32 state pool, read and written in place by TMA (a mutable ref)
+    #   conv_ref: [P, W-1, 3*H*K] conv-state pool, read by TMA (decode: and written in place, a mutable ref)
+    #   state_ref: [P, H, V, K] fp32 state pool, read by TMA (decode: and written in place by TMA, a mutable ref)
     #   y_ref: [B, T, H, V] activation dtype, the gated-normed output
+    #   verify only (all_states), refs[:2]: conv_out_ref [B, T, W-1, 3*H*K], the conv state after each position;
+    #   states_out_ref [B, T, H, V, K] fp32, the recurrent state after each position (the pools are not written)
     # SMEM ring, one slot per item in flight: st_smem [S, V, K] fp32 (tiled 8 x 32, 128-byte swizzle) the state;
     #   x_smem [S, 3, T, K] the item's q|k|v inputs; win_smem [S, 3, W-1, K] its conv windows; z_smem [S, T, K];
-    #   og_smem [S, T, V]; bars [S]: the slot's TMA_COPIES_PER_ITEM copies (see `issue`) have landed
+    #   og_smem [S, T, V]; bars [S]: the slot's OPERAND_COPIES_PER_ITEM copies (see `issue`) have landed;
+    #   state_bars [S]: its state has (the prep warpgroup needs only the operands, so it never waits for the state)
     # SMEM, the head's conv taps for prep, two buffers (item parity): cw_smem [2, 3, W, K]; taps_bars [2] (3 copies)
     # SMEM, the prepared operands, two buffers (item parity: prep runs one item ahead of the update): prep_smem
     #   [2, T, 4, K] fp32 (q^, k^, beta k^, e^g); vb_smem [2, T, V] fp32 (beta v); prep_bars [S]: item's written
@@ -160,7 +180,11 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     # Warpgroups: wg < V / 64 update state rows [64 wg, 64 wg + 64) of every item (the delta rule is row-separable
     # over V); the last one ("prep") issues the TMA ring, runs the vector work of item j + 1 (short convs, SiLU, L2
     # norms, gate, beta) while the others update item j's state, then stores item j's state back and applies its
-    # gated RMSNorm.
+    # gated RMSNorm. In verify the update warpgroups keep the state in registers across the T positions and stage
+    # each position's rows through their slice of the slot, each stored to states_out by its own TMA copy.
+    conv_out_ref, states_out_ref = refs[:2] if all_states else (None, None)
+    (st_smem, x_smem, win_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
+     done_bars, state_bars) = refs[2:] if all_states else refs
     f32 = jnp.float32
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
     wg = lax.axis_index("wg")
@@ -183,18 +207,19 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             b, h = item_of(step)
             slot, sl = lax.rem(step, stages), slots_ref[b]
             bar = bars.at[slot]
-            plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], bar)
             for i, seg in enumerate(segs_of(h)):
                 plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], x_smem.at[slot, i], bar)
                 plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], win_smem.at[slot, i], bar)
             plgpu.copy_gmem_to_smem(z_ref.at[b, :, h, :], z_smem.at[slot], bar)
             plgpu.copy_gmem_to_smem(og_ref.at[b, :, h, :], og_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], state_bars.at[slot])
 
         def store(step):  # item `step`'s state back to the pool once every update warpgroup is done with it
             b, h = item_of(step)
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(done_bars.at[slot])
-            plgpu.copy_smem_to_gmem(st_smem.at[slot], state_ref.at[slots_ref[b], h])
+            if not all_states:  # (verify leaves the pool alone: the update warpgroups wrote every position's state)
+                plgpu.copy_smem_to_gmem(st_smem.at[slot], state_ref.at[slots_ref[b], h])
 
         def issue_taps(step):  # the head's conv taps into their own two-deep ring (prep is their only reader)
             _, h = item_of(step)
@@ -223,14 +248,20 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
             def put(ref, value):
                 ref[...] = value
+
+            def put_window(t, window, seg):  # verify: position t's conv state
+                for r, w in enumerate(window):
+                    conv_out_ref.at[b, t, r, seg][...] = w.astype(conv_out_ref.dtype)
             for i, seg in enumerate(segs_of(h)):
                 window = [_vec(win_smem.at[slot, i, r]).astype(act_dtype) for r in range(width - 1)]
                 window = [_select(fresh, jnp.zeros_like(w), w) for w in window]  # zeros, not a fresh slot's bytes
                 kept = _conv_positions(lambda j, i=i: _vec(cw_smem.at[buf, i, j]), window,
                                        lambda t, i=i: _vec(x_smem.at[slot, i, t]), valids, act_dtype,
-                                       store=lambda t, act, i=i: put(acts_out[i](t), act))
-                for r in range(width - 1):
-                    conv_ref.at[sl, r, seg][...] = kept[r].astype(conv_ref.dtype)
+                                       store=lambda t, act, i=i: put(acts_out[i](t), act),
+                                       on_window=functools.partial(put_window, seg=seg) if all_states else None)
+                if not all_states:
+                    for r in range(width - 1):
+                        conv_ref.at[sl, r, seg][...] = kept[r].astype(conv_ref.dtype)
             dtb = _vec(dtb_ref.at[h])
             plgpu.commit_smem()
             for t in range(num_tokens):
@@ -274,7 +305,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             def _():  # the previous item's state goes back, and its slot is refilled once the store has read it
                 store(step - 1)
                 gated_norm(step - 1)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if not all_states:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 pl.when(step - 1 + stages < num_steps)(lambda: issue(step - 1 + stages))
 
         store(num_steps - 1)
@@ -287,25 +319,35 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
         @pl.loop(0, num_steps)
         def _update_step(step):
-            b, _ = item_of(step)
+            b, h = item_of(step)
             slot, buf = lax.rem(step, stages), lax.rem(step, 2)
             rows = st_smem.at[slot, blk]
-            plgpu.barrier_wait(bars.at[slot])
+            plgpu.barrier_wait(state_bars.at[slot])
             plgpu.barrier_wait(prep_bars.at[slot])
 
             @pl.when(fresh_ref[b] != 0)
             def _():  # a fresh row starts from zeros, whatever its slot held (a select: exact over NaN / inf)
                 rows[...] = plgpu.layout_cast(jnp.zeros(tile, f32), _TILE)
 
+            s = plgpu.load(rows, layout=_TILE) if all_states else None
             for t in range(num_tokens):
                 ops = prep_smem.at[buf, t]
-                s = plgpu.load(rows, layout=_TILE) * _down_rows(_cols(ops.at[3]), tile)
+                if not all_states:  # decode: the state lives in its slot between positions (fewer registers)
+                    s = plgpu.load(rows, layout=_TILE)
+                s = s * _down_rows(_cols(ops.at[3]), tile)
                 err = _rows(vb_smem.at[buf, t, blk]) - jnp.sum(s * _down_rows(_cols(ops.at[2]), tile), axis=1)
                 s = s + _across_cols(err, tile) * _down_rows(_cols(ops.at[1]), tile)
+                if all_states and t:  # the slot's rows are the staging buffer: its last store must have read them
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 rows[...] = s
+                if all_states:  # this position's rows to states_out by TMA (it overlaps the next position's math)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(rows, states_out_ref.at[b, t, h, blk])
                 o_smem.at[buf, t, blk][...] = jnp.sum(s * _down_rows(_cols(ops.at[0]), tile), axis=1).astype(
                     act_dtype).astype(f32)
             plgpu.commit_smem()  # the new state rows and o are visible to the TMA engine and the prep warpgroup
+            if all_states:  # the slot is refilled once done_bars completes: the last store must have read it
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(done_bars.at[slot])
 
 
@@ -355,14 +397,16 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_) -> boo
     return _unsupported(qkv, conv_state, conv_weight, state) is None
 
 
-@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages"))
+@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
+                                             "all_states"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
-                    o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, interpret=False,
-                    num_ctas=None, stages=None):
-    """Fused KDA decode (T = 1..8 new tokens, final state only) for B sequences living in pooled states.
+                    o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
+                    interpret=False, num_ctas=None, stages=None):
+    """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
-    Arguments and results as `kda_decode.kda_decode` with all_states=False: (y [B, T, H, V], new conv pool, new
-    state pool), the pools updated in place at `slots` when the caller donates them.
+    Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
+    pools updated in place at `slots` when the caller donates them; verify (all_states=True), (y, conv states
+    [B, T, W-1, 3*H*K], states [B, T, H, V, K]) after every position, the pools untouched.
 
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
@@ -394,29 +438,34 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         ring(t, dv, dtype=out_gate.dtype), plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
         plgpu.SMEM((2, t, 4, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.SMEM((2, t, dv), jnp.float32),
-        plgpu.Barrier(num_arrivals=TMA_COPIES_PER_ITEM, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=stages),
         plgpu.Barrier(num_arrivals=3, num_barriers=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=dv // ROWS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
     ]
+    y_type = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
-                          lower_bound=lower_bound, eps=eps, act_dtype=act),
-        out_type=jax.ShapeDtypeStruct((bsz, t, h, dv), act),
+                          lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states),
+        out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, width - 1, c), conv_state.dtype),
+                  jax.ShapeDtypeStruct((bsz, t, h, dv, dk), jnp.float32)) if all_states else y_type,
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=dv // ROWS + 1,  # the update warpgroups and the prep warpgroup
         thread_name="wg",
-        kernel_name="kda_decode_mgpu",  # (profiles group it with the KDA decode kernel by this name)
+        kernel_name="kda_decode_verify_mgpu" if all_states else "kda_decode_mgpu",  # (profiles group by "kda_decode")
         compiler_params=plgpu.CompilerParams(approx_math=APPROX_MATH),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
+    operands = (slots.astype(jnp.int32), lengths.astype(jnp.int32), fresh, qkv, conv_weight, z, beta, out_gate,
+                a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight)
+    if all_states:  # the pools are only read
+        return kernel(*operands, conv_state, state)
     # the pools as mutable refs: the kernel's writes become in-place updates (input/output aliasing)
     conv_ref, state_ref = jax.new_ref(conv_state), jax.new_ref(state)
-    y = kernel(slots.astype(jnp.int32), lengths.astype(jnp.int32), fresh, qkv, conv_weight, z, beta, out_gate,
-               a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight,
-               conv_ref, state_ref)
+    y = kernel(*operands, conv_ref, state_ref)
     return y, conv_ref[...], state_ref[...]
 
 

@@ -398,3 +398,33 @@ def test_decode_mgpu_matches_reference(t, gate, stages, num_ctas):
     np.testing.assert_array_equal(got[2][untouched], state_pool[untouched])
     np.testing.assert_array_equal(got[1][untouched], conv_pool[untouched])
     assert not got[2][3].any() and not got[1][3].any()
+
+
+@pytest.mark.parametrize("t,gate,stages,num_ctas", [(4, "lower_bound", None, None), (3, "softplus", 2, 3),
+                                                    (6, "lower_bound", None, 7)])
+def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas):
+    """The Mosaic GPU kernel in verify mode (all_states: every position's conv and recurrent state written) on the
+    H200, same rows as the decode test: shuffled slots, padded, idle and fresh rows over NaN / inf garbage; the
+    pools are read only. fp32 activations fit a 2-slot ring up to T6 (T8 needs bf16: `supported` says no)."""
+    from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu, kda_decode_mgpu_reference
+
+    rng = np.random.default_rng(6)
+    b, h, d, pool = 6, 5, 128, 11
+    arr = lambda *s: rng.standard_normal(s).astype(np.float32)
+    conv_pool, state_pool = arr(pool, 3, 3 * h * d), arr(pool, h, d, d)
+    conv_pool[8, 1, :4] = [np.nan, np.inf, -np.inf, 1e30]
+    state_pool[8, 2, 5, :4] = [np.nan, np.inf, -np.inf, 1e30]
+    slots, lengths = [7, 0, 3, 8, 1, 10], [t, max(t - 2, 1), 0, 1, t, t]
+    fresh = jnp.asarray([0, 0, 1, 1, 0, 1], jnp.int32)
+    args = (jnp.asarray(arr(b, t, 3 * h * d)), jnp.asarray(conv_pool), jnp.asarray(arr(4, 3 * h * d) * 0.5),
+            jnp.asarray(arr(b, t, h, d)), jnp.asarray(arr(b, t, h)), jnp.asarray(arr(b, t, h, d)),
+            jnp.asarray(state_pool), jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    kw = dict(a_log=jnp.asarray(arr(h) * 0.5), dt_bias=jnp.asarray(arr(h * d)),
+              o_norm_weight=jnp.asarray(1 + 0.1 * arr(d)), gate=gate, fresh=fresh, all_states=True)
+    got = jax.device_get(kda_decode_mgpu(*args, **kw, stages=stages, num_ctas=num_ctas))
+    want = jax.device_get(kda_decode_mgpu_reference(*args, **kw))
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert got[1].shape == (b, t, 3, 3 * h * d) and got[2].shape == (b, t, h, d, d)
+    assert rel(got[0][valid], want[0][valid]) < 1e-5
+    assert np.isfinite(got[2]).all() and rel(got[2], want[2]) < 1e-5
+    np.testing.assert_array_equal(got[1], want[1])  # the raw inputs' windows: copies, no arithmetic

@@ -40,6 +40,29 @@ def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
     assert rel(state[4], pools["state"][4]) > 1e-3  # and the live rows did move
 
 
+@pytest.mark.parametrize("t,gate,stages,num_ctas", [(3, "lower_bound", 2, 3), (2, "softplus", None, 1)])
+def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas):
+    """Verify mode (all_states): every position's conv state and recurrent state against the reference, on the
+    same kind of batch as the decode test (shuffled slots in a larger pool, a padded row, an idle row, a fresh row
+    over NaN / inf garbage); padded positions carry the state unchanged; the pools are not written."""
+    step, pools, params = decode_inputs(4, bsz=4, t=t, h=2, dk=128, pool=7)
+    pools["state"] = pools["state"].at[6, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
+    pools["conv_state"] = pools["conv_state"].at[6, 0, :2].set(jnp.asarray([np.nan, np.inf]))
+    slots, lengths = [4, 0, 6, 2], [t, 0, t, t - 1]
+    fresh = jnp.asarray([0, 0, 1, 0], jnp.int32)
+    kw = dict(gate=gate, fresh=fresh, all_states=True)
+    y, conv, states = call(kda_decode_mgpu, step, pools, params, slots, lengths, interpret=True, stages=stages,
+                           num_ctas=num_ctas, **kw)
+    ry, rconv, rstates = call(kda_decode_mgpu_reference, step, pools, params, slots, lengths, **kw)
+    assert states.shape == (4, t, 2, 128, 128) and conv.shape == rconv.shape
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert rel(np.asarray(y)[valid], np.asarray(ry)[valid]) < 1e-5
+    assert np.isfinite(np.asarray(states)).all() and rel(states, rstates) < 1e-5
+    np.testing.assert_array_equal(np.asarray(conv), np.asarray(rconv))  # windows of raw inputs: copies only
+    np.testing.assert_array_equal(np.asarray(states)[3, t - 1], np.asarray(states)[3, t - 2])  # padded position
+    assert rel(states[0, t - 1], pools["state"][4]) > 1e-3  # the live rows did move
+
+
 def test_defaults_and_argument_errors():
     """Ring depth from shared memory (3 slots at T1 D128, 2 at T8); bad sizes / knobs raise ValueError."""
     sizes = dict(dv=128, dk=128, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4)
@@ -77,8 +100,9 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
         assert row[f"rel_{name}_mgpu_s2_c3_vs_triton"] < 1e-6
 
 
-@pytest.mark.parametrize("t,gate", [(1, "lower_bound"), (4, "softplus")])
-def test_lowers_for_the_h200_offline(t, gate, monkeypatch):
+@pytest.mark.parametrize("t,gate,all_states", [(1, "lower_bound", False), (4, "softplus", False),
+                                               (4, "lower_bound", True), (8, "softplus", True)])
+def test_lowers_for_the_h200_offline(t, gate, all_states, monkeypatch):
     """The kernel lowers to Mosaic GPU for sm_90 at the benchmark's shape (B64 H96 D128, bf16, fp32 taps) on a
     machine without a GPU: layouts, TMA shapes and the shared-memory budget (its limit is checked at lowering),
     which the interpreter does not check. (`_infer_arch` asks the local GPU; here there is none.)"""
@@ -93,6 +117,6 @@ def test_lowers_for_the_h200_offline(t, gate, monkeypatch):
             s((b, t, h), jnp.float32), s((b, t, h, d), bf), s((pool, h, d, d), jnp.float32), s((b,), jnp.int32),
             s((b,), jnp.int32))
     kw = dict(a_log=s((h,), jnp.float32), dt_bias=s((h * d,), jnp.float32), o_norm_weight=s((d,), bf))
-    fn = lambda *a, **k: kda_decode_mgpu(*a, **k, gate=gate)
+    fn = lambda *a, **k: kda_decode_mgpu(*a, **k, gate=gate, all_states=all_states)
     text = jax.jit(fn).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -88,9 +88,9 @@ def test_prefill_decode_verify_interpret_equals_reference(cfg):
 
 
 def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch):
-    """k3jax.kda.KDA_DECODE_KERNEL = "mosaic": the model's decode step runs kda_decode_mgpu (interpreted; K = 128,
-    the size it takes) and matches the reference path's logits and pools; verify keeps the Triton kernel.
-    Two rows in shuffled slots, one idle (its slot untouched)."""
+    """k3jax.kda.KDA_DECODE_KERNEL = "mosaic": the model's decode and verify steps run kda_decode_mgpu
+    (interpreted; K = 128, the size it takes) and match the reference path's logits and pools. Two rows in
+    shuffled slots; in decode one idles (its slot untouched), in verify one is padded."""
     from k3jax import kda as kda_mod
     from pallas_kernels import kda_decode_mgpu
 
@@ -119,3 +119,15 @@ def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch):
     assert rel(dec["interpret"][1].kda, dec["reference"][1].kda) < 1e-5
     assert rel(dec["interpret"][1].conv, dec["reference"][1].conv) < 1e-5
     np.testing.assert_array_equal(dec["interpret"][1].kda[:, 0], state.kda[:, 0])  # idle slot untouched
+
+    calls.clear()
+    drafts = np.stack([tokens[r, prompt[r] : prompt[r] + 3] for r in range(b)])
+    ver = {}
+    for name in ("reference", "interpret"):
+        ver[name] = k3jax.verify(params, cfg, jax.tree.map(jnp.copy, state), jnp.asarray(drafts),
+                                 step_meta(slots, table, prompt, [3, 2]), backend_name=name)
+    assert calls, "the verify step did not reach kda_decode_mgpu"
+    assert rel(ver["interpret"][0][0], ver["reference"][0][0]) < 1e-5
+    assert rel(ver["interpret"][0][1, :2], ver["reference"][0][1, :2]) < 1e-5  # row 1's 2 valid drafts
+    assert rel(ver["interpret"][2].kda, ver["reference"][2].kda) < 1e-5
+    assert rel(ver["interpret"][2].conv, ver["reference"][2].conv) < 1e-5
