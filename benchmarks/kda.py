@@ -33,7 +33,7 @@ sigmoid / q-k L2 norm fused on both sides:
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
            decode step's optimized HLO (0 = the q|k conv-state scatter stays in place in the donated pool).
            --decode-variants mgpu[_s<stages>][_c<ctas>] adds the Mosaic GPU kernel (kda_decode_mgpu, decode
-           cases only): ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and
+           and verify): ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and
            its pool copies (hlo_pool_copies_mgpu*); it competes for ours_best like any tiling.
   copy     torch and XLA device copies (bytes read + written) measured in the same run: the bandwidth limit.
 Timing: one warm-up (compile) call, then reps sized to ~25 ms per trial, median over --trials.
@@ -542,28 +542,35 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     state_bytes = b * h * D * D * 4
     ours_bytes = state_bytes * (1 + t) if verify else state_bytes * 2  # verify writes every position's state
 
+    # the step's small per-row operands are arguments, as in the model: closed over, the all-equal ones (lengths,
+    # the norm weight, no fresh rows) became constants that XLA rebuilds with one broadcast kernel each per step
+    # (three ~0.7 us kernels and their launch gaps, ~10 us per step, seen in a profile on the H200, 2026-12-03)
+    rows = (slots, lens, jnp.zeros((b,), jnp.int32), onw)
+    kw = {k: v for k, v in kw.items() if k != "o_norm_weight"}
+
     def time_ours(block_v, num_warps, loop_v=False, **extra):
         tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v, **extra)
-        if "mgpu" in extra:  # the Mosaic GPU kernel (decode only); checked against the Triton default first
+        if "mgpu" in extra:  # the Mosaic GPU kernel; checked against the Triton default first
             knobs = extra["mgpu"]
-            ref = kda_decode(qkv, conv, conv_w, z, beta, og, state, slots, lens, **kw)
-            got = jax.jit(lambda cv, st: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw,
-                                                         **knobs))(jnp.copy(conv), jnp.copy(state))
+            call = lambda cv, st, r: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, r[0], r[1], fresh=r[2],
+                                                     o_norm_weight=r[3], all_states=verify, **kw, **knobs)
+            ref = kda_decode(qkv, conv, conv_w, z, beta, og, state, slots, lens, o_norm_weight=onw,
+                             all_states=verify, **kw)
+            got = jax.jit(call)(jnp.copy(conv), jnp.copy(state), rows)
             tag = mgpu_tag(knobs)
             for name, a, r in zip(("y", "conv", "state"), got, ref):
                 row[f"rel_{name}_{tag}_vs_triton"] = rel(jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32))
-            fn = lambda cv, st: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw, **knobs)[1:]
         else:
-            fn = lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, **kw, **tiling)[1:]
+            call = lambda cv, st, r: kda_decode(qkv, cv, conv_w, z, beta, og, st, r[0], r[1], fresh=r[2],
+                                                o_norm_weight=r[3], all_states=verify, **kw, **tiling)
         if verify:
-            f = jax.jit(lambda cv, st: kda_decode(qkv, cv, conv_w, z, beta, og, st, slots, lens, all_states=True,
-                                                  **kw, **tiling))
-            return 1e3 * time_jax(lambda: f(conv, state), args.trials), None
-        step = jax.jit(fn, donate_argnums=(0, 1))
+            f = jax.jit(call)
+            return 1e3 * time_jax(lambda: f(conv, state, rows), args.trials), None
+        step = jax.jit(lambda cv, st, r: call(cv, st, r)[1:], donate_argnums=(0, 1))
         pools = [jnp.copy(conv), jnp.copy(state)]  # donated and replaced every step
 
         def run():
-            pools[:] = step(*pools)
+            pools[:] = step(*pools, rows)
             return pools[1]
 
         return 1e3 * time_jax(run, args.trials), step
@@ -573,7 +580,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     combos = [(bv, nw, loop, {}) for nw in args.decode_warps
               for bv, loop in [(v, False) for v in args.decode_block_v] + [(v, True) for v in args.decode_loop_v]
               if bv <= D]
-    combos += [decode_variant(name) for name in args.decode_variants if not (verify and name.startswith("mgpu"))]
+    combos += [decode_variant(name) for name in args.decode_variants]
     for i, (bv, nw, loop, extra) in enumerate(combos):
         if i and time.monotonic() > deadline - 5:
             row["sweep_cut"] = True
@@ -593,7 +600,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
                       else "hlo_pool_copies" if bv < D and not loop and "hlo_pool_copies" not in row else None)
         if step is not None and copies_key and not args.interpret:
             try:
-                row[copies_key] = count_pool_copies(step, conv, state)
+                row[copies_key] = count_pool_copies(step, conv, state, rows)
             except CaseTimeout:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -655,10 +662,11 @@ def decode_variant(name):
     return int(m.group(2)), int(m.group(3)), m.group(1) == "loop", extra
 
 
-def count_pool_copies(step, conv, state):
-    """Copy instructions producing a conv- or state-pool-shaped array in `step`'s optimized HLO."""
+def count_pool_copies(step, conv, state, *rest):
+    """Copy instructions producing a conv- or state-pool-shaped array in `step`'s optimized HLO (`rest`: the
+    step's other arguments)."""
     hlo = step.lower(jax.ShapeDtypeStruct(conv.shape, conv.dtype),
-                     jax.ShapeDtypeStruct(state.shape, state.dtype)).compile().as_text()
+                     jax.ShapeDtypeStruct(state.shape, state.dtype), *rest).compile().as_text()
     dims = [f"[{','.join(map(str, x.shape))}]" for x in (conv, state)]  # e.g. "[64,3,36864]"
     return sum(1 for line in hlo.splitlines()
                if " copy(" in line and any(d in line.split("=", 1)[-1].split("copy(")[0] for d in dims))
