@@ -21,6 +21,8 @@ Mid-size groups (issue 4: >= 60 % of the jnp.dot peak and >= 1.0x ragged_dot_mgp
   per T: moe_grouped_mlp's default, each tiling (/tail_block_m and /aligned: MoeGemmConfig's mid-size modes), then
   ragged_dot_mgpu (rows zero-padded to its 128-row tile, pad_sorted_rows); each checked against the dense einsum on
   the device; TFLOP/s, % of the jnp.dot peak of the same run, peer ms / ours; a summary line per T against the bar.
+  --sweep-rounds N: each case timed in N rounds, each right after its own jnp.dot peak; the share of the peak is
+  then the median of the per-round shares (the peak drifts ~10 % within a run, and our times drift with it).
 
 Limits (measured first, same process): bf16 matmul peak (jnp.dot 8192^3), XLA copy bandwidth (bf16 x*2 over
 2 GiB, bytes read + written) and, when torch imports, torch's copy bandwidth (the higher ceiling).
@@ -100,6 +102,9 @@ def parse_args(argv=None):
                    help="the MXFP4 variant section starts no new case after this many seconds")
     p.add_argument("--sweep-budget-s", type=float, default=None,
                    help="the sweep section starts no new case after this many seconds (default: no limit)")
+    p.add_argument("--sweep-rounds", type=int, default=1,
+                   help="time each sweep case this many rounds, each right after its own jnp.dot peak (on a GPU; "
+                        "the share of the peak is then taken per round: timed_with_adjacent_peak)")
     p.add_argument("--sweep-configs", type=str, default=None,
                    help="comma list of block_m/glu_block_n/down_block_n/block_k/num_warps/num_stages[/tail_block_m"
                         "[/down_stages[/down_split_k[/aligned[/column_group]]]]] tilings for the sweep (default: the "
@@ -129,10 +134,15 @@ def timed(fn, *args, target_s: float = 0.03, trials: int = 5) -> float:
     return statistics.median(times)
 
 
-def matmul_peak(n: int) -> float:
+@functools.cache
+def _matmul_operands(n: int):
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    return jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a, b
+
+
+def matmul_peak(n: int) -> float:
+    f, a, b = _matmul_operands(n)
     return 2 * n**3 / timed(f, a, b) / 1e12
 
 
@@ -383,11 +393,27 @@ def config_name(cfg: MoeGemmConfig) -> str:
     return cfg.tiling
 
 
-def bench_sweep(shape, token_counts, limits, interpret, configs=None, budget_s=None):
+def timed_with_adjacent_peak(f, args, rounds: int, peak_n: int = 8192) -> tuple[float, dict]:
+    """The case's time (median of `rounds`) with the jnp.dot peak measured right before each round: the card's
+    matmul rate drifts by ~10 % between runs and within one (645-721 TFLOP/s seen on the same 8192^3 product),
+    as much as tilings differ, so the share of the peak is taken per round against its neighbour. Returns the
+    seconds and the row fields: adjacent_peak_tflops (median), of_adjacent_peak (median of the per-round shares),
+    their spread. peak_n: the peak's matmul size (tests shrink it)."""
+    secs, peaks = [], []
+    for _ in range(rounds):
+        peaks.append(matmul_peak(peak_n))
+        secs.append(timed(f, *args))
+    return statistics.median(secs), dict(adjacent_peak_tflops=statistics.median(peaks), round_ms=[1e3 * x for x in secs],
+                                         round_peaks_tflops=peaks)
+
+
+def bench_sweep(shape, token_counts, limits, interpret, configs=None, budget_s=None, rounds=1):
     """Tilings and row modes of ours per token count, against the dense einsum on the device (rel err, correct if
     < 1e-2) and ragged_dot_mgpu (on a CPU: jax.lax.ragged_dot through the same padding, untimed). Per T: first
     moe_grouped_mlp's own default tiling ("default ..."), then each config of the matching size class (block_m
-    <= 32 at <= 16 rows/expert, larger otherwise), then the peer. Starts no new case after budget_s seconds."""
+    <= 32 at <= 16 rows/expert, larger otherwise), then the peer. Starts no new case after budget_s seconds.
+    rounds > 1 (on a GPU): each case timed that many times, each after its own jnp.dot peak
+    (`timed_with_adjacent_peak`); of_adjacent_peak then joins of_matmul_peak (the run's one peak)."""
     t_start = time.perf_counter()
     configs = configs or [  # the defaults (first of each group) are measured in the main table; alternatives
         MoeGemmConfig(16, 128, 128, 128, 4, 3), MoeGemmConfig(16, 64, 128, 256, 4, 3),
@@ -435,10 +461,21 @@ def bench_sweep(shape, token_counts, limits, interpret, configs=None, budget_s=N
                 if quant == "bf16":
                     err = rel_err(got, want["bf16"])
                     row.update(rel_err=err, correct=bool(err < 1e-2))
-                sec = timed(f, *args) if not interpret else float("nan")
+                paired = {}
+                if interpret:
+                    sec = float("nan")
+                elif rounds > 1:
+                    sec, paired = timed_with_adjacent_peak(f, args, rounds)
+                else:
+                    sec = timed(f, *args)
                 wbytes = moe_gemm.expert_weight_bytes(touched, k_dim, i_dim, packed=quant == "mxfp4")
                 tflops = flops / sec / 1e12
                 row.update(ms=sec * 1e3, tflops=tflops, weight_gbps=wbytes / sec / 1e9, of_matmul_peak=tflops / peak)
+                if paired:
+                    shares = [flops / (ms * 1e-3) / 1e12 / pk for ms, pk in zip(paired["round_ms"],
+                                                                             paired["round_peaks_tflops"])]
+                    row.update(paired, of_adjacent_peak=statistics.median(shares), of_adjacent_peak_min=min(shares),
+                               of_adjacent_peak_max=max(shares))
             except Exception as err:
                 row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
                 traceback.print_exc(limit=2)
@@ -478,9 +515,13 @@ def sweep_summary(rows) -> list[str]:
             continue
         b = min(ours, key=lambda r: r["ms"])
         vs = f"{peer['ms'] / b['ms']:.2f}x {peer['impl']}" if peer else "no peer"
-        bar = b["of_matmul_peak"] >= 0.6 and (peer is None or peer["ms"] >= b["ms"])
+        share = b.get("of_adjacent_peak", b["of_matmul_peak"])  # the paired share when the rounds measured one
+        which = (f"the adjacent jnp.dot peaks (median of {len(b['round_ms'])} rounds, "
+                 f"{100 * b['of_adjacent_peak_min']:.1f}-{100 * b['of_adjacent_peak_max']:.1f} %)"
+                 if "of_adjacent_peak" in b else "the jnp.dot peak")
+        bar = share >= 0.6 and (peer is None or peer["ms"] >= b["ms"])
         lines.append(f"sweep T={t} ({b['rows_per_expert']:.0f} rows/expert): best {b['tiling']} {b['ms']:.3f} ms = "
-                     f"{100 * b['of_matmul_peak']:.1f} % of the jnp.dot peak, {vs}; issue 4 bar (>= 60 %, >= 1.0x): "
+                     f"{100 * share:.1f} % of {which}, {vs}; issue 4 bar (>= 60 %, >= 1.0x): "
                      f"{'met' if bar else 'NOT met'}")
     return lines
 
@@ -691,8 +732,10 @@ def table(result) -> str:
             if "mma_rows_over_rows" in r:  # the MMA rate on the rows actually computed, as a share of the peak
                 waste = (f", MMA rows / rows {r['mma_rows_over_rows']:.2f} (computed rows at "
                          f"{100 * r['of_matmul_peak'] * r['mma_rows_over_rows']:.1f} % of the peak)")
+            adj = (f"; {100 * r['of_adjacent_peak']:.1f} % of the adjacent peaks, median of {len(r['round_ms'])}"
+                   if "of_adjacent_peak" in r else "")
             lines.append(f"{head}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({100 * r['of_matmul_peak']:.1f} % of "
-                         f"the matmul peak){vs}{check}{waste}")
+                         f"the matmul peak{adj}){vs}{check}{waste}")
         else:
             lines.append(f"{head}: {(r.get('error') or r.get('skipped', ''))[:100]}")
     lines += sweep_summary(result.get("sweep", []))
@@ -773,7 +816,8 @@ def main(argv=None) -> dict:
         if args.sweep_tokens:
             sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
         configs = parse_configs(args.sweep_configs) if args.sweep_configs else None
-        result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret, configs, args.sweep_budget_s)
+        result["sweep"] = bench_sweep(shapes[name], sweep_tokens, limits, interpret, configs, args.sweep_budget_s,
+                                      args.sweep_rounds)
         save()
     if args.mxfp4_variants:
         variants = [v for v in args.mxfp4_variants.split(",") if v]
