@@ -55,6 +55,13 @@ reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4, an
 decode_attention 2.82 ms) and 5.23 ms at q_len 4; its loads alone take 1.24-1.27 ms there (both row-block programs
 stream the KV through L2). Its shared memory (Q 72 KiB + two 72 KiB KV slots, the output reusing the KV ring) is
 ~221 KiB of the 227 KiB.
+A second schedule, mosaic_schedule="split" (2026-12-03, opt-in; _mgpu_split_decode_kernel): each compute
+warpgroup scores only its half of a block's keys, so Q K^T is no longer computed twice. The warpgroups swap row
+maxima and probabilities through shared memory, two barriers per block. On the H200 it matched the reference
+(<= 9.6e-4 relative, q_len 1 and 4). Under the benchmark's old fixed 132-part plan both schedules took 4.18-4.19 ms at
+B64 x 32k (docs/results/mla_split_schedule_h200_2026-12-03.json). That plan hides the kernel's own speed, so
+benchmarks/mla.py --backends now uses each backend's default plan knobs. The comparison at the model's plan has
+not been timed.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -258,6 +265,7 @@ MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value colum
 # The H200-checked setting (benchmarks/mla.py --backends, 2026-11-30): 64-key blocks, a 2-slot TMA ring (~216 KiB)
 MGPU_DEFAULT_BLOCK_KV = 64
 MGPU_DEFAULT_STAGES = 2
+MGPU_SCHEDULES = ("duplicate", "split")  # how the two compute warpgroups share a KV block (mla_decode's mosaic_schedule)
 
 
 def default_mgpu_block_kv(page_size: int) -> int:
@@ -265,6 +273,93 @@ def default_mgpu_block_kv(page_size: int) -> int:
     return max(MGPU_DEFAULT_BLOCK_KV, page_size)
 MGPU_SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 _MGPU_INTERPRET_KW = {}
+
+
+def _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref):
+    """This Mosaic program's work item: (item, request b, valid (False: a padding item), its first KV block, the
+    number of KV blocks it walks (0 when padding), its 64 query rows)."""
+    row_block, item = jax.lax.axis_index("rows"), jax.lax.axis_index("items")
+    b_raw = work_request_ref[item]
+    valid = b_raw >= 0
+    blk_start = work_start_ref[item]
+    num_steps = jnp.where(valid, work_end_ref[item] - blk_start, 0)
+    return item, jnp.maximum(b_raw, 0), valid, blk_start, num_steps, pl.ds(row_block * MGPU_ROWS, MGPU_ROWS)
+
+
+def _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, q_r_smem, pos_smem, q_barrier, *, b, rows):
+    """The item's 64 query rows by TMA onto q_barrier: q_latent's two 256-column halves, q_pe (unless q_r_smem is
+    None: the split schedule loads it into registers) and the rows' positions."""
+    c_half = MGPU_VALUE_HALF
+    for half in range(2):
+        plmgpu.copy_gmem_to_smem(q_ref.at[b, rows, pl.ds(half * c_half, c_half)], q_c_smem.at[half], q_barrier)
+    if q_r_smem is not None:
+        plmgpu.copy_gmem_to_smem(q_ref.at[b, rows, pl.ds(2 * c_half, q_r_smem.shape[-1])], q_r_smem, q_barrier)
+    plmgpu.copy_gmem_to_smem(row_pos_ref.at[b, rows], pos_smem, q_barrier)
+
+
+def _mgpu_softmax_start():
+    """A compute warpgroup's online-softmax state before its first KV block: row maxima -inf and row sums 0 (one
+    value a row, WGMMA row layout) and its [64, 256] fp32 accumulator at zero."""
+    row_layout = plmgpu.Layout.WGMMA.reduce(1)
+    return (plmgpu.layout_cast(jnp.full((MGPU_ROWS,), -jnp.inf, jnp.float32), row_layout),
+            plmgpu.layout_cast(jnp.full((MGPU_ROWS,), 0.0, jnp.float32), row_layout),
+            plmgpu.layout_cast(jnp.full((MGPU_ROWS, MGPU_VALUE_HALF), 0.0, jnp.float32), plmgpu.Layout.WGMMA))
+
+
+def _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, *, b, blk_start,
+                    num_steps, layer, page_size, stages):
+    """The Mosaic kernels' memory warpgroup: streams the item's KV blocks page by page into the `stages`-slot TMA
+    ring (c_smem [stages, 2, block_kv, 256] latent halves, r_smem [stages, block_kv, R] rope part), refilling a
+    slot once both compute warpgroups have arrived on its consumed barrier."""
+    plmgpu.set_max_registers(40, action="decrease")
+    block_kv, c_half, r_dim = c_smem.shape[2], MGPU_VALUE_HALF, r_smem.shape[-1]
+    pages_per_block = block_kv // page_size
+
+    def issue(step, slot):
+        for i in range(pages_per_block):
+            page = page_table_ref[b, (blk_start + step) * pages_per_block + i]
+            dst_rows = pl.ds(i * page_size, page_size)
+            for half in range(2):
+                plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(half * c_half, c_half)],
+                                        c_smem.at[slot, half, dst_rows], kv_barriers.at[slot])
+            plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(2 * c_half, r_dim)],
+                                    r_smem.at[slot, dst_rows], kv_barriers.at[slot])
+
+    for first in range(stages):
+        pl.when(first < num_steps)(functools.partial(issue, first, first))
+
+    @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+    def _refill(step):
+        slot = jax.lax.rem(step, stages)
+        plmgpu.barrier_wait(consumed_barriers.at[slot])  # both compute warpgroups are done with it
+        issue(step + stages, slot)
+
+    for last in range(stages):  # observe the consumed barriers' last phases too (the interpreter checks)
+        step = num_steps - stages + last
+
+        @pl.when(step >= 0)
+        def _():
+            plmgpu.barrier_wait(consumed_barriers.at[jax.lax.rem(jnp.maximum(step, 0), stages)])
+
+
+def _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_ref, *, item, rows, wg):
+    """A compute warpgroup's normalised partial output (its 256 value columns) and, from warpgroup 0, the rows'
+    base-2 log-sum-exp, through shared memory (o_smem / lse_smem alias the KV ring: called after both compute
+    warpgroups are past their last read of it)."""
+    seen = l_i > 0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+    out_smem = o_smem.at[wg]
+    out_smem[...] = acc * jax.lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    plmgpu.commit_smem()
+    plmgpu.copy_smem_to_gmem(out_smem, part_o_ref.at[item, rows, pl.ds(wg * MGPU_VALUE_HALF, MGPU_VALUE_HALF)])
+    plmgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 0)
+    def _():
+        lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+        plmgpu.commit_smem()
+        plmgpu.copy_smem_to_gmem(lse_smem, part_lse_ref.at[item, rows])
+        plmgpu.wait_smem_to_gmem(0)
 
 
 def _mgpu_decode_kernel(
@@ -296,64 +391,26 @@ def _mgpu_decode_kernel(
     interpret: bool,
 ):
     (c_smem, r_smem), (o_smem, lse_smem) = kv_union
-    row_block, item, wg = jax.lax.axis_index("rows"), jax.lax.axis_index("items"), jax.lax.axis_index("wg")
-    b_raw = work_request_ref[item]
-    valid = b_raw >= 0
-    b = jnp.maximum(b_raw, 0)
-    blk_start = work_start_ref[item]
-    num_steps = jnp.where(valid, work_end_ref[item] - blk_start, 0)
-    rows = pl.ds(row_block * MGPU_ROWS, MGPU_ROWS)
+    item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref)
+    wg = jax.lax.axis_index("wg")
     layer = layer_ref[0]
-    c_half, r_dim = MGPU_VALUE_HALF, r_smem.shape[-1]
-    pages_per_block = block_kv // page_size
+    c_half = MGPU_VALUE_HALF
 
     @pl.when(wg == 2)
     def _memory_warpgroup():
-        plmgpu.set_max_registers(40, action="decrease")
-
-        def issue(step, slot):
-            for i in range(pages_per_block):
-                page = page_table_ref[b, (blk_start + step) * pages_per_block + i]
-                dst_rows = pl.ds(i * page_size, page_size)
-                for half in range(2):
-                    plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(half * c_half, c_half)],
-                                            c_smem.at[slot, half, dst_rows], kv_barriers.at[slot])
-                plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(2 * c_half, r_dim)],
-                                        r_smem.at[slot, dst_rows], kv_barriers.at[slot])
-
-        for first in range(stages):
-            pl.when(first < num_steps)(functools.partial(issue, first, first))
-
-        @pl.loop(0, jnp.maximum(num_steps - stages, 0))
-        def _refill(step):
-            slot = jax.lax.rem(step, stages)
-            plmgpu.barrier_wait(consumed_barriers.at[slot])  # both compute warpgroups are done with it
-            issue(step + stages, slot)
-
-        for last in range(stages):  # observe the consumed barriers' last phases too (the interpreter checks)
-            step = num_steps - stages + last
-
-            @pl.when(step >= 0)
-            def _():
-                plmgpu.barrier_wait(consumed_barriers.at[jax.lax.rem(jnp.maximum(step, 0), stages)])
+        _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, b=b,
+                        blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages)
 
     @pl.when(wg < 2)
     def _compute_warpgroup():
         plmgpu.set_max_registers(232, action="increase")
 
-        @pl.when(wg == 0)
-        def _():
-            for half in range(2):
-                plmgpu.copy_gmem_to_smem(q_ref.at[b, rows, pl.ds(half * c_half, c_half)], q_c_smem.at[half], q_barrier)
-            plmgpu.copy_gmem_to_smem(q_ref.at[b, rows, pl.ds(2 * c_half, r_dim)], q_r_smem, q_barrier)
-            plmgpu.copy_gmem_to_smem(row_pos_ref.at[b, rows], pos_smem, q_barrier)
+        pl.when(wg == 0)(lambda: _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, q_r_smem, pos_smem, q_barrier,
+                                                     b=b, rows=rows))
 
         plmgpu.barrier_wait(q_barrier)
         row_pos = plmgpu.load(pos_smem, (), layout=plmgpu.Layout.WGMMA.reduce(1), optimized=False)
-        row_layout = plmgpu.Layout.WGMMA.reduce(1)
-        m_i = plmgpu.layout_cast(jnp.full((MGPU_ROWS,), -jnp.inf, jnp.float32), row_layout)
-        l_i = plmgpu.layout_cast(jnp.full((MGPU_ROWS,), 0.0, jnp.float32), row_layout)
-        acc = plmgpu.layout_cast(jnp.full((MGPU_ROWS, c_half), 0.0, jnp.float32), plmgpu.Layout.WGMMA)
+        m_i, l_i, acc = _mgpu_softmax_start()
         key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, block_kv), 1, layout=plmgpu.Layout.WGMMA)
 
         def kv_step(step, carry):
@@ -380,13 +437,7 @@ def _mgpu_decode_kernel(
             p16 = p.astype(q_c_smem.dtype)
             values = c_smem.at[slot, wg]  # [block_kv, 256]: this warpgroup's value columns
 
-            if interpret:  # the interpreter takes wgmma operands from shared memory only
-                p_smem = interpret_scratch[0].at[wg]
-                p_smem[...] = p16
-                plmgpu.commit_smem()
-                p_operand = p_smem
-            else:
-                p_operand = p16
+            p_operand = _staged_for_interpreter(p16, interpret_scratch[0].at[wg]) if interpret else p16
 
             def pv(acc_ref):
                 plmgpu.wgmma(acc_ref, p_operand, values)
@@ -405,31 +456,160 @@ def _mgpu_decode_kernel(
         plmgpu.barrier_arrive(done_barrier)
         plmgpu.barrier_wait(done_barrier)
 
-        @pl.when(valid)
-        def _write():
-            seen = l_i > 0
-            inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-            out_smem = o_smem.at[wg]
-            out_smem[...] = acc * jax.lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        pl.when(valid)(lambda: _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_ref,
+                                                   item=item, rows=rows, wg=wg))
+
+
+def _mgpu_split_decode_kernel(
+    # GMEM refs, as _mgpu_decode_kernel's
+    work_request_ref, work_start_ref, work_end_ref, q_ref, row_pos_ref, page_table_ref, layer_ref, kv_ref, part_o_ref,
+    part_lse_ref,
+    q_c_smem,  # [2, 64, 256] bf16: q_latent halves
+    p_smem,  # [2, 64, block_kv / 2] bf16: each compute warpgroup's probabilities (its half of the keys)
+    kv_union,  # shared memory used twice: ((c_smem, r_smem) in the KV loop, (o_smem, lse_smem) after it):
+    # c_smem [stages, 2, block_kv, 256] bf16 (slot, latent half, key, column); r_smem [stages, block_kv, R] bf16;
+    # o_smem [2, 64, 256] fp32; lse_smem [64]
+    pos_smem,  # [64] int32 row positions (the small buffers last: no alignment gaps between the swizzled ones)
+    stat_smem,  # [2, 64] fp32: each compute warpgroup's row maxima (then, after the loop, its row sums)
+    q_barrier,  # 1 barrier, 3 TMA arrivals (two q_latent halves, positions)
+    kv_barriers,  # [stages] barriers, 3 TMA arrivals per page
+    consumed_barriers,  # [stages] barriers, one arrival per compute warpgroup
+    max_barrier,  # both compute warpgroups wrote their row maxima (2 arrivals; once per KV block, once after)
+    probs_barrier,  # both compute warpgroups wrote their probabilities (2 arrivals, once per KV block)
+    done_barrier,  # both compute warpgroups are past their last read of c_smem / r_smem (2 arrivals)
+    *interpret_scratch,  # interpret mode: [2, 64, R] and [2, 64, block_kv] bf16, the register A operands staged
+    block_kv: int,
+    page_size: int,
+    stages: int,
+    softmax_scale: float,
+    interpret: bool,
+):
+    """The "split" schedule of the Mosaic kernel: each compute warpgroup scores its own half of a KV block's keys
+    (no duplicated Q K^T), the two exchange row maxima and probabilities through shared memory, and each
+    accumulates P @ C over all the block's keys for its 256 value columns. Per 64-key block and 64 rows: 64 x 64 x
+    (576 + 512) MMA FLOPs x 2 where the "duplicate" schedule does 64 x 64 x (2 x 576 + 512) x 2; two warpgroup
+    barriers per block instead of none. Memory warpgroup and epilogue as _mgpu_decode_kernel's.
+    Two wgmma A operands come from registers: q_pe [64, R] (loaded once from global memory; a shared-memory buffer
+    for it put the kernel 1,088 B over the H200's shared memory), and the block's probabilities [64, block_kv] in
+    P @ C (both halves read back from the exchange buffer and joined: an A operand in shared memory must share B's
+    128-byte swizzle, and a half's 32-key rows are 64 bytes; a register A needs K % 64 == 0, hence one [64, 64]
+    operand rather than two). The interpreter takes wgmma operands from shared memory only: in interpret mode both
+    are staged through interpret_scratch. Under the Mosaic GPU interpreter this kernel hangs in a process with 1 or
+    2 host CPU devices and runs with 8 (the test suite's setting; the "duplicate" kernel runs with any): its compute
+    warpgroups wait on each other inside the KV loop, and the interpreter's warpgroup threads apparently come from a
+    pool sized by the host devices (not established). On the H200 it ran to the reference's results."""
+    (c_smem, r_smem), (o_smem, lse_smem) = kv_union
+    item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref)
+    wg = jax.lax.axis_index("wg")
+    layer = layer_ref[0]
+    c_half, r_dim = MGPU_VALUE_HALF, r_smem.shape[-1]
+    key_half = block_kv // 2
+    own_keys = pl.ds(pl.multiple_of(wg * key_half, key_half), key_half)  # this compute warpgroup's keys of a block
+
+    @pl.when(wg == 2)
+    def _memory_warpgroup():
+        _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, b=b,
+                        blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages)
+
+    @pl.when(wg < 2)
+    def _compute_warpgroup():
+        plmgpu.set_max_registers(232, action="increase")
+
+        pl.when(wg == 0)(lambda: _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, None, pos_smem, q_barrier, b=b,
+                                                     rows=rows))
+
+        q_pe = plmgpu.load(q_ref.at[b, rows, pl.ds(2 * c_half, r_dim)], (), layout=plmgpu.Layout.WGMMA,
+                           optimized=False)
+        q_pe_operand = _staged_for_interpreter(q_pe, interpret_scratch[0].at[wg]) if interpret else q_pe
+        plmgpu.barrier_wait(q_barrier)
+        row_layout = plmgpu.Layout.WGMMA.reduce(1)
+        load_rows = lambda ref: plmgpu.load(ref, (), layout=row_layout, optimized=False)
+        row_pos = load_rows(pos_smem)
+        m_i, l_i, acc = _mgpu_softmax_start()
+        key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, key_half), 1, layout=plmgpu.Layout.WGMMA)
+
+        def kv_step(step, carry):
+            acc, m_prev, l_prev = carry
+            slot = jax.lax.rem(step, stages)
+            plmgpu.barrier_wait(kv_barriers.at[slot])
+
+            def scores(acc_ref):  # this warpgroup's half of the keys
+                for half in range(2):
+                    plmgpu.wgmma(acc_ref, q_c_smem.at[half], c_smem.at[slot, half, own_keys].transpose((1, 0)))
+                plmgpu.wgmma(acc_ref, q_pe_operand, r_smem.at[slot, own_keys].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plmgpu.ACC((MGPU_ROWS, key_half), jnp.float32))
+            s = s * (softmax_scale * LOG2E)
+            key_pos = (blk_start + step) * block_kv + wg * key_half + key_offsets
+            visible = key_pos <= jax.lax.broadcast_in_dim(row_pos, (MGPU_ROWS, key_half), [0])
+            s = jnp.where(visible, s, -jnp.inf)
+            # row maxima over both halves: each warpgroup publishes its own, then reads both (the barrier's phase
+            # also orders this block's writes after the other warpgroup's reads of the previous block's: those came
+            # before its probabilities, which this warpgroup waited for)
+            stat_smem.at[wg][...] = jnp.maximum(m_prev, s.max(axis=1))
+            plmgpu.barrier_arrive(max_barrier)
+            plmgpu.barrier_wait(max_barrier)
+            m_next = jnp.maximum(load_rows(stat_smem.at[0]), load_rows(stat_smem.at[1]))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            alpha = jnp.exp2(m_prev - m_safe)
+            l_next = l_prev * alpha + p.sum(axis=1)  # this warpgroup's keys only: the halves are summed at the end
+            p_smem.at[wg][...] = p.astype(p_smem.dtype)
             plmgpu.commit_smem()
-            plmgpu.copy_smem_to_gmem(out_smem, part_o_ref.at[item, rows, pl.ds(wg * c_half, c_half)])
-            plmgpu.wait_smem_to_gmem(0)
+            plmgpu.barrier_arrive(probs_barrier)
+            plmgpu.barrier_wait(probs_barrier)
 
-            @pl.when(wg == 0)
-            def _():
-                lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-                plmgpu.commit_smem()
-                plmgpu.copy_smem_to_gmem(lse_smem, part_lse_ref.at[item, rows])
-                plmgpu.wait_smem_to_gmem(0)
+            # both halves' probabilities as one [64, block_kv] A operand in registers (a register A needs K % 64 == 0)
+            p_all = jnp.concatenate([plmgpu.load(p_smem.at[kh], (), layout=plmgpu.Layout.WGMMA, optimized=False)
+                                     for kh in range(2)], axis=1)
+            if interpret:
+                p_all = _staged_for_interpreter(p_all, interpret_scratch[1].at[wg])
+
+            def pv(acc_ref):
+                plmgpu.wgmma(acc_ref, p_all, c_smem.at[slot, wg])
+
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if interpret:  # the interpreter cannot run wgmma into an initialised accumulator (run_state): add
+                acc = acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1],
+                                          plmgpu.ACC((MGPU_ROWS, c_half), jnp.float32))
+            else:
+                acc = pl.run_state(pv)(plmgpu.ACC.init(acc))
+            plmgpu.barrier_arrive(consumed_barriers.at[slot])
+            return acc, m_next, l_next
+
+        acc, m_i, l_i = jax.lax.fori_loop(0, num_steps, kv_step, (acc, m_i, l_i))
+        # the row sums of both halves (stat_smem's maxima were last read before the last probabilities barrier)
+        stat_smem.at[wg][...] = l_i
+        plmgpu.barrier_arrive(max_barrier)
+        plmgpu.barrier_wait(max_barrier)
+        l_i = load_rows(stat_smem.at[0]) + load_rows(stat_smem.at[1])
+        plmgpu.barrier_arrive(done_barrier)
+        plmgpu.barrier_wait(done_barrier)
+
+        pl.when(valid)(lambda: _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_ref,
+                                                   item=item, rows=rows, wg=wg))
 
 
-def mgpu_smem_bytes(block_kv: int, stages: int, r_dim: int) -> int:
-    """Shared memory of _mgpu_decode_kernel: queries [64, 512 + R] bf16 and row positions, then the KV ring
-    [stages, block_kv, 512 + R] bf16 sharing its space with the outputs [2, 64, 256] fp32 + lse [64] (barriers
-    and alignment not counted: ~1 KiB of slack is left under MGPU_SMEM_LIMIT)."""
+def _staged_for_interpreter(value, ref):
+    """`value` written to the shared-memory `ref` (this warpgroup's own) and `ref` returned: a wgmma A operand the
+    Mosaic GPU interpreter accepts (it reads wgmma operands from shared memory only; on the GPU they stay in
+    registers)."""
+    ref[...] = value
+    plmgpu.commit_smem()
+    return ref
+
+
+def mgpu_smem_bytes(block_kv: int, stages: int, r_dim: int, schedule: str = "duplicate") -> int:
+    """Shared memory of the Mosaic kernel: queries [64, 512 + R] bf16 and row positions, then the KV ring
+    [stages, block_kv, 512 + R] bf16 sharing its space with the outputs [2, 64, 256] fp32 + lse [64]; the "split"
+    schedule adds the probabilities [64, block_kv] bf16 and row statistics [2, 64] fp32 and holds q_pe in registers
+    instead (barriers and alignment not counted: ~1 KiB of slack is left under MGPU_SMEM_LIMIT)."""
     q = MGPU_ROWS * (2 * MGPU_VALUE_HALF + r_dim) * 2 + MGPU_ROWS * 4
     ring = stages * block_kv * (2 * MGPU_VALUE_HALF + r_dim) * 2
     outputs = 2 * MGPU_ROWS * MGPU_VALUE_HALF * 4 + MGPU_ROWS * 4
+    if schedule == "split":  # + probabilities and row statistics, - the q_pe buffer (q_pe is held in registers)
+        q += MGPU_ROWS * block_kv * 2 + 2 * MGPU_ROWS * 4 - MGPU_ROWS * r_dim * 2
     return q + max(ring, outputs)
 
 
@@ -440,9 +620,9 @@ def mgpu_supported(c_dim: int, r_dim: int, page_size: int, kv_dtype, block_kv: i
             and _is_pow2(page_size) and block_kv % page_size == 0 and block_kv % 64 == 0 and page_size % 8 == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "schedule", "interpret"))
 def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan, layer, *, kv_lora_rank, scale,
-                     block_kv, stages, interpret):
+                     block_kv, stages, schedule, interpret):
     mgpu = plmgpu
     b, t, h, c_dim = q_latent.shape
     page_size, r_dim = kv_pages.shape[-2], kv_pages.shape[-1] - kv_lora_rank
@@ -453,25 +633,46 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
     dtype = kv_pages.dtype
     swizzled = lambda shape, dt=dtype: mgpu.SMEM(shape, dt, transforms=(mgpu.TilingTransform((8, 64)),
                                                                         mgpu.SwizzleTransform(128)))
-    pages_per_block = block_kv // page_size
-    scratch = dict(
-        q_c_smem=swizzled((2, MGPU_ROWS, MGPU_VALUE_HALF)),
-        q_r_smem=swizzled((MGPU_ROWS, r_dim)),
-        pos_smem=mgpu.SMEM((MGPU_ROWS,), jnp.int32),
-        kv_union=mgpu.RefUnion(
-            (swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)), swizzled((stages, block_kv, r_dim))),
-            (mgpu.SMEM((2, MGPU_ROWS, MGPU_VALUE_HALF), jnp.float32), mgpu.SMEM((MGPU_ROWS,), jnp.float32)),
-        ),
-        q_barrier=mgpu.Barrier(num_arrivals=4),
-        kv_barriers=mgpu.Barrier(num_arrivals=3 * pages_per_block, num_barriers=stages),
-        consumed_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        done_barrier=mgpu.Barrier(num_arrivals=2),
-    )
-    if interpret:
-        scratch["p_smem"] = swizzled((2, MGPU_ROWS, block_kv))
+    outputs = (mgpu.SMEM((2, MGPU_ROWS, MGPU_VALUE_HALF), jnp.float32), mgpu.SMEM((MGPU_ROWS,), jnp.float32))
+    scratch = dict(q_c_smem=swizzled((2, MGPU_ROWS, MGPU_VALUE_HALF)))
+    if schedule == "split":
+        key_half = block_kv // 2
+        scratch.update(
+            p_smem=mgpu.SMEM((2, MGPU_ROWS, key_half), dtype, transforms=(
+                mgpu.TilingTransform((8, min(key_half, 64))), mgpu.SwizzleTransform(min(2 * key_half, 128)))),
+            kv_union=mgpu.RefUnion(
+                (swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)), swizzled((stages, block_kv, r_dim))),
+                outputs),
+            pos_smem=mgpu.SMEM((MGPU_ROWS,), jnp.int32),
+            stat_smem=mgpu.SMEM((2, MGPU_ROWS), jnp.float32),
+            q_barrier=mgpu.Barrier(num_arrivals=3),
+            kv_barriers=mgpu.Barrier(num_arrivals=3 * (block_kv // page_size), num_barriers=stages),
+            consumed_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            max_barrier=mgpu.Barrier(num_arrivals=2),
+            probs_barrier=mgpu.Barrier(num_arrivals=2),
+            done_barrier=mgpu.Barrier(num_arrivals=2),
+        )
+        if interpret:
+            scratch["q_pe_staged"] = swizzled((2, MGPU_ROWS, r_dim))
+            scratch["p_staged"] = swizzled((2, MGPU_ROWS, block_kv))
+        body = _mgpu_split_decode_kernel
+    else:
+        scratch.update(
+            q_r_smem=swizzled((MGPU_ROWS, r_dim)),
+            pos_smem=mgpu.SMEM((MGPU_ROWS,), jnp.int32),
+            kv_union=mgpu.RefUnion(
+                (swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)), swizzled((stages, block_kv, r_dim))), outputs),
+            q_barrier=mgpu.Barrier(num_arrivals=4),
+            kv_barriers=mgpu.Barrier(num_arrivals=3 * (block_kv // page_size), num_barriers=stages),
+            consumed_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            done_barrier=mgpu.Barrier(num_arrivals=2),
+        )
+        if interpret:
+            scratch["p_smem"] = swizzled((2, MGPU_ROWS, block_kv))
+        body = _mgpu_decode_kernel
     kernel = mgpu.kernel(
-        functools.partial(_mgpu_decode_kernel, block_kv=block_kv, page_size=page_size, stages=stages,
-                          softmax_scale=scale, interpret=interpret),
+        functools.partial(body, block_kv=block_kv, page_size=page_size, stages=stages, softmax_scale=scale,
+                          interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((num_items, m_pad, c_dim), jnp.float32),
                   jax.ShapeDtypeStruct((num_items, m_pad), jnp.float32)),
         scratch_types=list(scratch.values()),
@@ -679,6 +880,7 @@ def mla_decode(
     num_stages: int | None = None,
     value_groups: int = 1,
     backend: str = "triton",
+    mosaic_schedule: str = "duplicate",
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed MLA decode over a paged latent cache (the cache already holds this step's tokens).
@@ -703,6 +905,9 @@ def mla_decode(
         block (padded to 64 rows); block_kv (a multiple of 64, default default_mgpu_block_kv) and num_stages
         (default MGPU_DEFAULT_STAGES) as its KV block and TMA ring depth, within mgpu_smem_bytes <= 226 KiB; the
         model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic").
+      mosaic_schedule: the Mosaic kernel's division of a KV block between its two compute warpgroups: "duplicate"
+        (both score every key; no exchange) or "split" (each scores half the keys; row maxima and probabilities
+        exchanged through shared memory, a third less MMA work; _mgpu_split_decode_kernel).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -736,7 +941,9 @@ def mla_decode(
             raise ValueError("the Mosaic GPU kernel takes bf16 pages, kv_lora_rank 512, a rope dim that is a multiple "
                              f"of 64 and pages of >= 8 tokens dividing block_kv; got C={c_dim}, R={q_pe.shape[-1]}, "
                              f"page_size={page_size}, {kv_pages.dtype}, block_kv={block_kv}")
-        smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1])
+        if mosaic_schedule not in MGPU_SCHEDULES:
+            raise ValueError(f"mosaic_schedule must be one of {MGPU_SCHEDULES}, got {mosaic_schedule!r}")
+        smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1], mosaic_schedule)
         if num_stages < 2:  # one slot: the Mosaic GPU interpreter never finishes (2026-11-30, not understood)
             raise ValueError(f"the Mosaic GPU kernel needs num_stages >= 2 (a TMA ring of >= 2 slots), "
                              f"got {num_stages}")
@@ -745,7 +952,7 @@ def mla_decode(
                              f"{smem} B of shared memory, over the {MGPU_SMEM_LIMIT - 1024} B it may use")
         return _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), layer,
                                 kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv,
-                                stages=num_stages, interpret=interpret)
+                                stages=num_stages, schedule=mosaic_schedule, interpret=interpret)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
     return _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), kv_scales, layer,

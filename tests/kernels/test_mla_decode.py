@@ -189,13 +189,15 @@ def test_decode_rejects_bad_inputs():
         call(q_latent=q_latent[..., :24], kv_pages=kv[..., 8:], kv_lora_rank=24)
 
 
-def test_mosaic_decode_matches_reference_in_interpret_mode():
+@pytest.mark.parametrize("schedule", md.MGPU_SCHEDULES)
+def test_mosaic_decode_matches_reference_in_interpret_mode(schedule):
     """The experimental Mosaic GPU kernel (backend="mosaic") under the Mosaic GPU interpreter: its only sizes
     are K3's (C = 512 in two 256-column halves, R = 64, 64-key blocks), so heads stay few (8: one 64-row block
     at q_len 4) and histories short. Histories 1 / 63 / 300 (+ a 4-token draft, causal inside it) with a
     balanced plan of 3 parts: the 305-token request is split into 2 and 3 KV blocks, the 3-block item
     wraps the 2-slot TMA ring, and padding items write nothing. Tolerance as the Triton kernel's (bf16
-    probabilities before P @ C)."""
+    probabilities before P @ C). Both schedules: "duplicate" (each compute warpgroup scores every key) and "split"
+    (each scores half the keys; maxima and probabilities exchanged through shared memory)."""
     heads, c_dim, r_dim, q_len = 8, 512, 64, 4
     rng = np.random.default_rng(11)
     hist = np.array([1, 63, 300])
@@ -213,7 +215,7 @@ def test_mosaic_decode_matches_reference_in_interpret_mode():
     assert list(plan.request_num_work) == [1, 1, 2] and (plan.work_request < 0).any()
     assert (plan.work_block_end - plan.work_block_start).max() == 3
     got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale, block_kv=64,
-                        num_stages=2, backend="mosaic", interpret=True)
+                        num_stages=2, backend="mosaic", mosaic_schedule=schedule, interpret=True)
     want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=c_dim, scale=scale)
     assert got.shape == (b, q_len, heads, c_dim)
     for r in range(b):
@@ -273,3 +275,27 @@ def test_combine_partials_equals_the_xla_merge():
     assert got.shape == (3, 6, 32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got[2]), 0.0)
+
+
+@pytest.mark.parametrize("schedule,page", [("duplicate", 64), ("split", 16)])
+def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, monkeypatch):
+    """The Mosaic kernel lowers for sm_90 at K3's decode shape (96 heads: two 64-row blocks, 64-key blocks, a 2-slot
+    ring) on a machine without a GPU: Mosaic's layout inference and the shared-memory limit are checked at lowering,
+    and the interpreter checks neither. The split schedule fits only with q_pe as a register operand (with a
+    shared-memory buffer for it, it was 1,088 B over the H200's 227 KiB). `_infer_arch` asks the local GPU (none
+    here); the Triton combine after the kernel needs a GPU to lower, so a stand-in replaces it."""
+    import jax
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (9, 0))
+    monkeypatch.setattr(md, "combine_partials", lambda part_o, part_lse, first, num, rows, **_: (  # uses both
+        part_o[: first.shape[0], :rows] + part_lse[: first.shape[0], :rows, None]))
+    b, heads, hist = 4, 96, 4096
+    plan = mla_plan.plan_to_device(mla_plan.plan_balanced(np.full(b, hist + 1), block_kv=64, num_parts=8))
+    s = jax.ShapeDtypeStruct
+    args = (s((b, 1, heads, 512), jnp.bfloat16), s((b, 1, heads, 64), jnp.bfloat16),
+            s((1, b * hist // page + b, page, 576), jnp.bfloat16), s((b, hist // page + 1), jnp.int32),
+            s((b, 1), jnp.int32))
+    fn = lambda *a: md.mla_decode(*a, plan, kv_lora_rank=512, scale=192**-0.5, layer=0, block_kv=64, num_stages=2,
+                                  backend="mosaic", mosaic_schedule=schedule)
+    assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
