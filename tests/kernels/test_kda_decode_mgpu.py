@@ -81,8 +81,9 @@ def test_defaults_and_argument_errors():
 
 
 def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
-    """benchmarks/kda.py --decode-variants mgpu_s2_c3 on a tiny decode (B2 T1 H2, D128), interpreted: the variant
-    is parsed, checked against the Triton kernel (equal in interpret mode: both run the same jnp ops) and timed."""
+    """benchmarks/kda.py --decode-variants mgpu_s2_c3 on a tiny decode (B2 T1 H2, D128) and verify (B2 T2 H2),
+    interpreted: the variant is parsed, checked against the Triton kernel (equal in interpret mode: both run the
+    same jnp ops; verify compares every position's state) and timed."""
     import json
 
     from benchmarks import kda as bench
@@ -91,13 +92,16 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
     with pytest.raises(ValueError):
         bench.decode_variant("mgpu_x2")
     out = tmp_path / "kda.json"
-    bench.main(["--order", "decode", "--decode", "2x1x2", "--decode-block-v", "", "--decode-warps", "4",
+    bench.main(["--order", "decode", "--decode", "2x1x2,2x2x2", "--decode-block-v", "64", "--decode-warps", "4",
                 "--decode-loop-v", "64", "--decode-variants", "mgpu_s2_c3", "--trials", "1", "--interpret",
                 "--no-fla", "--case-limit", "600", "--out", str(out)])
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["ours_mgpu_s2_c3_ms"] > 0 and row["ours_loop64_w4_ms"] > 0
-    for name in ("y", "conv", "state"):
-        assert row[f"rel_{name}_mgpu_s2_c3_vs_triton"] < 1e-6
+    decode, verify = json.loads(out.read_text())["rows"]
+    assert decode["kind"] == "decode" and verify["kind"] == "verify"
+    for row in (decode, verify):
+        assert row["ours_mgpu_s2_c3_ms"] > 0 and row["ours_bv64_w4_ms"] > 0
+        for name in ("y", "conv", "state"):
+            assert row[f"rel_{name}_mgpu_s2_c3_vs_triton"] < 1e-6
+    assert decode["ours_loop64_w4_ms"] > 0
 
 
 @pytest.mark.parametrize("t,gate,all_states", [(1, "lower_bound", False), (4, "softplus", False),
