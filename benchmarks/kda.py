@@ -28,6 +28,8 @@ sigmoid / q-k L2 norm fused on both sides:
            and written in place through slot indices, verify writing every position's state to its own slot;
            fla_pooled_ms, ratio_pooled: the like-for-like verify peer). State traffic = fp32 state bytes read + written
            (decode: read + write once; verify: read once, write T times); the limit is the copy bandwidth.
+           Verify cases (T a power of two) also probe a 1:T fan-out copy of a state pool's size (`fanout_copy`:
+           read once, write T times, verify's mix): copy_fanout_<T>_TBps, ours_frac_of_fanout_copy.
            Ours runs at every --decode-block-v x --decode-warps tiling (ours_bv{V}_w{W}_ms; 128 = the
            whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
@@ -62,6 +64,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import kda_chunk as kc
 from pallas_kernels import kda_intra, kda_intra_lk
@@ -614,6 +618,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             row["ours_frac_of_copy"] = row["ours_state_TBps"] / copy_tbps
             if "copy_torch_state_size_TBps" in row:  # (probed after the first variant; the best may come later)
                 row["ours_frac_of_state_size_copy"] = row["ours_state_TBps"] / row["copy_torch_state_size_TBps"]
+            if f"copy_fanout_{t}_TBps" in row:
+                row["ours_frac_of_fanout_copy"] = row["ours_state_TBps"] / row[f"copy_fanout_{t}_TBps"]
             if "fla_ms" in row:
                 row["ratio"] = row["fla_ms"] / row["ours_ms"]
             if "fla_pooled_ms" in row:
@@ -624,6 +630,9 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             if "ours_ms" in row:  # (decode_fla_pooled sets ratio_pooled itself)
                 row["ratio"] = row["fla_ms"] / row["ours_ms"]
             same_size_copy(row, state_bytes, args.trials)
+            save()
+        if i == 0 and verify and not t & (t - 1):  # the like-for-like limit of verify's traffic (powers of two)
+            fanout_copy_limit(row, state_bytes, t, args.trials, args.interpret)
             save()
     if "ours_best" not in row:
         row["error"] = "no decode tiling ran: " + "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
@@ -670,6 +679,46 @@ def count_pool_copies(step, conv, state, *rest):
     dims = [f"[{','.join(map(str, x.shape))}]" for x in (conv, state)]  # e.g. "[64,3,36864]"
     return sum(1 for line in hlo.splitlines()
                if " copy(" in line and any(d in line.split("=", 1)[-1].split("copy(")[0] for d in dims))
+
+
+FANOUT_BLOCK = (8, 1024)  # fp32 elements a fan-out program reads once (32 KiB), then writes T times
+
+
+def fanout_copy(x, copies: int, *, interpret: bool = False):
+    """[copies, R, 1024] = `copies` copies of x [R, 1024]: each program reads one block once and writes it `copies`
+    times, the traffic mix of verify (read a state once, write one per position), as a copy-like limit for it."""
+    rows, cols = x.shape
+    if rows % FANOUT_BLOCK[0] or cols != FANOUT_BLOCK[1] or copies < 1 or copies & (copies - 1):
+        raise ValueError(f"fanout_copy takes [R, {FANOUT_BLOCK[1]}] with R % {FANOUT_BLOCK[0]} == 0 and a power-of-two "
+                         f"number of copies (a Triton block); got {x.shape}, {copies}")
+
+    def kernel(x_ref, o_ref):  # x_ref: [8, 1024] one block; o_ref: [copies, 8, 1024] its copies
+        block = x_ref[...]
+        for i in range(copies):
+            o_ref[i] = block
+
+    return pl.pallas_call(
+        kernel, grid=(rows // FANOUT_BLOCK[0],),
+        in_specs=[pl.BlockSpec(FANOUT_BLOCK, lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((copies, *FANOUT_BLOCK), lambda i: (0, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((copies, rows, cols), x.dtype),
+        compiler_params=None if interpret else plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+    )(x)
+
+
+def fanout_copy_limit(row, state_bytes, copies, trials, interpret):
+    """The 1:`copies` fan-out copy's bandwidth over a state pool's worth of fp32 (bytes read + written / time):
+    verify's like-for-like limit (a plain copy reads as much as it writes; verify T4 writes 4x what it reads, and
+    HBM need not write as fast as it copies). Beside the headline fraction of the plain copy, not instead of it."""
+    try:
+        x = jnp.ones((state_bytes // 4 // FANOUT_BLOCK[1], FANOUT_BLOCK[1]), jnp.float32)
+        f = jax.jit(functools.partial(fanout_copy, copies=copies, interpret=interpret))
+        row[f"copy_fanout_{copies}_TBps"] = state_bytes * (1 + copies) / time_jax(functools.partial(f, x), trials) / 1e12
+        if "ours_state_TBps" in row:
+            row["ours_frac_of_fanout_copy"] = row["ours_state_TBps"] / row[f"copy_fanout_{copies}_TBps"]
+    except Exception as e:  # noqa: BLE001 -- a probe failing must not cost the case
+        row["copy_fanout_error"] = repr(e)[:300]
 
 
 def same_size_copy(row, state_bytes, trials):
@@ -767,6 +816,9 @@ def print_table(results):
             if "ours_frac_of_state_size_copy" in r:
                 extra += (f" ({100 * r['ours_frac_of_state_size_copy']:.0f}% of a same-size copy, "
                           f"{r['copy_torch_state_size_TBps']:.2f} TB/s)")
+            if "ours_frac_of_fanout_copy" in r:
+                fanout = r[f"copy_fanout_{r['T']}_TBps"]
+                extra += f" ({100 * r['ours_frac_of_fanout_copy']:.0f}% of a 1:{r['T']} fan-out copy, {fanout:.2f} TB/s)"
             if "fla_state_TBps" in r:
                 extra += f" (fla {r['fla_state_TBps']:.2f} TB/s)"
             if "fla_pooled_ms" in r:

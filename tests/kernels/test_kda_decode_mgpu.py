@@ -102,6 +102,25 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
         for name in ("y", "conv", "state"):
             assert row[f"rel_{name}_mgpu_s2_c3_vs_triton"] < 1e-6
     assert decode["ours_loop64_w4_ms"] > 0
+    # verify's like-for-like limit, the 1:T fan-out copy, is probed once per verify case
+    assert verify["copy_fanout_2_TBps"] > 0 and verify["ours_frac_of_fanout_copy"] > 0
+    assert "copy_fanout_2_TBps" not in decode
+
+
+def test_benchmark_fanout_copy_writes_every_copy():
+    """benchmarks/kda.py's fan-out probe (interpret mode): every copy equals the input, odd row counts of blocks;
+    a non-power-of-two copy count or a ragged block is refused."""
+    from benchmarks import kda as bench
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((24, 1024)), jnp.float32)
+    out = np.asarray(bench.fanout_copy(x, 4, interpret=True))
+    assert out.shape == (4, 24, 1024)
+    for i in range(4):
+        np.testing.assert_array_equal(out[i], np.asarray(x))
+    with pytest.raises(ValueError, match="power-of-two"):
+        bench.fanout_copy(x, 3, interpret=True)
+    with pytest.raises(ValueError, match="R % 8"):
+        bench.fanout_copy(x[:20], 2, interpret=True)
 
 
 @pytest.mark.parametrize("t,gate,all_states", [(1, "lower_bound", False), (4, "softplus", False),
