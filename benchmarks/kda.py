@@ -37,6 +37,9 @@ sigmoid / q-k L2 norm fused on both sides:
            --decode-variants mgpu[_s<stages>][_c<ctas>] adds the Mosaic GPU kernel (kda_decode_mgpu, decode
            and verify): ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and
            its pool copies (hlo_pool_copies_mgpu*); it competes for ours_best like any tiling.
+           --decode-profile: each variant's step also traced under jax.profiler (10 calls; needs --no-fla,
+           torch's CUPTI takes the device trace away): profile_<variant> holds the kernels' device time per
+           step against the step's span (what the 2026-12-03 fix was found with: 3 broadcast kernels per step).
   copy     torch and XLA device copies (bytes read + written) measured in the same run: the bandwidth limit.
 Timing: one warm-up (compile) call, then reps sized to ~25 ms per trial, median over --trials.
 Every case runs under --case-limit seconds (SIGALRM; a compile in progress is only interrupted when it
@@ -552,7 +555,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     rows = (slots, lens, jnp.zeros((b,), jnp.int32), onw)
     kw = {k: v for k, v in kw.items() if k != "o_norm_weight"}
 
-    def time_ours(block_v, num_warps, loop_v=False, **extra):
+    def time_ours(name, block_v, num_warps, loop_v=False, **extra):
         tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v, **extra)
         if "mgpu" in extra:  # the Mosaic GPU kernel; checked against the Triton default first
             knobs = extra["mgpu"]
@@ -562,21 +565,27 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
                              all_states=verify, **kw)
             got = jax.jit(call)(jnp.copy(conv), jnp.copy(state), rows)
             tag = mgpu_tag(knobs)
-            for name, a, r in zip(("y", "conv", "state"), got, ref):
-                row[f"rel_{name}_{tag}_vs_triton"] = rel(jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32))
+            for out_name, a, r in zip(("y", "conv", "state"), got, ref):
+                row[f"rel_{out_name}_{tag}_vs_triton"] = rel(jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32))
         else:
             call = lambda cv, st, r: kda_decode(qkv, cv, conv_w, z, beta, og, st, r[0], r[1], fresh=r[2],
                                                 o_norm_weight=r[3], all_states=verify, **kw, **tiling)
         if verify:
             f = jax.jit(call)
-            return 1e3 * time_jax(lambda: f(conv, state, rows), args.trials), None
-        step = jax.jit(lambda cv, st, r: call(cv, st, r)[1:], donate_argnums=(0, 1))
-        pools = [jnp.copy(conv), jnp.copy(state)]  # donated and replaced every step
+            step, run = None, lambda: f(conv, state, rows)
+        else:
+            step = jax.jit(lambda cv, st, r: call(cv, st, r)[1:], donate_argnums=(0, 1))
+            pools = [jnp.copy(conv), jnp.copy(state)]  # donated and replaced every step
 
-        def run():
-            pools[:] = step(*pools, rows)
-            return pools[1]
+            def run():
+                pools[:] = step(*pools, rows)
+                return pools[1]
 
+        if args.decode_profile:  # the step's kernels on the device, beside its wall time (ours_<name>_ms)
+            prof = profile_stage(run, calls=10)
+            row[f"profile_{name}"] = {k: prof[k] for k in (
+                "source", "ms_per_step", "kernels_per_step", "span_ms_per_step", "idle_short_ms_per_step")} | {
+                "by_kernel": prof["by_kernel"][:6]}
         return 1e3 * time_jax(run, args.trials), step
 
     # warps outer: the first listed warp count covers every V-block before the next one starts, so a sweep
@@ -592,7 +601,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
         key = "ours_" + (mgpu_tag(extra["mgpu"]) if "mgpu" in extra else f"{'loop' if loop else 'bv'}{bv}_w{nw}"
                          + "".join(f"_pf{v}" if k == "prefetch" else "_fold" for k, v in extra.items()))
         try:
-            row[key + "_ms"], step = time_ours(bv, nw, loop, **extra)
+            row[key + "_ms"], step = time_ours(key[len("ours_"):], bv, nw, loop, **extra)
         except CaseTimeout:
             raise
         except Exception as e:  # noqa: BLE001 -- an unsupported tiling: keep the others
@@ -869,6 +878,9 @@ def main(argv=None):
                    help="only the stage-1 HLO traffic proxy of every --stage1 variant at every --prefill shape, "
                         "compiled (not run) on this backend; no timing, no fla (a CPU check)")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--decode-profile", action="store_true",
+                   help="trace each decode variant's step under jax.profiler: the kernels' device time per step beside "
+                        "its wall time (profile_<variant>; use with --no-fla)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (tiny shapes)")
     args = p.parse_args(argv)
     if args.stage1_hlo_only:

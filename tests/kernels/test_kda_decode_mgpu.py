@@ -107,6 +107,25 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
     assert "copy_fanout_2_TBps" not in decode
 
 
+def test_benchmark_decode_profile_records_each_variant(tmp_path):
+    """--decode-profile: each decode variant's step is traced (on a CPU the host's op events stand in for device
+    kernels, source "host") and its per-step summary stored under the variant's name beside its time. Two Triton
+    variants only: tracing the interpreted Mosaic kernel takes minutes."""
+    import json
+
+    from benchmarks import kda as bench
+
+    out = tmp_path / "kda.json"
+    bench.main(["--order", "decode", "--decode", "2x1x2", "--decode-block-v", "64", "--decode-warps", "4",
+                "--decode-loop-v", "64", "--trials", "1", "--interpret", "--no-fla", "--decode-profile",
+                "--case-limit", "600", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    for name in ("bv64_w4", "loop64_w4"):
+        prof = row[f"profile_{name}"]
+        assert row[f"ours_{name}_ms"] > 0
+        assert prof["source"] == "host" and prof["ms_per_step"] > 0 and prof["by_kernel"]
+
+
 def test_benchmark_fanout_copy_writes_every_copy():
     """benchmarks/kda.py's fan-out probe (interpret mode): every copy equals the input, odd row counts of blocks;
     a non-power-of-two copy count or a ragged block is refused."""
