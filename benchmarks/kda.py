@@ -542,8 +542,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     a_log = 0.5 * jax.random.normal(ks[8], (h,), jnp.float32)
     dt_bias = jax.random.normal(ks[9], (h * D,), jnp.float32)
     onw = jnp.ones((D,), jnp.float32)
-    kw = dict(a_log=a_log, dt_bias=dt_bias, o_norm_weight=onw, gate="lower_bound", lower_bound=LB,
-              interpret=args.interpret)
+    kw = dict(a_log=a_log, dt_bias=dt_bias, gate="lower_bound", lower_bound=LB, interpret=args.interpret)
     verify = t > 1
     row["kind"] = "verify" if verify else "decode"
     state_bytes = b * h * D * D * 4
@@ -553,7 +552,6 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     # the norm weight, no fresh rows) became constants that XLA rebuilds with one broadcast kernel each per step
     # (three ~0.7 us kernels and their launch gaps, ~10 us per step, seen in a profile on the H200, 2026-12-03)
     rows = (slots, lens, jnp.zeros((b,), jnp.int32), onw)
-    kw = {k: v for k, v in kw.items() if k != "o_norm_weight"}
 
     def time_ours(name, block_v, num_warps, loop_v=False, **extra):
         tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v, **extra)

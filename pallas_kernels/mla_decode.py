@@ -394,7 +394,6 @@ def _mgpu_decode_kernel(
     item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref)
     wg = jax.lax.axis_index("wg")
     layer = layer_ref[0]
-    c_half = MGPU_VALUE_HALF
 
     @pl.when(wg == 2)
     def _memory_warpgroup():
@@ -438,16 +437,7 @@ def _mgpu_decode_kernel(
             values = c_smem.at[slot, wg]  # [block_kv, 256]: this warpgroup's value columns
 
             p_operand = _staged_for_interpreter(p16, interpret_scratch[0].at[wg]) if interpret else p16
-
-            def pv(acc_ref):
-                plmgpu.wgmma(acc_ref, p_operand, values)
-
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if interpret:  # the interpreter cannot run wgmma into an initialised accumulator (run_state): add
-                acc = acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1],
-                                          plmgpu.ACC((MGPU_ROWS, c_half), jnp.float32))
-            else:  # on the GPU the accumulator stays in place (64 x 256 fp32 = 128 registers a thread)
-                acc = pl.run_state(pv)(plmgpu.ACC.init(acc))
+            acc = _mgpu_rescale_accumulate(acc, alpha, p_operand, values, interpret=interpret)
             plmgpu.barrier_arrive(consumed_barriers.at[slot])
             return acc, m_next, l_next
 
@@ -565,16 +555,7 @@ def _mgpu_split_decode_kernel(
                                      for kh in range(2)], axis=1)
             if interpret:
                 p_all = _staged_for_interpreter(p_all, interpret_scratch[1].at[wg])
-
-            def pv(acc_ref):
-                plmgpu.wgmma(acc_ref, p_all, c_smem.at[slot, wg])
-
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if interpret:  # the interpreter cannot run wgmma into an initialised accumulator (run_state): add
-                acc = acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1],
-                                          plmgpu.ACC((MGPU_ROWS, c_half), jnp.float32))
-            else:
-                acc = pl.run_state(pv)(plmgpu.ACC.init(acc))
+            acc = _mgpu_rescale_accumulate(acc, alpha, p_all, c_smem.at[slot, wg], interpret=interpret)
             plmgpu.barrier_arrive(consumed_barriers.at[slot])
             return acc, m_next, l_next
 
@@ -589,6 +570,18 @@ def _mgpu_split_decode_kernel(
 
         pl.when(valid)(lambda: _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_ref,
                                                    item=item, rows=rows, wg=wg))
+
+
+def _mgpu_rescale_accumulate(acc, alpha, probs, values, *, interpret):
+    """acc * alpha (per row) + probs @ values by wgmma: one online-softmax step of a compute warpgroup's [64, 256]
+    accumulator (probs [64, block_kv] bf16 in registers, or staged in shared memory for the interpreter)."""
+    def pv(acc_ref):
+        plmgpu.wgmma(acc_ref, probs, values)
+
+    acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if interpret:  # the interpreter cannot run wgmma into an initialised accumulator (run_state): add
+        return acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1], plmgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(pv)(plmgpu.ACC.init(acc))  # on the GPU it stays in place (128 registers a thread)
 
 
 def _staged_for_interpreter(value, ref):
