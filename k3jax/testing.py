@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,6 +46,19 @@ def shuffled_page_tables(rng: np.random.Generator, batch: int, max_pages: int, n
     if batch * max_pages > num_pages:
         raise ValueError("not enough pages")
     return rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+
+
+def eager_ops_on_argument(fn, args, argnum: int) -> list[str]:
+    """The primitives that `fn(*args)`, called eagerly, applies to args[argnum] outside any jitted call.
+
+    A public kernel wrapper that reshapes, indexes or casts a pool before its jitted call makes XLA copy
+    the whole pool on every eager call (a bitcast only inside jit): the benchmarks call the wrappers
+    eagerly, and a 5.8 GB page pool copied per call hid the MLA kernel's time for four sessions."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    leaves = jax.tree_util.tree_leaves(args[:argnum])
+    pool_var = jaxpr.jaxpr.invars[len(leaves)]
+    return [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns
+            if eqn.primitive.name not in ("pjit", "jit") and any(v is pool_var for v in eqn.invars)]
 
 
 def step_meta(slots, page_table, context_lens, lengths) -> StepMeta:

@@ -616,6 +616,7 @@ def mgpu_supported(c_dim: int, r_dim: int, page_size: int, kv_dtype, block_kv: i
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "schedule", "interpret"))
 def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan, layer, *, kv_lora_rank, scale,
                      block_kv, stages, schedule, interpret):
+    kv_pages, _, layer = stacked_pool(kv_pages, None, layer)
     mgpu = plmgpu
     b, t, h, c_dim = q_latent.shape
     page_size, r_dim = kv_pages.shape[-2], kv_pages.shape[-1] - kv_lora_rank
@@ -792,7 +793,8 @@ def _pad_page_table(page_table, pages_per_block):
 
 def stacked_pool(kv_pages, kv_scales, layer):
     """(pool [L, P, page_size, C+R], scales [L, P, page_size] fp32 or None, layer [1] int32): a single layer's
-    pool gains a leading axis of 1 (a bitcast, no copy)."""
+    pool gains a leading axis of 1. Call it inside jit only: there it is a bitcast, while an eager `[None]` copies
+    the whole pool (5.8 GB, ~2.7 ms per call on the H200 at benchmarks/mla.py's 5M-token pool)."""
     if kv_pages.ndim == 3:
         kv_pages, kv_scales, layer = kv_pages[None], None if kv_scales is None else kv_scales[None], 0
     scales = None if kv_scales is None else kv_scales.astype(jnp.float32)
@@ -928,7 +930,6 @@ def mla_decode(
                              overhead_blocks=overhead, xp=jnp)
     if plan.request_num_work.shape != (b,):
         raise ValueError(f"plan is for batch {plan.request_num_work.shape}, queries for {b}")
-    kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)
     if backend == "mosaic":
         if kv_scales is not None or not mgpu_supported(c_dim, q_pe.shape[-1], page_size, kv_pages.dtype, block_kv):
             raise ValueError("the Mosaic GPU kernel takes bf16 pages, kv_lora_rank 512, a rope dim that is a multiple "
@@ -957,6 +958,7 @@ def mla_decode(
                                              "num_stages", "value_groups", "interpret"))
 def _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, plan, kv_scales, layer, *, kv_lora_rank, scale,
                 block_kv, block_rows, num_warps, num_stages, value_groups, interpret):
+    kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)
     b, t, h, c_dim = q_latent.shape
     page_size = kv_pages.shape[-2]
     work_request, work_start, work_end, request_first_work, request_num_work = plan

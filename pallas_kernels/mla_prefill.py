@@ -111,7 +111,6 @@ def mla_prefill(
     num_stages = default_num_stages(kv_pages.dtype) if num_stages is None else num_stages
     _check_inputs(q_latent, q_pe, kv_pages, page_table, query_positions, kv_lora_rank, kv_scales, block_kv, block_rows,
                   layer)
-    kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)
     return _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scales, layer, kv_lora_rank=kv_lora_rank,
                         scale=float(scale), block_kv=block_kv, block_rows=block_rows, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret)
@@ -121,6 +120,7 @@ def mla_prefill(
                                              "num_stages", "interpret"))
 def _mla_prefill(q_latent, q_pe, kv_pages, page_table, query_positions, kv_scales, layer, *, kv_lora_rank, scale, block_kv,
                  block_rows, num_warps, num_stages, interpret):
+    kv_pages, kv_scales, layer = stacked_pool(kv_pages, kv_scales, layer)
     b, t, h, c_dim = q_latent.shape
     page_size = kv_pages.shape[-2]
     max_tokens = page_table.shape[1] * page_size

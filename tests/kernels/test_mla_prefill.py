@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.testing import shuffled_page_tables
+from k3jax.testing import eager_ops_on_argument, shuffled_page_tables
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_prefill as mp
 
@@ -61,6 +61,24 @@ def test_prefill_after_prefix_hits_matches_reference(kv_dtype):
         if PREFIXES[r] == 0:
             own_c = md.dequantize_pages(kv, scales)[table[r, 0], 0, :C]
             np.testing.assert_allclose(got[r, 0], np.broadcast_to(own_c, (HEADS, C)), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_eager_call_hands_the_pool_to_jit_untouched(kv_dtype):
+    """As the decode kernel: the pool and its scales reach the jitted call without an eager copy."""
+    rng = np.random.default_rng(8)
+    table = jnp.asarray(shuffled_page_tables(rng, 2, 4, 11))
+    kv, scales = md.quantize_latents_fp8(jnp.asarray(rng.standard_normal((11, PAGE, C + R)), jnp.float32))
+    if kv_dtype == jnp.bfloat16:
+        kv, scales = kv.astype(jnp.bfloat16), None
+    q_latent = jnp.asarray(rng.standard_normal((2, 5, HEADS, C)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((2, 5, HEADS, R)), jnp.bfloat16)
+    positions = jnp.asarray(np.array([[3], [40]]) + np.arange(5)[None], jnp.int32)
+    call = lambda pool, pool_scales: mp.mla_prefill(q_latent, q_pe, pool, table, positions, kv_lora_rank=C,
+                                                    scale=SCALE, kv_scales=pool_scales, interpret=True)
+    assert eager_ops_on_argument(call, (kv, scales), 0) == []
+    if scales is not None:
+        assert eager_ops_on_argument(call, (kv, scales), 1) == []
 
 
 def test_prefill_rejects_bad_inputs():
