@@ -149,7 +149,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"{k3_mla.MLA_DECODE_KERNEL})")
     p.add_argument("--kda-decode-kernel", choices=("triton", "mosaic"), default=k3_kda.KDA_DECODE_KERNEL,
                    help="the KDA fused decode kernel of the pallas backend (k3jax.kda.KDA_DECODE_KERNEL; default "
-                        f"{k3_kda.KDA_DECODE_KERNEL}); mosaic: pallas_kernels/kda_decode_mgpu.py, decode only")
+                        f"{k3_kda.KDA_DECODE_KERNEL}); mosaic: pallas_kernels/kda_decode_mgpu.py (decode and verify)")
     p.add_argument("--moe-rank-in-kernel", type=int, choices=(0, 1), default=1,
                    help="1 (default): the MoE kernels rank their own rows at decode sizes "
                         "(pallas_kernels.moe_gemm.ranks_in_kernel); 0: one XLA sort per MoE layer, as before")
