@@ -568,7 +568,7 @@ def run_backends(bench, pool, copy_gbps) -> list:
         ("triton 64/64/8/1", md.mla_decode, dict(block_kv=64, block_rows=64, num_warps=8, num_stages=1)),
         ("triton 64/64/8/1 vg2", md.mla_decode,
          dict(block_kv=64, block_rows=64, num_warps=8, num_stages=1, value_groups=2)),
-        ("mosaic kv64 x2", md.mla_decode, dict(block_kv=64, num_stages=2, backend="mosaic")),
+        ("mosaic kv64 x2", md.mla_decode, dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate")),
         # each compute warpgroup scores half of a block's keys (no duplicated Q K^T; two exchanges per block)
         ("mosaic kv64 x2 split", md.mla_decode,
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split")),

@@ -49,19 +49,19 @@ takes 0.206 ms per layer with one wave of programs (66 parts; 69 % of copy bandw
 0.384 ms for Triton's best tiling (37 %), 1.88x, within 7e-4 of the reference. It lowers to Mosaic GPU MLIR on CPU and matches the
 reference under the Mosaic GPU interpreter (tests/kernels/test_mla_decode.py); on the H200 (2026-11-30,
 benchmarks/mla.py --backends, docs/results/mla_backends_h200_2026-11-30b.json) it compiled, matched the
-reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4, and ran B64 x 32k in 4.25 ms
-(q_len 1, 13% of copy) and 7.61 ms (q_len 4): 1.48x / 1.69x the Triton kernel. With the current plan defaults
-(2026-12-03, docs/results/mla_mosaic96_h200_2026-12-03.json): 1.56-1.62 ms (35-37 % of copy; the shipped
-decode_attention 2.82 ms) and 5.23 ms at q_len 4; its loads alone take 1.24-1.27 ms there (both row-block programs
-stream the KV through L2). Its shared memory (Q 72 KiB + two 72 KiB KV slots, the output reusing the KV ring) is
-~221 KiB of the 227 KiB.
-A second schedule, mosaic_schedule="split" (2026-12-03, opt-in; _mgpu_split_decode_kernel): each compute
-warpgroup scores only its half of a block's keys, so Q K^T is no longer computed twice. The warpgroups swap row
-maxima and probabilities through shared memory, two barriers per block. On the H200 it matched the reference
-(<= 9.6e-4 relative, q_len 1 and 4). Under the benchmark's old fixed 132-part plan both schedules took 4.18-4.19 ms at
-B64 x 32k (docs/results/mla_split_schedule_h200_2026-12-03.json). That plan hides the kernel's own speed, so
-benchmarks/mla.py --backends now uses each backend's default plan knobs. The comparison at the model's plan has
-not been timed.
+reference to <= 9.7e-4 relative at histories 1/63/513/4097 for q_len 1 and 4. With the current plan defaults
+(2026-12-03, docs/results/mla_mosaic96_h200_2026-12-03.json): 1.56-1.62 ms at B64 x 32k (35-37 % of copy; the
+shipped decode_attention 2.82 ms) and 5.23 ms at q_len 4; its loads alone take 1.24-1.27 ms there (both row-block
+programs stream the KV through L2). (The 4.2-4.25 ms that benchmarks/mla.py reported until 2026-12-03 included a
+copy of its whole page pool per eager call; see stacked_pool.) Its shared memory (Q 72 KiB + two 72 KiB KV slots,
+the output reusing the KV ring) is ~221 KiB of the 227 KiB.
+A second schedule, "split" (2026-12-03; _mgpu_split_decode_kernel): each compute warpgroup scores only its half of
+a block's keys, so Q K^T is no longer computed twice. The warpgroups swap row maxima and probabilities through
+shared memory, two barriers per block. On the H200 it matched the reference (<= 9.6e-4 relative, q_len 1 and 4)
+and, at K3's 96 heads, B64 x 32k with the default plans, took 1.473 ms against "duplicate"'s 1.514 at q_len 1 and
+4.407 against 5.042 ms at q_len 4 (benchmarks/mla.py --backends, docs/results/mla_pool_copy_fix_h200_2026-12-03.json).
+It is the default where that was measured, more than one 64-row block per request (default_mgpu_schedule);
+"duplicate" stays for one block (k3-small's 16 heads), where split has not been timed.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -266,6 +266,13 @@ MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value colum
 MGPU_DEFAULT_BLOCK_KV = 64
 MGPU_DEFAULT_STAGES = 2
 MGPU_SCHEDULES = ("duplicate", "split")  # how the two compute warpgroups share a KV block (mla_decode's mosaic_schedule)
+
+
+def default_mgpu_schedule(rows: int) -> str:
+    """The Mosaic kernel's schedule when none is given, by a request's query rows T*H: "split" past one 64-row block
+    (K3's 96 heads on the H200: 1.03x "duplicate" at q_len 1, 1.14x at q_len 4), "duplicate" within one (not
+    timed with "split")."""
+    return "split" if rows > MGPU_ROWS else "duplicate"
 
 
 def default_mgpu_block_kv(page_size: int) -> int:
@@ -875,7 +882,7 @@ def mla_decode(
     num_stages: int | None = None,
     value_groups: int = 1,
     backend: str = "triton",
-    mosaic_schedule: str = "duplicate",
+    mosaic_schedule: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed MLA decode over a paged latent cache (the cache already holds this step's tokens).
@@ -902,7 +909,8 @@ def mla_decode(
         model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic").
       mosaic_schedule: the Mosaic kernel's division of a KV block between its two compute warpgroups: "duplicate"
         (both score every key; no exchange) or "split" (each scores half the keys; row maxima and probabilities
-        exchanged through shared memory, a third less MMA work; _mgpu_split_decode_kernel).
+        exchanged through shared memory, a third less MMA work; _mgpu_split_decode_kernel); None:
+        default_mgpu_schedule(T*H).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -935,6 +943,7 @@ def mla_decode(
             raise ValueError("the Mosaic GPU kernel takes bf16 pages, kv_lora_rank 512, a rope dim that is a multiple "
                              f"of 64 and pages of >= 8 tokens dividing block_kv; got C={c_dim}, R={q_pe.shape[-1]}, "
                              f"page_size={page_size}, {kv_pages.dtype}, block_kv={block_kv}")
+        mosaic_schedule = default_mgpu_schedule(t * h) if mosaic_schedule is None else mosaic_schedule
         if mosaic_schedule not in MGPU_SCHEDULES:
             raise ValueError(f"mosaic_schedule must be one of {MGPU_SCHEDULES}, got {mosaic_schedule!r}")
         smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1], mosaic_schedule)
