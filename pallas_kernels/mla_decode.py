@@ -60,8 +60,11 @@ a block's keys, so Q K^T is no longer computed twice. The warpgroups swap row ma
 shared memory, two barriers per block. On the H200 it matched the reference (<= 9.6e-4 relative, q_len 1 and 4)
 and, at K3's 96 heads, B64 x 32k with the default plans, took 1.473 ms against "duplicate"'s 1.514 at q_len 1 and
 4.407 against 5.042 ms at q_len 4 (benchmarks/mla.py --backends, docs/results/mla_pool_copy_fix_h200_2026-12-03.json).
-It is the default where that was measured, more than one 64-row block per request (default_mgpu_schedule);
-"duplicate" stays for one block (k3-small's 16 heads), where split has not been timed.
+With 64-token pages (devscripts timing, docs/results/mla_schedules_h200_2026-12-03.json): 96 heads 1.458 against
+1.492 ms (q_len 1) and 4.714 against 5.013 (q_len 4); at k3-small's 16 heads split is 1.06x faster at q_len 4
+(64 rows: 0.751 against 0.795 ms) and 1.04x slower at q_len 1 (16 rows padded to 64: 0.718 against 0.692 ms, where
+the MMA is a small share and the exchange is not). So default_mgpu_schedule takes "split" from one full 64-row
+block of query rows per request.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -269,10 +272,10 @@ MGPU_SCHEDULES = ("duplicate", "split")  # how the two compute warpgroups share 
 
 
 def default_mgpu_schedule(rows: int) -> str:
-    """The Mosaic kernel's schedule when none is given, by a request's query rows T*H: "split" past one 64-row block
-    (K3's 96 heads on the H200: 1.03x "duplicate" at q_len 1, 1.14x at q_len 4), "duplicate" within one (not
-    timed with "split")."""
-    return "split" if rows > MGPU_ROWS else "duplicate"
+    """The Mosaic kernel's schedule when none is given, by a request's query rows T*H: "split" from one full 64-row
+    block (H200, B64 x 32k: 1.02-1.14x "duplicate" at 96 heads, 1.06x at 16 heads x q_len 4), "duplicate" below it
+    (16 heads x q_len 1, rows padded to 64: "split" 1.04x slower)."""
+    return "split" if rows >= MGPU_ROWS else "duplicate"
 
 
 def default_mgpu_block_kv(page_size: int) -> int:
