@@ -125,6 +125,8 @@ def parse_args(argv=None):
     p.add_argument("--backends", action="store_true", help="only the kernel-variant A/B (see run_backends), then stop")
     p.add_argument("--backend", default="triton", choices=("triton", "mosaic"), help="kernel of the decode table and of --plan-sweep")
     p.add_argument("--variants", default="", help="comma-separated substrings selecting run_backends variants")
+    p.add_argument("--backend-heads", type=int, default=HEADS,
+                   help=f"query heads of --backends' cases (default {HEADS}, K3's; k3-small has 16)")
     p.add_argument("--case-limit-s", type=float, default=20.0,
                    help="a case whose first timed call takes longer is timed once, not --reps x --inner times")
     p.add_argument("--quick", action="store_true",
@@ -578,8 +580,9 @@ def run_backends(bench, pool, copy_gbps) -> list:
     b, ctx = (4, 2048) if smoke else (64, 32768)
     lens = np.full(b, ctx)
     nbytes = kv_bytes(lens, "bf16")
-    flops1 = 2 * b * HEADS * ctx * (C + R + C)
-    cases = {q: decode_case(pool, bench.rng, lens, q) for q in (1, 4)}
+    heads = bench.args.backend_heads
+    flops1 = 2 * b * heads * ctx * (C + R + C)
+    cases = {q: decode_case(pool, bench.rng, lens, q, heads=heads) for q in (1, 4)}
     hist = np.array([1, 63, 513, 4097])
     rows = []
     for name, fn, kw in variants:
@@ -588,10 +591,10 @@ def run_backends(bench, pool, copy_gbps) -> list:
         if smoke and "mosaic" in name:
             continue
         kw = dict(kw, kv_lora_rank=C, scale=SCALE, interpret=bench.interpret)
-        entry = {"variant": name}
+        entry = {"variant": name, "heads": heads}
         try:
             for q_len in (1, 4):  # correctness first: a wrong kernel's speed means nothing
-                ql, qp, table, positions = decode_case(pool, bench.rng, hist + q_len, q_len)
+                ql, qp, table, positions = decode_case(pool, bench.rng, hist + q_len, q_len, heads=heads)
                 got = fn(ql, qp, pool.bf16, table, positions, None, **kw)
                 want = md.mla_decode_reference(ql, qp, pool.bf16, table, positions, kv_lora_rank=C, scale=SCALE)
                 err = [float(jnp.linalg.norm(got[i] - want[i]) / jnp.linalg.norm(want[i])) for i in range(len(hist))]
@@ -600,7 +603,7 @@ def run_backends(bench, pool, copy_gbps) -> list:
                 ql, qp, table, positions = cases[q_len]
                 # the plan the model's call builds for this backend (a fixed 132-part plan, used until 2026-12-03,
                 # put the Mosaic kernel at 4.2 ms here against 1.6 ms with its own knobs at 96 heads)
-                parts, overhead = md.default_plan_knobs(kw.get("backend", "triton"), b, -(-q_len * HEADS // 64))
+                parts, overhead = md.default_plan_knobs(kw.get("backend", "triton"), b, -(-q_len * heads // 64))
                 plan = mla_plan.plan_to_device(mla_plan.plan_balanced(lens, block_kv=kw["block_kv"], num_parts=parts,
                                                                       overhead_blocks=overhead))
                 entry[f"q{q_len}_plan_parts_overhead"] = (parts, overhead)

@@ -156,3 +156,17 @@ def test_plan_sweep_spent_budget_times_no_batch(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["plan_sweep"]["batches"] == [] and saved["plan_sweep"]["aggregate"] == {}
     assert saved["skipped"] == ["plan-sweep batch 0", "plan-sweep batch 1"] == result["skipped"]
+
+
+def test_backends_smoke_checks_each_variant_at_the_given_heads(tmp_path):
+    """--backends (interpret mode, Triton variants: the Mosaic ones are skipped under --smoke) checks each variant
+    against the reference at the ragged histories before timing it, at --backend-heads query heads."""
+    out = tmp_path / "backends.json"
+    load_benchmark().main(["--smoke", "--backends", "--variants", "triton 64/64/8/1", "--backend-heads", "6",
+                           "--reps", "1", "--inner", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["backends"]
+    assert {r["variant"] for r in rows} == {"triton 64/64/8/1", "triton 64/64/8/1 vg2"}
+    for r in rows:
+        assert "error" not in r and r["heads"] == 6, r
+        assert r["max_rel_err_q1"] < 5e-3 and r["max_rel_err_q4"] < 5e-3, r  # the kernels' bf16-probability bound
+        assert r["q1_ms"] > 0 and r["q4_ms"] > 0 and r["q1_plan_parts_overhead"] == [132, 1], r
