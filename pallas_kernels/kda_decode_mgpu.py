@@ -57,6 +57,12 @@ vector work 0.238 / 0.892. In a profile (before both changes) the kernel alone t
 0.940 ms steps. 128 CTAs (48 / 192 items each, no tail) instead of 132: 0.238 / 0.923 ms against 0.240 / 0.904 ms,
 so the grid stays one CTA per SM.
 
+2026-12-03 (twenty-first session; docs/results/kda_verify_fanout_h200_2026-12-03b.json, _ablations_): verify's own
+traffic mix (read one state, write T) copies at 89-90 % of the plain copy's rate on the H200 (a 1:4 fan-out copy,
+3.73-3.76 TB/s); verify T4 reaches 87-88 % of it. Without its state stores the kernel still takes 64 % of its time
+(0.40 of 0.63 ms at B64): the update warpgroups' per-position chain, not the stores' staging wait (removing that
+wait: no change), is what overlaps the store stream only in part.
+
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
 Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there (S unchanged), and the conv state keeps the last
