@@ -103,11 +103,13 @@ def test_decode_on_gpu_matches_reference_in_a_large_pool():
         assert rel(got[r], want[r]) < TOL, r
 
 
+@pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("kernel", ["triton", "mosaic"])
-def test_k3_small_decode_shape_through_the_model_switch(kernel, monkeypatch):
-    """k3-small's MLA decode (16 heads x q_len 1, 64-token pages, a stacked 3-layer pool read at layer 1) through the
-    model's registry op with k3jax.mla.MLA_DECODE_KERNEL = kernel (the Mosaic GPU kernel pads the 16 rows to its
-    64-row tile), on the ragged histories, against the reference."""
+def test_k3_small_decode_shape_through_the_model_switch(kernel, q_len, monkeypatch):
+    """k3-small's MLA decode and verify (16 heads x q_len 1 / 4, 64-token pages, a stacked 3-layer pool read at layer
+    1) through the model's registry op with k3jax.mla.MLA_DECODE_KERNEL = kernel (the Mosaic GPU kernel pads the 16
+    rows of q_len 1 to its 64-row tile with the "duplicate" schedule; q_len 4 fills the tile and takes "split" by
+    default), on the ragged histories with a causal draft, against the reference."""
     from k3jax import backend
     from k3jax import mla as k3_mla
 
@@ -115,13 +117,13 @@ def test_k3_small_decode_shape_through_the_model_switch(kernel, monkeypatch):
     heads, page = 16, 64
     rng = np.random.default_rng(16)
     b = len(HISTORIES)
-    max_pages = -(-(HISTORIES.max() + 1) // page)
+    max_pages = -(-(HISTORIES.max() + q_len) // page)
     num_pages = b * max_pages + 5
     table = jnp.asarray(shuffled_page_tables(rng, b, max_pages, num_pages))
     pool = jnp.asarray(rng.standard_normal((3, num_pages, page, C + R), np.float32), jnp.bfloat16)
-    q_latent = jnp.asarray(rng.standard_normal((b, 1, heads, C)), jnp.bfloat16)
-    q_pe = jnp.asarray(rng.standard_normal((b, 1, heads, R)), jnp.bfloat16)
-    positions = jnp.asarray(HISTORIES[:, None], jnp.int32)
+    q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, C)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, R)), jnp.bfloat16)
+    positions = jnp.asarray(HISTORIES[:, None] + np.arange(q_len)[None], jnp.int32)
     op = backend.get("mla_paged_attention", "pallas")
     got = op(q_latent, q_pe, pool, table, positions, kv_lora_rank=C, scale=SCALE, layer=1)
     want = md.mla_decode_reference(q_latent, q_pe, pool, table, positions, kv_lora_rank=C, scale=SCALE, layer=1)
