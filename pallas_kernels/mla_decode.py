@@ -913,7 +913,7 @@ def mla_decode(
       mosaic_schedule: the Mosaic kernel's division of a KV block between its two compute warpgroups: "duplicate"
         (both score every key; no exchange) or "split" (each scores half the keys; row maxima and probabilities
         exchanged through shared memory, a third less MMA work; _mgpu_split_decode_kernel); None:
-        default_mgpu_schedule(T*H).
+        default_mgpu_schedule(T*H) on the GPU, "duplicate" under the interpreter.
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -946,7 +946,8 @@ def mla_decode(
             raise ValueError("the Mosaic GPU kernel takes bf16 pages, kv_lora_rank 512, a rope dim that is a multiple "
                              f"of 64 and pages of >= 8 tokens dividing block_kv; got C={c_dim}, R={q_pe.shape[-1]}, "
                              f"page_size={page_size}, {kv_pages.dtype}, block_kv={block_kv}")
-        mosaic_schedule = default_mgpu_schedule(t * h) if mosaic_schedule is None else mosaic_schedule
+        if mosaic_schedule is None:  # the interpreter: "duplicate" (split can hang there, _mgpu_split_decode_kernel)
+            mosaic_schedule = "duplicate" if interpret else default_mgpu_schedule(t * h)
         if mosaic_schedule not in MGPU_SCHEDULES:
             raise ValueError(f"mosaic_schedule must be one of {MGPU_SCHEDULES}, got {mosaic_schedule!r}")
         smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1], mosaic_schedule)
