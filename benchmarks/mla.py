@@ -127,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="comma-separated substrings selecting run_backends variants")
     p.add_argument("--backend-heads", type=int, default=HEADS,
                    help=f"query heads of --backends' cases (default {HEADS}, K3's; k3-small has 16)")
+    p.add_argument("--backend-page-size", type=int, default=PAGE,
+                   help=f"tokens per page of --backends' pool (default {PAGE}; the models' engine uses 64)")
     p.add_argument("--case-limit-s", type=float, default=20.0,
                    help="a case whose first timed call takes longer is timed once, not --reps x --inner times")
     p.add_argument("--quick", action="store_true",
@@ -315,20 +317,21 @@ class Pool:
     """One shuffled page pool per cache dtype, shared by every case (pages drawn without replacement while
     they last, so a batch never re-reads a page out of L2)."""
 
-    def __init__(self, bench: Bench, tokens: int):
-        self.num_pages = tokens // PAGE
+    def __init__(self, bench: Bench, tokens: int, page: int = PAGE):
+        self.page = page
+        self.num_pages = tokens // page
         key = jax.random.key(1)
-        make = jax.jit(lambda k: jax.random.normal(k, (self.num_pages, PAGE, C + R), jnp.bfloat16))
+        make = jax.jit(lambda k: jax.random.normal(k, (self.num_pages, page, C + R), jnp.bfloat16))
         self.bf16 = make(key)
         # fp8 pool below 2^31 elements: 2^31..2^32 one-byte elements overflow the Triton lowering's 32-bit
         # offsets (mla_decode._check_inputs); cases needing more pages draw them with replacement
-        self.fp8_pages = min(self.num_pages, (2**31 - 1) // (PAGE * (C + R)))
+        self.fp8_pages = min(self.num_pages, (2**31 - 1) // (page * (C + R)))
         quant = jax.jit(md.quantize_latents_fp8)
         self.fp8, self.scales = quant(self.bf16[: self.fp8_pages])
         self.rng = bench.rng
 
     def table(self, lens, kv_dtype: str = "bf16") -> np.ndarray:
-        pages = -(-np.asarray(lens) // PAGE)
+        pages = -(-np.asarray(lens) // self.page)
         width = int(pages.max())
         num_pages = self.fp8_pages if kv_dtype == "fp8" else self.num_pages
         ids = self.rng.permutation(num_pages)
@@ -591,7 +594,7 @@ def run_backends(bench, pool, copy_gbps) -> list:
         if smoke and "mosaic" in name:
             continue
         kw = dict(kw, kv_lora_rank=C, scale=SCALE, interpret=bench.interpret)
-        entry = {"variant": name, "heads": heads}
+        entry = {"variant": name, "heads": heads, "page_size": pool.page}
         try:
             for q_len in (1, 4):  # correctness first: a wrong kernel's speed means nothing
                 ql, qp, table, positions = decode_case(pool, bench.rng, hist + q_len, q_len, heads=heads)
@@ -1238,7 +1241,7 @@ def main(argv=None) -> dict:
         bench.save()
         print_shape_sweep(res)
         return res
-    pool = Pool(bench, 40_000 if smoke else args.pool_tokens)
+    pool = Pool(bench, 40_000 if smoke else args.pool_tokens, args.backend_page_size if args.backends else PAGE)
     bw = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9
     if args.plan_sweep:
         run_plan_sweep(bench, pool, copy_gbps)

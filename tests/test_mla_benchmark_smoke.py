@@ -160,13 +160,14 @@ def test_plan_sweep_spent_budget_times_no_batch(tmp_path):
 
 def test_backends_smoke_checks_each_variant_at_the_given_heads(tmp_path):
     """--backends (interpret mode, Triton variants: the Mosaic ones are skipped under --smoke) checks each variant
-    against the reference at the ragged histories before timing it, at --backend-heads query heads."""
+    against the reference at the ragged histories before timing it, at --backend-heads query heads over pages of
+    --backend-page-size tokens."""
     out = tmp_path / "backends.json"
     load_benchmark().main(["--smoke", "--backends", "--variants", "triton 64/64/8/1", "--backend-heads", "6",
-                           "--reps", "1", "--inner", "1", "--out", str(out)])
+                           "--backend-page-size", "32", "--reps", "1", "--inner", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["backends"]
     assert {r["variant"] for r in rows} == {"triton 64/64/8/1", "triton 64/64/8/1 vg2"}
     for r in rows:
-        assert "error" not in r and r["heads"] == 6, r
+        assert "error" not in r and r["heads"] == 6 and r["page_size"] == 32, r
         assert r["max_rel_err_q1"] < 5e-3 and r["max_rel_err_q4"] < 5e-3, r  # the kernels' bf16-probability bound
         assert r["q1_ms"] > 0 and r["q4_ms"] > 0 and r["q1_plan_parts_overhead"] == [132, 1], r
