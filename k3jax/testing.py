@@ -53,8 +53,8 @@ def eager_ops_on_argument(fn, args, argnum: int) -> list[str]:
 
     A public kernel wrapper that reshapes, indexes or casts a pool before its jitted call makes XLA copy
     the whole pool on every eager call (a bitcast only inside jit): the benchmarks call the wrappers
-    eagerly, and a 5.8 GB page pool copied per call (~2.7 ms) sat in benchmarks/mla.py's MLA times from 2026-11-29
-    to 2026-12-03."""
+    eagerly, and a 5.8 GB page pool copied per call (~2.7 ms) sat in benchmarks/mla.py's MLA times
+    from 2026-11-29 to 2026-12-03."""
     jaxpr = jax.make_jaxpr(fn)(*args)
     leaves = jax.tree_util.tree_leaves(args[:argnum])
     pool_var = jaxpr.jaxpr.invars[len(leaves)]
