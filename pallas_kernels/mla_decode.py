@@ -494,10 +494,13 @@ def _mgpu_split_decode_kernel(
     P @ C (both halves read back from the exchange buffer and joined: an A operand in shared memory must share B's
     128-byte swizzle, and a half's 32-key rows are 64 bytes; a register A needs K % 64 == 0, hence one [64, 64]
     operand rather than two). The interpreter takes wgmma operands from shared memory only: in interpret mode both
-    are staged through interpret_scratch. Under the Mosaic GPU interpreter this kernel hangs in a process with 1 or
-    2 host CPU devices and runs with 8 (the test suite's setting; the "duplicate" kernel runs with any): its compute
-    warpgroups wait on each other inside the KV loop, and the interpreter's warpgroup threads apparently come from a
-    pool sized by the host devices (not established). On the H200 it ran to the reference's results."""
+    are staged through interpret_scratch. Under the Mosaic GPU interpreter this kernel needs >= 3 host CPU devices
+    (XLA_FLAGS=--xla_force_host_platform_device_count; the test suite sets 8): the interpreter runs each warpgroup as
+    its own CPU computation on a Python thread, and only as many of them ran at once as there were host devices (on
+    the 2-core CI machine; a stack dump of the hang with 1 device: two warpgroups blocked in barrier waits, the third
+    never started; with 3 devices the interpreter test passes in 6.5 s). Here the two compute warpgroups wait on each
+    other, so all three must run; the "duplicate" kernel's only wait on the memory warpgroup and run with 1. On the
+    H200 it ran to the reference's results."""
     (c_smem, r_smem), (o_smem, lse_smem) = kv_union
     item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref)
     wg = jax.lax.axis_index("wg")
@@ -946,7 +949,8 @@ def mla_decode(
             raise ValueError("the Mosaic GPU kernel takes bf16 pages, kv_lora_rank 512, a rope dim that is a multiple "
                              f"of 64 and pages of >= 8 tokens dividing block_kv; got C={c_dim}, R={q_pe.shape[-1]}, "
                              f"page_size={page_size}, {kv_pages.dtype}, block_kv={block_kv}")
-        if mosaic_schedule is None:  # the interpreter: "duplicate" (split can hang there, _mgpu_split_decode_kernel)
+        if mosaic_schedule is None:  # the interpreter: "duplicate" (split needs >= 3 host devices there, see
+            # _mgpu_split_decode_kernel)
             mosaic_schedule = "duplicate" if interpret else default_mgpu_schedule(t * h)
         if mosaic_schedule not in MGPU_SCHEDULES:
             raise ValueError(f"mosaic_schedule must be one of {MGPU_SCHEDULES}, got {mosaic_schedule!r}")
