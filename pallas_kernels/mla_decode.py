@@ -496,11 +496,11 @@ def _mgpu_split_decode_kernel(
     operand rather than two). The interpreter takes wgmma operands from shared memory only: in interpret mode both
     are staged through interpret_scratch. Under the Mosaic GPU interpreter this kernel needs >= 3 host CPU devices
     (XLA_FLAGS=--xla_force_host_platform_device_count; the test suite sets 8): the interpreter runs each warpgroup as
-    its own CPU computation on a Python thread, and only as many of them ran at once as there were host devices (on
-    the 2-core CI machine; a stack dump of the hang with 1 device: two warpgroups blocked in barrier waits, the third
-    never started; with 3 devices the interpreter test passes in 6.5 s). Here the two compute warpgroups wait on each
-    other, so all three must run; the "duplicate" kernel's only wait on the memory warpgroup and run with 1. On the
-    H200 it ran to the reference's results."""
+    its own CPU computation on a Python thread, and on the 2-core CI machine XLA ran only two of them at once with 1
+    or 2 host devices (a stack dump of the hang with 1 device: two warpgroups blocked in barrier waits, the third
+    never started) and all three with 3 (the interpreter test then passes in 6.5 s). Here the two compute warpgroups
+    wait on each other, so all three must run at once; in the "duplicate" kernel they wait only on the memory
+    warpgroup, and it runs with 1 device. On the H200 it ran to the reference's results."""
     (c_smem, r_smem), (o_smem, lse_smem) = kv_union
     item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref)
     wg = jax.lax.axis_index("wg")
