@@ -1025,17 +1025,17 @@ def run_plan_sweep(bench: Bench, pool: Pool, copy_gbps: float) -> dict:
     t0 = time.time()
     heads, batch = a.heads, a.mixed_batch_size
     lo, hi = a.mixed_range
-    tiling = model_tiling(heads, PAGE)
+    tiling = model_tiling(heads, pool.page)
     if a.backend == "mosaic":  # the Mosaic GPU kernel at its defaults (64-row wgmma tiles, 64-key blocks, 2-slot ring)
-        tiling = dict(block_rows=md.MGPU_ROWS, block_kv=md.default_mgpu_block_kv(PAGE), num_warps=0,
+        tiling = dict(block_rows=md.MGPU_ROWS, block_kv=md.default_mgpu_block_kv(pool.page), num_warps=0,
                       num_stages=md.MGPU_DEFAULT_STAGES, value_groups=1, num_parts=MODEL_PARTS, backend="mosaic")
     row_blocks = -(-heads // tiling["block_rows"])  # q_len 1: one row per head
     device_sms = getattr(jax.devices()[0], "core_count", None)
     sm_count = device_sms or DEFAULT_SM_COUNT
     settings = plan_settings(a, sm_count, row_blocks, batch)
     out = bench.result["plan_sweep"] = {
-        "shape": dict(heads=heads, batch=batch, history_range=[lo, hi], page_size=PAGE, q_len=1, kv_dtype="bf16",
-                      kv_lora_rank=C, rope=R, pool_tokens=pool.num_pages * PAGE),
+        "shape": dict(heads=heads, batch=batch, history_range=[lo, hi], page_size=pool.page, q_len=1, kv_dtype="bf16",
+                      kv_lora_rank=C, rope=R, pool_tokens=pool.num_pages * pool.page),
         "tiling": tiling, "row_blocks_per_item": row_blocks, "sm_count": sm_count,
         "sm_count_source": "device core_count" if device_sms else f"default {DEFAULT_SM_COUNT}",
         "copy_gbps": copy_gbps, "tol": a.tol, "settings": settings, "batches": [], "dropped_batches": 0,
@@ -1196,7 +1196,7 @@ def run_mixed(bench, pool, cfg, plan_fn, num_parts, n_batches, mb, lo, hi, mixed
             case = decode_case(pool, bench.rng, these, 1)
             if label == "control":  # same table width as the mixed batch: pad the page table
                 q_latent, q_pe, table, positions = case
-                table = jnp.pad(table, ((0, 0), (0, -(-hi // PAGE) - table.shape[1])))
+                table = jnp.pad(table, ((0, 0), (0, -(-hi // pool.page) - table.shape[1])))
                 case = (q_latent, q_pe, table, positions)
             r, _ = run_decode(bench, pool, these, 1, "bf16", cfg, plan_fn, case)
             entry[f"{label}_balanced_ms"] = r["ms"]
