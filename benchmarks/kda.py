@@ -23,13 +23,16 @@ sigmoid / q-k L2 norm fused on both sides:
              ... benchmarks/kda.py --no-fla --order prefill1 --prefill 1x32768x32 --prefill-parts stages \
                --stage1 v2,pallas2,pallas_w8_blocks,pallas2_k64,pallas2_w4,pallas2_tf32x3 --case-limit 540
   decode   B64 / B256 at T1 (decode) and T4 (verify), H96: ours `kda_decode` (conv + norms + gate + delta rule +
-           gated RMSNorm, pools in place; verify writes every position's state) vs fla `fused_recurrent_kda`
-           (no conv, no output norm; final state only) and fla's kernel in its pooled mode (vLLM's: states read
-           and written in place through slot indices, verify writing every position's state to its own slot;
-           fla_pooled_ms, ratio_pooled: the like-for-like verify peer). State traffic = fp32 state bytes read + written
-           (decode: read + write once; verify: read once, write T times); the limit is the copy bandwidth.
-           Verify cases (T a power of two) also probe a 1:T fan-out copy of a state pool's size (`fanout_copy`:
-           read once, write T times, verify's mix): copy_fanout_<T>_TBps, ours_frac_of_fanout_copy.
+           gated RMSNorm, pools in place; verify reads each state once and writes every position's state update,
+           k3jax.kda's module docstring) vs fla `fused_recurrent_kda` (no conv, no output norm; final state only)
+           and fla's kernel in its pooled mode (vLLM's: states read and written in place through slot indices,
+           verify writing every position's state to its own slot; fla_pooled_ms, ratio_pooled). State traffic =
+           fp32 state bytes read + written (decode: read + write once; verify: read once, plus the updates); the
+           limit is the copy bandwidth. Verify cases also time keeping the accepted prefix (all T positions) in the
+           pool, donated: ours rebuilds it from the updates (commit_ms: pallas_kernels.kda_commit, one state read
+           and written per row; commit_xla_ms its XLA twin), fla's job copies the kept position's state
+           (commit_states_ms); the whole round of each: ours_round_ms = ours_ms + commit_ms against
+           fla_pooled_round_ms (ratio_round).
            Ours runs at every --decode-block-v x --decode-warps tiling (ours_bv{V}_w{W}_ms; 128 = the
            whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
@@ -67,8 +70,6 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import kda_chunk as kc
 from pallas_kernels import kda_intra, kda_intra_lk
@@ -546,7 +547,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     verify = t > 1
     row["kind"] = "verify" if verify else "decode"
     state_bytes = b * h * D * D * 4
-    ours_bytes = state_bytes * (1 + t) if verify else state_bytes * 2  # verify writes every position's state
+    # verify reads each state once and writes a [V] and two [K] fp32 vectors per position and head
+    ours_bytes = state_bytes + b * t * h * 3 * D * 4 if verify else state_bytes * 2
 
     # the step's small per-row operands are arguments, as in the model: closed over, the all-equal ones (lengths,
     # the norm weight, no fresh rows) became constants that XLA rebuilds with one broadcast kernel each per step
@@ -563,7 +565,9 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
                              all_states=verify, **kw)
             got = jax.jit(call)(jnp.copy(conv), jnp.copy(state), rows)
             tag = mgpu_tag(knobs)
-            for out_name, a, r in zip(("y", "conv", "state"), got, ref):
+            names, flat = (("y", "conv", "err", "key", "decay"), lambda o: (*o[:2], *o[2])) if verify else (
+                ("y", "conv", "state"), tuple)
+            for out_name, a, r in zip(names, flat(got), flat(ref)):
                 row[f"rel_{out_name}_{tag}_vs_triton"] = rel(jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32))
         else:
             call = lambda cv, st, r: kda_decode(qkv, cv, conv_w, z, beta, og, st, r[0], r[1], fresh=r[2],
@@ -625,12 +629,11 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
             row["ours_frac_of_copy"] = row["ours_state_TBps"] / copy_tbps
             if "copy_torch_state_size_TBps" in row:  # (probed after the first variant; the best may come later)
                 row["ours_frac_of_state_size_copy"] = row["ours_state_TBps"] / row["copy_torch_state_size_TBps"]
-            if f"copy_fanout_{t}_TBps" in row:
-                row["ours_frac_of_fanout_copy"] = row["ours_state_TBps"] / row[f"copy_fanout_{t}_TBps"]
             if "fla_ms" in row:
                 row["ratio"] = row["fla_ms"] / row["ours_ms"]
             if "fla_pooled_ms" in row:
                 row["ratio_pooled"] = row["fla_pooled_ms"] / row["ours_ms"]
+            round_times(row)
         save()
         if i == 0 and fla is not None:
             decode_fla(row, b, t, h, args, fla, ks, z, beta, a_log, dt_bias, state_bytes)
@@ -638,8 +641,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
                 row["ratio"] = row["fla_ms"] / row["ours_ms"]
             same_size_copy(row, state_bytes, args.trials)
             save()
-        if i == 0 and verify and not t & (t - 1):  # the like-for-like limit of verify's traffic (powers of two)
-            fanout_copy_limit(row, state_bytes, t, args.trials, args.interpret)
+        if i == 0 and verify:
+            commit_times(row, state, slots, t, args.trials, args.interpret)
             save()
     if "ours_best" not in row:
         row["error"] = "no decode tiling ran: " + "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
@@ -688,44 +691,44 @@ def count_pool_copies(step, conv, state, *rest):
                if " copy(" in line and any(d in line.split("=", 1)[-1].split("copy(")[0] for d in dims))
 
 
-FANOUT_BLOCK = (8, 1024)  # fp32 elements a fan-out program reads once (32 KiB), then writes T times
+def commit_times(row, state, slots, t, trials, interpret=False):
+    """Keeping a verify step's accepted prefix (here all T positions) in the state pool, donated, per job:
+    commit_ms rebuilds each row's state in place from the pool and the updates (pallas_kernels.kda_commit, what
+    k3jax.commit_verified runs per step on the GPU; commit_xla_ms: its XLA twin, gather -> update -> scatter);
+    commit_states_ms copies the kept position's state out of per-position states [B, T, H, V, K] (the job of a
+    verify that writes them: fla pooled, ours before 2026-12-03). Each reads and writes one state per row."""
+    from pallas_kernels.kda_commit import kda_commit, kda_commit_reference
+
+    b, h = slots.shape[0], state.shape[1]
+    ks = jax.random.split(jax.random.key(t), 3)
+    updates = (0.1 * jax.random.normal(ks[0], (1, b, t, h, D), jnp.float32), jax.random.normal(ks[1], (1, b, t, h, D)),
+               jax.random.uniform(ks[2], (1, b, t, h, D), minval=0.5, maxval=1.0))
+    count, fresh = jnp.full((b,), t, jnp.int32), jnp.zeros((b,), jnp.int32)
+    kernel = jax.jit(lambda pool, u, n: kda_commit(pool, *u, slots, slots, n, fresh, interpret=interpret),
+                     donate_argnums=(0,))
+    xla = jax.jit(lambda pool, u, n: kda_commit_reference(pool, *u, slots, slots, n, fresh), donate_argnums=(0,))
+    states = jnp.broadcast_to(state[:, None], (b, t, *state.shape[1:])) + 0.0  # [B, T, H, V, K] (materialised)
+    pick = jax.jit(lambda pool, st, n: pool.at[0, slots].set(st[jnp.arange(b), n - 1]), donate_argnums=(0,))
+    for key, fn, operand in (("commit_ms", kernel, updates), ("commit_xla_ms", xla, updates),
+                             ("commit_states_ms", pick, states)):
+        pools = [state[None] + 0.0]
+
+        def run(fn=fn, operand=operand, pools=pools):
+            pools[0] = fn(pools[0], operand, count)
+            return pools[0]
+        row[key] = 1e3 * time_jax(run, trials)
+    row["commit_state_TBps"] = 2 * b * h * D * D * 4 / (row["commit_ms"] * 1e-3) / 1e12
+    round_times(row)
 
 
-def fanout_copy(x, copies: int, *, interpret: bool = False):
-    """[copies, R, 1024] = `copies` copies of x [R, 1024]: each program reads one block once and writes it `copies`
-    times, the traffic mix of verify (read a state once, write one per position), as a copy-like limit for it."""
-    rows, cols = x.shape
-    if rows % FANOUT_BLOCK[0] or cols != FANOUT_BLOCK[1] or copies < 1 or copies & (copies - 1):
-        raise ValueError(f"fanout_copy takes [R, {FANOUT_BLOCK[1]}] with R % {FANOUT_BLOCK[0]} == 0 and a power-of-two "
-                         f"number of copies (a Triton block); got {x.shape}, {copies}")
-
-    def kernel(x_ref, o_ref):  # x_ref: [8, 1024] one block; o_ref: [copies, 8, 1024] its copies
-        block = x_ref[...]
-        for i in range(copies):
-            o_ref[i] = block
-
-    return pl.pallas_call(
-        kernel, grid=(rows // FANOUT_BLOCK[0],),
-        in_specs=[pl.BlockSpec(FANOUT_BLOCK, lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((copies, *FANOUT_BLOCK), lambda i: (0, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((copies, rows, cols), x.dtype),
-        compiler_params=None if interpret else plt.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-    )(x)
-
-
-def fanout_copy_limit(row, state_bytes, copies, trials, interpret):
-    """The 1:`copies` fan-out copy's bandwidth over a state pool's worth of fp32 (bytes read + written / time):
-    verify's like-for-like limit (a plain copy reads as much as it writes; verify T4 writes 4x what it reads, and
-    HBM need not write as fast as it copies). Beside the headline fraction of the plain copy, not instead of it."""
-    try:
-        x = jnp.ones((state_bytes // 4 // FANOUT_BLOCK[1], FANOUT_BLOCK[1]), jnp.float32)
-        f = jax.jit(functools.partial(fanout_copy, copies=copies, interpret=interpret))
-        row[f"copy_fanout_{copies}_TBps"] = state_bytes * (1 + copies) / time_jax(functools.partial(f, x), trials) / 1e12
-        if "ours_state_TBps" in row:
-            row["ours_frac_of_fanout_copy"] = row["ours_state_TBps"] / row[f"copy_fanout_{copies}_TBps"]
-    except Exception as e:  # noqa: BLE001 -- a probe failing must not cost the case
-        row["copy_fanout_error"] = repr(e)[:300]
+def round_times(row):
+    """A whole verify round (verify + keeping the prefix) of each job, once both halves are measured."""
+    if "ours_ms" in row and "commit_ms" in row:
+        row["ours_round_ms"] = row["ours_ms"] + row["commit_ms"]
+    if "fla_pooled_ms" in row and "commit_states_ms" in row:
+        row["fla_pooled_round_ms"] = row["fla_pooled_ms"] + row["commit_states_ms"]
+        if "ours_round_ms" in row:
+            row["ratio_round"] = row["fla_pooled_round_ms"] / row["ours_round_ms"]
 
 
 def same_size_copy(row, state_bytes, trials):
@@ -768,7 +771,8 @@ def decode_fla(row, b, t, h, args, fla, ks, z, beta, a_log, dt_bias, state_bytes
 def decode_fla_pooled(row, b, t, h, args, q, k, v, tz, tb, a_log, dt_bias, ts0, state_bytes):
     """fla's kernel in the mode vLLM serves it (continuous batching, speculative decoding): states live in a pool
     and are read and written in place through slot indices, and verify writes the state after every position to
-    that position's own slot (ssm_state_indices [B, T]) -- the same job and bytes as our verify, where the public
+    that position's own slot (ssm_state_indices [B, T]) -- our verify's job until 2026-12-03 (ours now writes each
+    position's update instead: `commit_times` adds the prefix-keeping step each job needs), where the public
     `fused_recurrent_kda` above writes one final state. fla_pooled_ms, ratio_pooled = fla_pooled_ms / ours_ms."""
     import torch
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -823,9 +827,12 @@ def print_table(results):
             if "ours_frac_of_state_size_copy" in r:
                 extra += (f" ({100 * r['ours_frac_of_state_size_copy']:.0f}% of a same-size copy, "
                           f"{r['copy_torch_state_size_TBps']:.2f} TB/s)")
-            if "ours_frac_of_fanout_copy" in r:
-                fanout = r[f"copy_fanout_{r['T']}_TBps"]
-                extra += f" ({100 * r['ours_frac_of_fanout_copy']:.0f}% of a 1:{r['T']} fan-out copy, {fanout:.2f} TB/s)"
+            if "commit_ms" in r:
+                extra += (f"; keep prefix {r['commit_ms']:.3f} ms ({r['commit_state_TBps']:.2f} TB/s; XLA "
+                          f"{r['commit_xla_ms']:.3f}; per-position states: {r['commit_states_ms']:.3f})")
+            if "ratio_round" in r:
+                extra += (f"; round {r['ours_round_ms']:.3f} vs fla pooled {r['fla_pooled_round_ms']:.3f} ms "
+                          f"({r['ratio_round']:.2f}x)")
             if "fla_state_TBps" in r:
                 extra += f" (fla {r['fla_state_TBps']:.2f} TB/s)"
             if "fla_pooled_ms" in r:

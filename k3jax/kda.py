@@ -10,6 +10,17 @@ Shapes: B batch, T tokens, H heads, K = d_k, V = d_v. The recurrent state is V-f
 `kda_recurrent_reference` runs that token by token; `kda_chunked_reference` runs the same recurrence in
 chunks of 64 with the WY/UT form (fp32 unit-lower-triangular inverse), which is what prefill uses.
 Padding tokens must carry g = 0 and beta = 0: then they leave the state untouched in both forms.
+
+Verify (speculative decoding) needs the state after every position, to keep an accepted prefix. It does not write
+them: each position's step is a rank-one update of the decayed state,
+
+    S_t = S_{t-1} * d_t[None, :] + e_t k_t^T,   d_t = e^g_t,   e_t = beta_t (v_t - (S_{t-1} * d_t[None, :]) k_t)
+
+so verify returns the per-position (e_t [V], k_t [K], d_t [K]) -- 1.5 KB per head and position instead of a 64 KB
+state -- and `apply_verify_updates` rebuilds the state after any prefix from the state before the step (which the
+pool still holds) with the same arithmetic. A verify step then moves one state per (row, head) instead of 1 + T,
+and keeping a prefix moves two (read, write). At K3's 69 KDA layers x 96 heads, B64, T4, the per-position states
+were 108 GB; the updates are 2.6 GB.
 """
 
 from __future__ import annotations
@@ -44,29 +55,66 @@ def kda_gate(z: jax.Array, a_log: jax.Array, dt_bias: jax.Array, cfg: ModelConfi
 def kda_recurrent_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
     *, all_states: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | tuple[jax.Array, jax.Array, jax.Array]]:
     """Token-by-token KDA.
 
     Args:
       q, k: [B, T, H, K] fp32, already L2-normalised (q also scaled by K^-1/2).
       v: [B, T, H, V]; g: [B, T, H, K] log decay; beta: [B, T, H]; state: [B, H, V, K] fp32.
-      all_states: return the state after every token ([B, T, H, V, K]) instead of the last one.
+      all_states: (verify) return every position's update (err [B, T, H, V], key [B, T, H, K], decay
+        [B, T, H, K], fp32; the module docstring) instead of the final state: `apply_verify_updates` turns
+        them into the state after any prefix.
 
     Returns:
-      o: [B, T, H, V] fp32 and the final state [B, H, V, K] (or every state, see above).
+      o: [B, T, H, V] fp32 and the final state [B, H, V, K] (or the updates, see above).
     """
     def step(s, inputs):
         q_t, k_t, v_t, g_t, b_t = inputs  # [B,H,K] [B,H,K] [B,H,V] [B,H,K] [B,H]
-        s = s * jnp.exp(g_t)[:, :, None, :]
-        err = v_t - jnp.einsum("bhvk,bhk->bhv", s, k_t)
-        s = s + jnp.einsum("bhv,bhk->bhvk", b_t[..., None] * err, k_t)
+        decay = jnp.exp(g_t)
+        s = s * decay[:, :, None, :]
+        err = b_t[..., None] * (v_t - jnp.einsum("bhvk,bhk->bhv", s, k_t))
+        s = s + err[..., :, None] * k_t[..., None, :]
         o_t = jnp.einsum("bhvk,bhk->bhv", s, q_t)
-        return s, (o_t, s) if all_states else (o_t, None)
+        return s, (o_t, (err, k_t, decay) if all_states else None)
 
     f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
-    final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), tuple(map(f32, (q, k, v, g, beta))))
+    final, (o, updates) = jax.lax.scan(step, state.astype(jnp.float32), tuple(map(f32, (q, k, v, g, beta))))
     o = jnp.moveaxis(o, 0, 1)
-    return (o, jnp.moveaxis(states, 0, 1)) if all_states else (o, final)
+    return (o, tuple(jnp.moveaxis(u, 0, 1) for u in updates)) if all_states else (o, final)
+
+
+def apply_verify_updates(state: jax.Array, err: jax.Array, key: jax.Array, decay: jax.Array,
+                         count: jax.Array) -> jax.Array:
+    """The KDA state after the first `count` positions of a verify step, from the state before it.
+
+    state [..., H, V, K] fp32 (before the step); err [..., T, H, V], key and decay [..., T, H, K] fp32: the step's
+    per-position updates (`kda_recurrent_reference(all_states=True)`, the fused verify kernels); count [...] int
+    (0..T; more counts as T). Position t applies S <- S * decay_t[None, :] + err_t[:, None] key_t[None, :], the
+    recurrence's own operations in its order, so the result is the state a decode step by step reaches (to fp32
+    rounding of the last bit, where a kernel fuses the multiply-add differently)."""
+    t = err.shape[-3]
+    if key.shape != decay.shape or err.shape[:-1] != key.shape[:-1] or state.shape[:-3] != err.shape[:-3]:
+        raise ValueError(f"apply_verify_updates: state [..., H, V, K], err [..., T, H, V], key / decay [..., T, H, K] "
+                         f"with equal leading dims; got {state.shape}, {err.shape}, {key.shape}, {decay.shape}")
+    s = state.astype(jnp.float32)
+    count = jnp.asarray(count)[..., None, None, None]
+    for i in range(t):
+        stepped = s * decay[..., i, :, None, :] + err[..., i, :, :, None] * key[..., i, :, None, :]
+        s = jnp.where(i < count, stepped, s)
+    return s
+
+
+def states_from_updates(state: jax.Array, err: jax.Array, key: jax.Array, decay: jax.Array) -> jax.Array:
+    """The state after every position, [..., T, H, V, K], from the state before them [..., H, V, K] and their
+    updates (`apply_verify_updates`' arguments; the same operations, so each equals apply_verify_updates at t + 1).
+    For references and tests: the model never materialises them."""
+    def step(s, update):
+        e, k, d = update
+        s = s * d[..., None, :] + e[..., :, None] * k[..., None, :]
+        return s, s
+
+    _, states = jax.lax.scan(step, state.astype(jnp.float32), tuple(jnp.moveaxis(u, -3, 0) for u in (err, key, decay)))
+    return jnp.moveaxis(states, 0, -4)
 
 
 @backend.register("kda_chunked", "reference")
@@ -149,25 +197,26 @@ def kda_mixer(
         With `slots`, pools instead: [P, W-1, 3*H*K] and [P, H, V, K], row b's states at slots[b].
       lengths: [B] valid tokens per row (None = all T); padding leaves both states unchanged.
       mode: "chunked" (prefill) or "recurrent" (decode / verify) -- mathematically identical.
-      all_states: (recurrent only) return states after every token: conv [B, T, W-1, C] and
-        recurrent [B, T, H, V, K], so speculative verification can roll back by index.
+      all_states: (recurrent only, verify) return the conv state after every token [B, T, W-1, C] and every
+        token's recurrent-state update (err [B, T, H, V], key, decay [B, T, H, K]; the module docstring), so
+        speculative verification can keep any prefix (`apply_verify_updates`).
       linear: how the block multiplies by the weights on the hidden-state boundary (see `Linear`): called
         once with every projection reading x (q/k/v, f_a, b, and g or g_a) and once with o_proj. Default:
         plain `dense` each; a parallel strategy passes sharded GEMMs (k3jax.parallel.tp_subgroup). Params in the
         serving layout (k3jax.fuse.fuse_for_serving: one "in_proj" for all six) take the default only.
       slots: [B] int32 distinct pool rows (None: the states are per row, see above). The fused decode kernel
         reads the pools at `slots` itself and, in decode, writes them in place (when the caller donates them);
-        with all_states (verify) it only reads them: the per-position states are new [B, T, ...] arrays and the
-        pools are neither written nor copied (not aliased to any output). Every other path gathers the B rows
-        and runs as without slots, then scatters them back (decode) or returns the per-position states (verify).
+        with all_states (verify) it only reads them: the per-position conv states and updates are new [B, T, ...]
+        arrays and the pools are neither written nor copied (not aliased to any output). Every other path gathers
+        the B rows and runs as without slots, then scatters them back (decode) or returns the per-position results.
       fresh: [B] bool / int (None: none) rows that start from the zero conv and recurrent states whatever
         conv_state / rec_state hold for them (a new request in a reused slot). The fused decode kernel takes the
         flag itself (it skips reading those slots, then overwrites them); every other path zeroes the rows it
         gathered (or was given) with a select, so no pool is written to clear a slot.
 
     Returns: (y [B, T, D], new_conv_state, new_rec_state) -- with `slots`, the pools updated at those rows;
-      with all_states (slots or not), the B rows' states after every position instead (see all_states), and the
-      pools, if given, stay as they were.
+      with all_states (slots or not), the B rows' per-position conv states and state updates instead (see
+      all_states), and the pools, if given, stay as they were.
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
@@ -185,7 +234,7 @@ def kda_mixer(
             y, new_conv, new_rec = kda_mixer(params, x, conv_state[slots], rec_state[slots], cfg, lengths=lengths,
                                              mode=mode, all_states=all_states, backend_name=backend_name,
                                              linear=linear, fresh=fresh)
-            if all_states:  # per-position states of the B rows; the pools stay as they were
+            if all_states:  # per-position results of the B rows; the pools stay as they were
                 return y, new_conv, new_rec
             return (y, conv_state.at[slots].set(new_conv),
                     rec_state.at[slots].set(new_rec))
@@ -307,12 +356,18 @@ KDA_STAGE1 = "pallas"
 KDA_STAGE1_INTERPRET = "v2"
 # The fused decode kernel (read at trace time): "triton" (pallas_kernels/kda_decode.py) or "mosaic"
 # (pallas_kernels/kda_decode_mgpu.py: the state streamed by TMA; decode and verify, K a multiple of 128 -- other
-# sizes keep the Triton kernel). On the H200 (2026-12-03, docs/benchmarks.md) "mosaic" is 1.10x / 1.12x the Triton
-# kernel at B64 / B256 T1 H96 (81 / 86 % of copy) and 1.05x in verify T4 (77-79 %). In the whole k3-small model (16
+# sizes keep the Triton kernel). On the H200 (2026-12-03, docs/benchmarks.md) "mosaic" is 1.05x / 1.10x the Triton
+# kernel at B64 / B256 T1 H96 (79-85 % of copy) and 1.11x / 1.18x in verify T4 (0.368 / 1.341 ms, the verify that
+# writes per-position updates). In the whole k3-small model (16
 # heads: under 8 items per CTA) it measured the same as the Triton kernel before those gains (0.792 vs 0.793 ms/step
 # of KDA decode, shadow check passed; H200, 2026-12-02), and the model has not run with it since, so it stays
 # opt-in: it pays at K3's head count; at k3-small's it has not been shown to.
 KDA_DECODE_KERNEL = "triton"
+# Keeping a verify step's accepted prefix on the GPU (op "kda_commit", read at trace time): "xla" (gather -> update ->
+# scatter; measured on the H200 on 2026-12-03: B64 / B256 H96 0.439 / 2.241 ms, 2.2-2.8x a copy of the bytes) or
+# "kernel" (pallas_kernels/kda_commit.py: one read and one write in place; tested in interpret mode only -- it has
+# not run on a GPU yet, so it is opt-in). The CPU "interpret" backend always runs the kernel.
+KDA_COMMIT_KERNEL = "xla"
 
 
 def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound,
@@ -348,10 +403,24 @@ def _fused_decode(*args, interpret: bool, all_states: bool = False, packed=None,
     return kda_decode(*args, interpret=interpret, all_states=all_states, packed=packed, **kw)
 
 
+def _commit(*args, interpret: bool):
+    """Op "kda_commit" on a kernel backend: the kernel in interpret mode, on the GPU per KDA_COMMIT_KERNEL."""
+    from pallas_kernels.kda_commit import kda_commit, kda_commit_reference
+
+    if KDA_COMMIT_KERNEL not in ("xla", "kernel"):
+        raise ValueError(f"KDA_COMMIT_KERNEL must be 'xla' or 'kernel'; got {KDA_COMMIT_KERNEL!r}")
+    if interpret or KDA_COMMIT_KERNEL == "kernel":
+        return kda_commit(*args, interpret=interpret)
+    return kda_commit_reference(*args)
+
+
 def _register_pallas() -> None:
     """Registers the Pallas kernels (pallas_kernels/) for the GPU ("pallas") and CPU CI ("interpret")."""
     from pallas_kernels.kda_chunk import kda_chunk, kda_chunk_reference
+    from pallas_kernels.kda_commit import kda_commit_reference
     from pallas_kernels.kda_decode import kda_decode_reference
+
+    backend.register("kda_commit", "reference")(kda_commit_reference)
 
     for name, interpret in (("pallas", False), ("interpret", True)):
 
@@ -370,6 +439,7 @@ def _register_pallas() -> None:
         backend.register("kda_chunked", name)(chunked)
         backend.register("kda_chunked_fused", name)(chunked_fused)
         backend.register("kda_decode_fused", name)(functools.partial(_fused_decode, interpret=interpret))
+        backend.register("kda_commit", name)(functools.partial(_commit, interpret=interpret))
 
     backend.register_twin("kda_chunked_fused")(functools.partial(_packed_fused_chunk, kda_chunk_reference))
     backend.register_twin("kda_decode_fused")(kda_decode_reference)

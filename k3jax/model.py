@@ -5,7 +5,7 @@ Every step takes its caches and metadata as arguments and returns the new caches
     forward(params, cfg, tokens)                      int32 [B, T] -> float32 logits [B, T, V]
     prefill(params, cfg, state, tokens, meta)         append T (ragged) tokens per row to the state
     decode(params, cfg, state, tokens, meta)          one token per row
-    verify(params, cfg, state, tokens, meta)          k tokens per row; KDA states after every position
+    verify(params, cfg, state, tokens, meta)          k tokens per row; KDA state updates of every position
     commit_verified(state, verified, slots, accepted) keep an accepted prefix of a verify
 
 Layer l (k3-model.md §6, K3 bookkeeping with B = attn_res_block_size decoder layers per block):
@@ -29,7 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from k3jax import kda, mla
+from k3jax import backend, kda, mla
 from k3jax.attnres import attn_res_mix_norm
 from k3jax.compile_options import STEP_COMPILER_OPTIONS
 from k3jax.config import ModelConfig
@@ -75,10 +75,18 @@ class StepMeta:
 
 @flax.struct.dataclass
 class VerifiedStates:
-    """KDA states after every verified position: kda [L_kda, B, T, H, V, K], conv [L_kda, B, T, W-1, C]."""
+    """What a verify step leaves for `commit_verified`, per KDA layer: every position's recurrent-state update
+    (k3jax.kda's module docstring: S_t = S_{t-1} * decay_t + err_t key_t^T) -- err [L_kda, B, T, H, V], key and
+    decay [L_kda, B, T, H, K] fp32 -- and the conv state after every position, conv [L_kda, B, T, W-1, C]; slots and
+    fresh [B]: where each row's state before the step lives (verify leaves the pool alone) and whether it starts
+    from zeros instead. 1.5 KB per layer, row, position and head instead of a 64 KB state."""
 
-    kda: jax.Array
+    err: jax.Array
+    key: jax.Array
+    decay: jax.Array
     conv: jax.Array
+    slots: jax.Array
+    fresh: jax.Array
 
 
 def init_state(cfg: ModelConfig, num_slots: int, num_pages: int, page_size: int, kv_dtype=None) -> DecodeState:
@@ -222,8 +230,14 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
     new_state = DecodeState(**caches)
     verified = None
     if all_states:
-        stack = lambda xs, like: jnp.stack(xs) if xs else jnp.zeros((0, *tokens.shape, *like.shape[2:]), like.dtype)
-        verified = VerifiedStates(kda=stack(verified_kda, state.kda), conv=stack(verified_conv, state.conv))
+        def stack(xs, like):  # [L_kda, B, T, ...]; a model without KDA layers gets empty arrays
+            return jnp.stack(xs) if xs else jnp.zeros((0, *tokens.shape, *like.shape), like.dtype)
+        h, dv, dk = state.kda.shape[2:]
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        err, key, decay = ([u[i] for u in verified_kda] for i in range(3))
+        verified = VerifiedStates(err=stack(err, f32(h, dv)), key=stack(key, f32(h, dk)), decay=stack(decay, f32(h, dk)),
+                                  conv=stack(verified_conv, jax.ShapeDtypeStruct(state.conv.shape[2:], state.conv.dtype)), slots=meta.slots.astype(jnp.int32),
+                                  fresh=meta.context_lens == 0)
     return hidden, new_state, verified, feats
 
 
@@ -231,7 +245,8 @@ def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: st
                  verified: tuple[list, list] | None = None, linear: dict[str, Linear] | None = None) -> Mixer:
     """The attention block of the serving steps over caches = {"kda", "conv", "kv_pages"}, updated in the
     dict as layers run. With `verified` = (kda list, conv list), KDA layers append their per-position
-    states there and leave the pooled states alone (verify: commit_verified picks a position later).
+    state updates and conv states there and leave the pooled states alone (verify: commit_verified keeps a prefix
+    later).
     linear: the projection hooks per mixer kind, as in `cache_free_mixer`."""
     linear = linear or {}
 
@@ -318,7 +333,7 @@ def verify(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
 
     Writes all k latents to the MLA pages (positions past the accepted prefix are simply overwritten
     later) but leaves the pooled KDA states untouched. Returns (logits float32 [B, k, V], new state,
-    VerifiedStates with the KDA state after every position) -- pass the latter to `commit_verified`.
+    VerifiedStates: every position's KDA state update and conv state) -- pass the latter to `commit_verified`.
     """
     _check_tokens(tokens, 2, "verify")
     hidden, state, verified, _ = step_body(params, cfg, state, tokens, meta, kda_mode="recurrent", all_states=True,
@@ -326,18 +341,24 @@ def verify(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
     return lm_head(params, cfg, hidden), state, verified
 
 
-@partial(jax.jit, donate_argnames=("state",))
+@partial(jax.jit, donate_argnames=("state",), static_argnames=("backend_name",))
 def commit_verified(state: DecodeState, verified: VerifiedStates, slots: jax.Array, num_accepted: jax.Array,
-                    rows: jax.Array | None = None) -> DecodeState:
-    """Keeps the first num_accepted[b] (>= 1) verified positions of each row: copies the KDA and conv
-    states after position num_accepted - 1 into the row's slot.
+                    rows: jax.Array | None = None, backend_name: str = "reference") -> DecodeState:
+    """Keeps the first num_accepted[b] (>= 1) verified positions of each row: writes the KDA and conv states
+    after position num_accepted - 1 into the row's slot. The KDA state is rebuilt from the state before the verify
+    step, still in the pool at the row's own slot (verified.slots), and the step's updates
+    (k3jax.kda.apply_verify_updates; op "kda_commit", in place in the donated pool on the kernel backends): one
+    state read and one written per layer and row.
 
-    rows: which verify rows to copy (default all, in order); with rows, slots[i] receives row rows[i]
-    (e.g. a KDA checkpoint at a page boundary inside an accepted run)."""
+    rows: which verify rows to take (default all, in order); with rows, slots[i] receives row rows[i] (e.g. a
+    KDA checkpoint at a page boundary inside an accepted run). Every such copy must come before the commit that
+    overwrites the rows' own slots: it reads the states from before the step there."""
     if rows is None:
         rows = jnp.arange(slots.shape[0])
-    pick = jnp.clip(num_accepted - 1, 0, verified.kda.shape[2] - 1)
+    count = jnp.clip(num_accepted, 1, verified.conv.shape[2]).astype(jnp.int32)
+    commit = backend.get("kda_commit", backend_name)
     return state.replace(
-        kda=state.kda.at[:, slots].set(verified.kda[:, rows, pick]),
-        conv=state.conv.at[:, slots].set(verified.conv[:, rows, pick]),
+        kda=commit(state.kda, verified.err[:, rows], verified.key[:, rows], verified.decay[:, rows],
+                   verified.slots[rows], slots.astype(jnp.int32), count, verified.fresh[rows]),
+        conv=state.conv.at[:, slots].set(verified.conv[:, rows, count - 1]),
     )

@@ -6,10 +6,10 @@ One batch, host-driven rounds (k3-model.md §7):
   1. prefill the target on a paged DecodeState (its captured features feed the drafter's catch-up);
      the first token comes from the prefill logits
   2. per round: the drafter catches up on the newly accepted positions and proposes k tokens; the target
-     scores [last token + k drafts] in one verify step (KDA states after every position kept aside);
+     scores [last token + k drafts] in one verify step (every position's KDA state update kept aside);
      accept a prefix (greedy: drafts equal to the target's argmax; "rejection": standard speculative
      sampling), emit one more token from the target, and commit_verified(num_accepted = a + 1) so the
-     KDA/conv states roll back by index while the MLA context advances by a + 1.
+     KDA/conv states keep the accepted prefix while the MLA context advances by a + 1.
 
 Features: k3jax.prefill / k3jax.verify return no hidden states, so `target_step` here is those steps with
 the EAGLE-3 capture added: it calls model.step_body, the body every serving step shares, with
@@ -51,7 +51,7 @@ SAMPLINGS = ("greedy", "rejection")
 def target_step(params: dict, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta: StepMeta,
                 capture: tuple[int, ...], verify: bool, backend_name: str = "reference"):
     """k3jax.prefill (verify=False; chunked KDA, logits at each row's last new token) or k3jax.verify
-    (verify=True; recurrent KDA, logits at every position, KDA states after every position) that also
+    (verify=True; recurrent KDA, logits at every position, every position's KDA state update) that also
     returns the EAGLE-3 features: the hidden states entering the `capture` layers.
 
     Returns (logits, new state, VerifiedStates or None, features [B, T, len(capture), D]).
@@ -260,7 +260,7 @@ def speculative_generate(
                                                jax.random.fold_in(rkey, 2))
         else:
             accepted, bonus = greedy_accept(tlogits, drafts)
-        state = commit_verified(state, verified, slots, accepted + 1)
+        state = commit_verified(state, verified, slots, accepted + 1, backend_name=backend_name)
         accepted, bonus, drafts_np = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts)
         history.append(np.where(active, accepted, -1))
         nxt = np.zeros((b, k + 1), np.int32)

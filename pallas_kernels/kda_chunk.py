@@ -501,7 +501,7 @@ def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=No
                         seq_lens=None, checkpoint_page_size=None):
     """Plain-jnp twin of `kda_chunk` (same arguments and results): the gate, beta and norm in fp32, then
     the token-by-token recurrence over each sequence (k3jax.kda.kda_recurrent_reference), unpacked."""
-    from k3jax.kda import kda_recurrent_reference
+    from k3jax.kda import kda_recurrent_reference, states_from_updates
 
     _check(q, k, v, g, beta, initial_state, cu_seqlens, gate, a_log, dt_bias, checkpoint_page_size)
     t, h, dk = q.shape
@@ -521,7 +521,8 @@ def kda_chunk_reference(q, k, v, g, beta, initial_state, cu_seqlens, *, a_log=No
     idx = jnp.clip(cu[:-1, None] + pos[None, :], 0, t - 1)  # [N, T] unpacked (rows padded to T)
     valid = pos[None, :] < lens[:, None]
     unpack = lambda x: jnp.where(valid.reshape(n, t, *([1] * (x.ndim - 1))), x[idx], 0.0)
-    o, states = kda_recurrent_reference(*map(unpack, (q, k, v, g, beta)), f32(initial_state), all_states=True)
+    o, updates = kda_recurrent_reference(*map(unpack, (q, k, v, g, beta)), f32(initial_state), all_states=True)
+    states = states_from_updates(f32(initial_state), *updates)  # [N, T, H, V, K]
     last = jnp.clip(lens - 1, 0, t - 1)
     final = jnp.where((lens > 0)[:, None, None, None], states[jnp.arange(n), last], f32(initial_state))
     seq = jnp.clip(jnp.searchsorted(cu[1:], pos, side="right"), 0, n - 1)

@@ -14,14 +14,17 @@ and zero conv window, whatever its (reused) slot holds: its pool loads are maske
 exact even over NaN/inf garbage, unlike multiplying by zero), and decode writes its new states over the slot
 as for any other row -- so the model needs no scatter zeroing fresh rows before the kernel. Decode mode reads and writes the pooled conv / recurrent
 states in place (input_output_aliases) at rows slots[b]. Verify mode (all_states=True) leaves the pools
-alone and writes the conv and recurrent state after every position, so rejection rolls back by index.
+alone and writes the conv state after every position and, per position, the recurrent state's rank-one update
+(e = beta (v - S' k) [V], k [K], e^g [K]; k3jax.kda's module docstring): the state after any accepted prefix is
+rebuilt from the pooled state before the step (k3jax.kda.apply_verify_updates), so verify reads each state once
+and writes none.
 
 The numerics follow the reference path exactly where it rounds: the conv output is cast to the
 activation dtype before the norms, and o to the activation dtype before the gated RMSNorm.
 
 Backend: Pallas Triton lowering, grid (V / block_v, H, B). Each program owns the state rows [block_v, K]
 of one (sequence, head) -- a contiguous slice of the V-first state -- in registers across the T positions;
-the state is read once and written once (decode) or T times (verify), which is the whole memory floor.
+the state is read once and written once (decode) or only read (verify), which is the whole memory floor.
 The delta rule is row-separable over V (err_v = v_v - S_v k, S_v += beta err_v k^T, o_v = S_v q), so
 V-blocks are independent except for three things, handled as follows. (1) Each program recomputes the
 head's q and k (conv + SiLU + L2 norm, 2K channels) and convolves only its own v channels. (2) The gated
@@ -178,14 +181,16 @@ def _delta_step(s, decay, k, beta, v, q, act_dtype, v_select=None):
     v: the rows' v [rows]; or, with v_select ([rows, K] bool, row i's v channel == column c), the head's v [V == K],
     folded into the S k reduction: err_i = sum_c (v_select[i, c] v_c - S_ic k_c) (the same terms as v_i - S_i k,
     summed in another order).
-    Returns the new rows and o [rows] rounded to the activation dtype as the reference rounds it (then fp32)."""
+    Returns the new rows, o [rows] rounded to the activation dtype as the reference rounds it (then fp32), and the
+    rows' update beta * err [rows] (verify's output: the new rows are s * decay + (beta err) k^T)."""
     s = s * decay[None, :]
     if v_select is None:
         err = v - jnp.sum(s * k[None, :], axis=1)  # [rows]
     else:
         err = jnp.sum(jnp.where(v_select, v[None, :], 0.0) - s * k[None, :], axis=1)
-    s = s + (beta * err)[:, None] * k[None, :]
-    return s, jnp.sum(s * q[None, :], axis=1).astype(act_dtype).astype(jnp.float32)
+    update = beta * err
+    s = s + update[:, None] * k[None, :]
+    return s, jnp.sum(s * q[None, :], axis=1).astype(act_dtype).astype(jnp.float32), update
 
 
 def _gated_rms_norm(o_blocks, weight_blocks, gate_blocks, eps):
@@ -208,7 +213,8 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
     # y_ref: [B, T, H, V] (activation dtype): gated-normed output when rows == V, else raw o (normed outside)
     # decode:  conv_out_ref: [P, W-1, 3*H*K] (aliases conv_ref); state_out_ref: [P, H, V, K] (aliases state_ref)
-    # verify:  conv_out_ref: [B, T, W-1, 3*H*K]; state_out_ref: [B, T, H, V, K]
+    # verify:  conv_out_ref: [B, T, W-1, 3*H*K]; state_out_ref: (err_ref [B, T, H, V], key_ref [B, T, H, K],
+    #          decay_ref [B, T, H, K]) fp32, each position's rank-one update of the state (a tuple of three refs)
     # qk_conv_out_ref (decode with rows < V only, else None): [B, W-1, 2*H*K] the new q|k conv state, scattered into
     #   the pool outside: every program of the head reads the head's q|k conv state, so none may overwrite it in place.
     # The body of both kernels: sequence b, head h, state rows [part*rows, (part+1)*rows) walked in V-blocks of block_v
@@ -318,9 +324,15 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
                 v, v_window, v_kept = next(v_steps)
                 if all_states:
                     write_conv_position(2 + j, t, v_window)
-            s, outs[t][j] = _delta_step(s, decay, k, beta, v, q, act_dtype, v_select)
+            s, outs[t][j], update = _delta_step(s, decay, k, beta, v, q, act_dtype, v_select)
             if all_states:
-                state_out_ref[b, t, h, blocks[j], :] = s
+                err_ref, key_ref, decay_ref = state_out_ref
+                err_ref[b, t, h, blocks[j]] = update
+                if j == 0:
+                    def write_key_decay(t=t, k=k, decay=decay):  # the head's, once
+                        key_ref[b, t, h, :] = k
+                        decay_ref[b, t, h, :] = decay
+                    by_one_program(write_key_decay)
             if not whole_head:  # raw o (already rounded as the reference rounds it): the norm is applied outside
                 y_ref[b, t, h, blocks[j]] = outs[t][j].astype(y_ref.dtype)
         if not all_states:
@@ -345,11 +357,19 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
                 y_ref[b, t, h, blk] = y.astype(y_ref.dtype)
 
 
+def _grouped_refs(refs, all_states):
+    """The kernel's flat refs -> _kda_rows' positional refs up to state_out_ref (verify: its three update refs as
+    one tuple), and what follows (the q|k side output, if any)."""
+    if all_states:
+        return (*refs[:15], tuple(refs[15:18])), refs[18:]
+    return refs[:16], refs[16:]
+
+
 def _blocked_kernel(*refs, block_v, **kw):
     # Refs as in _kda_rows (the q|k side output present only in decode with block_v < V). Grid (V / block_v, H, B):
     # program (vb, h, b) owns state rows [vb*block_v, (vb+1)*block_v) of head h of sequence b, one block.
-    qk_side = refs[16:]
-    _kda_rows(*refs[:16], qk_side[0] if qk_side else None, b=pl.program_id(2), h=pl.program_id(1),
+    rows_refs, qk_side = _grouped_refs(refs, kw["all_states"])
+    _kda_rows(*rows_refs, qk_side[0] if qk_side else None, b=pl.program_id(2), h=pl.program_id(1),
               part=pl.program_id(0), rows=block_v, block_v=block_v, **kw)
 
 
@@ -357,7 +377,8 @@ def _looped_kernel(*refs, **kw):
     # Refs as in _kda_rows (no q|k side output). Grid (H, B): program (h, b) owns ALL the state rows of head h of
     # sequence b and walks them in V-blocks: q and k computed once per head, the conv state written in place by its
     # only reader, the gated RMSNorm (which needs all of V) fused.
-    _kda_rows(*refs, None, b=pl.program_id(1), h=pl.program_id(0), part=0, rows=refs[11].shape[0], **kw)
+    rows_refs, _ = _grouped_refs(refs, kw["all_states"])
+    _kda_rows(*rows_refs, None, b=pl.program_id(1), h=pl.program_id(0), part=0, rows=refs[11].shape[0], **kw)
 
 
 def _tiling(block_v, num_warps, dv, all_states, loop_v=False, prefetch=None):
@@ -471,7 +492,8 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
         when the caller donates them (they are aliased to the outputs).
-      verify: (y, conv states [B, T, W-1, 3*H*K], states [B, T, H, V, K]) after every position; pools untouched.
+      verify: (y, conv states [B, T, W-1, 3*H*K] after every position, (err [B, T, H, V], key [B, T, H, K], decay
+        [B, T, H, K]) fp32: every position's state update, for k3jax.kda.apply_verify_updates); pools untouched.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
            o_norm_weight, gate, packed)
@@ -495,7 +517,9 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     y_shape = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     if all_states:
         out_shape = [y_shape, jax.ShapeDtypeStruct((bsz, t, w1, c), conv_state.dtype),
-                     jax.ShapeDtypeStruct((bsz, t, h, dv, dk), jnp.float32)]
+                     jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
+                     jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
+                     jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)]
         aliases = {}
     else:
         out_shape = [y_shape, jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
@@ -507,19 +531,20 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     body = dict(num_tokens=t, gate=gate, lower_bound=lower_bound, eps=eps, all_states=all_states, act_dtype=act,
                 block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v), packed=packed)
     if loop_v:
-        y, conv_out, state_out = pl.pallas_call(
+        looped_outs = out_shape if all_states else out_shape[:3]  # (decode: no q|k side output)
+        y, conv_out, *state_out = pl.pallas_call(
             functools.partial(_looped_kernel, **body),
             grid=(h, bsz),
             in_specs=[full(x) for x in ins],
-            out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in out_shape[:3]],
-            out_shape=out_shape[:3],
+            out_specs=[pl.BlockSpec(s.shape, lambda *_, n=len(s.shape): (0,) * n) for s in looped_outs],
+            out_shape=looped_outs,
             input_output_aliases=aliases,
             interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
         )(*ins)
-        return y, conv_out, state_out
+        return y, conv_out, tuple(state_out) if all_states else state_out[0]
     # Grid (V-blocks, H, B): program_id(0) varies fastest (CUDA x), so neighbouring programs stream
     # neighbouring rows of one (slot, head) state -- fla's order (V-block fastest, then head, then sequence).
-    y, conv_out, state_out, *qk_conv = pl.pallas_call(
+    y, conv_out, *state_out = pl.pallas_call(
         functools.partial(_blocked_kernel, **body),
         grid=(dv // block_v, h, bsz),
         in_specs=[full(x) for x in ins],
@@ -528,6 +553,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         input_output_aliases=aliases,
         interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
     )(*ins)
+    state_out, qk_conv = (tuple(state_out), []) if all_states else (state_out[0], state_out[1:])
     if block_v < dv:  # the norm needs all of V: the reference's own op, the same operations in the same order
         from k3jax.layers import gated_rms_norm
 

@@ -1,6 +1,6 @@
 """Fused KDA decode / verify on Mosaic GPU: the recurrent state streamed through shared memory by TMA.
 
-The same job as `kda_decode.kda_decode`, decode and verify (all_states: every position's state written): per
+The same job as `kda_decode.kda_decode`, decode and verify (all_states: every position's state update written): per
 sequence b (state slot slots[b]) and head h, for each of the T <= 8 new tokens, the short conv (conv state in and out,
 in place), SiLU, q / k L2 norm, the gate, beta, the delta rule on the V-first fp32 state S [V, K], the output and the
 gated RMSNorm -- one launch per layer, k3-model.md §3:
@@ -62,6 +62,19 @@ traffic mix (read one state, write T) copies at 89-90 % of the plain copy's rate
 3.73-3.76 TB/s); verify T4 reaches 87-88 % of it. Without its state stores the kernel still takes 64 % of its time
 (0.40 of 0.63 ms at B64): the update warpgroups' per-position chain, not the stores' staging wait (removing that
 wait: no change), is what overlaps the store stream only in part.
+
+2026-12-03 (twenty-second session; docs/results/kda_verify_ncu_h200_2026-12-03.json, kda_verify_updates_*): Nsight
+Compute on verify B64 T4 showed the update warpgroups waiting 40 % of their samples for their own TMA stores to have
+read the staging rows (before each next position's rows, and at the item's end) and 15 % for the prep warpgroup:
+the state stores, ~64 KB in flight per SM behind the one staging buffer, set the pace (DRAM 73 % of peak). Two A/Bs
+that did not move it (patched copies): both of a position's reductions from the pre-update state (0.625 vs 0.627
+ms), and the prep warpgroup's conv states and y stored by TMA with its GMEM reads issued early (0.613 vs 0.617 ms at
+B64 T4; decode B256 1.6 % slower). So verify stopped writing states: it writes each position's update (err rows
+from the update warpgroups through e_smem, k^ and e^g from prep_smem, one TMA copy each per item) and
+k3jax.commit_verified rebuilds the kept state from the pool. Verify T4 H96: B64 **0.368 ms** (was 0.618), B256
+**1.341 ms** (was 2.434); Triton kernel 0.410 / 1.587; fla public API 0.573 / 2.163 (1.56x / 1.61x); decode
+unchanged (0.243 / 0.904 ms in the same call). The kernel now reads ~0.4 / 1.6 GB and writes ~1 % of that: 29-31 %
+of the copy bandwidth, bound by the update warpgroups' per-position chain, no longer by HBM.
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
@@ -172,25 +185,30 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     #   conv_ref: [P, W-1, 3*H*K] conv-state pool, read by TMA (decode: and written in place, a mutable ref)
     #   state_ref: [P, H, V, K] fp32 state pool, read by TMA (decode: and written in place by TMA, a mutable ref)
     #   y_ref: [B, T, H, V] activation dtype, the gated-normed output
-    #   verify only (all_states), refs[:2]: conv_out_ref [B, T, W-1, 3*H*K], the conv state after each position;
-    #   states_out_ref [B, T, H, V, K] fp32, the recurrent state after each position (the pools are not written)
+    #   verify only (all_states), refs[:4]: conv_out_ref [B, T, W-1, 3*H*K], the conv state after each position;
+    #   err_ref [B, T, H, V], key_ref / decay_ref [B, T, H, K] fp32, each position's rank-one state update
+    #   (S_t = S_{t-1} * decay_t + err_t key_t^T; k3jax.kda.apply_verify_updates). The pools are only read.
     # SMEM ring, one slot per item in flight: st_smem [S, V, K] fp32 (tiled 8 x 32, 128-byte swizzle) the state;
     #   x_smem [S, 3, T, K] the item's q|k|v inputs; win_smem [S, 3, W-1, K] its conv windows; z_smem [S, T, K];
     #   og_smem [S, T, V]; bars [S]: the slot's OPERAND_COPIES_PER_ITEM copies (see `issue`) have landed;
     #   state_bars [S]: its state has (the prep warpgroup needs only the operands, so it never waits for the state)
     # SMEM, the head's conv taps for prep, two buffers (item parity): cw_smem [2, 3, W, K]; taps_bars [2] (3 copies)
     # SMEM, the prepared operands, two buffers (item parity: prep runs one item ahead of the update): prep_smem
-    #   [2, T, 4, K] fp32 (q^, k^, beta k^, e^g); vb_smem [2, T, V] fp32 (beta v); prep_bars [S]: item's written
+    #   [2, 4, T, K] fp32 (q^, k^, beta k^, e^g; verify stores k^ and e^g from here by TMA); vb_smem [2, T, V] fp32
+    #   (beta v); prep_bars [S]: item's written
     # o_smem [2, T, V] fp32: the update warpgroups' o rows, for the prep warpgroup's RMSNorm (item parity)
+    # verify only, e_smem [2, T, V] fp32: the update warpgroups' err rows, stored by the prep warpgroup (item parity)
     # done_bars [S]: every update warpgroup is done with the slot (V / 64 arrivals) before it is stored and refilled
     # Warpgroups: wg < V / 64 update state rows [64 wg, 64 wg + 64) of every item (the delta rule is row-separable
     # over V); the last one ("prep") issues the TMA ring, runs the vector work of item j + 1 (short convs, SiLU, L2
     # norms, gate, beta) while the others update item j's state, then stores item j's state back and applies its
-    # gated RMSNorm. In verify the update warpgroups keep the state in registers across the T positions and stage
-    # each position's rows through their slice of the slot, each stored to states_out by its own TMA copy.
-    conv_out_ref, states_out_ref = refs[:2] if all_states else (None, None)
+    # gated RMSNorm. In verify the update warpgroups keep the state in registers across the T positions and write
+    # only each position's err rows; the prep warpgroup stores those, k^ and e^g (a few KB per item).
+    conv_out_ref, err_ref, key_ref, decay_ref = refs[:4] if all_states else (None,) * 4
+    scratch = refs[4:] if all_states else refs
     (st_smem, x_smem, win_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
-     done_bars, state_bars) = refs[2:] if all_states else refs
+     done_bars, state_bars) = scratch[:14]
+    e_smem = scratch[14] if all_states else None
     f32 = jnp.float32
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
     wg = lax.axis_index("wg")
@@ -249,7 +267,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                      for t in range(num_tokens)]
             plgpu.barrier_wait(taps_bars.at[buf])
             plgpu.barrier_wait(bars.at[slot])
-            acts_out = [lambda t: prep_smem.at[buf, t, 0], lambda t: prep_smem.at[buf, t, 1],
+            acts_out = [lambda t: prep_smem.at[buf, 0, t], lambda t: prep_smem.at[buf, 1, t],
                         lambda t: vb_smem.at[buf, t]]  # where each segment's raw activations go (q, k, v)
 
             def put(ref, value):
@@ -271,18 +289,25 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             dtb = _vec(dtb_ref.at[h])
             plgpu.commit_smem()
             for t in range(num_tokens):
-                ops = prep_smem.at[buf, t]
-                q, k = _vec(ops.at[0]), _vec(ops.at[1])
+                op = lambda j, t=t: prep_smem.at[buf, j, t]  # noqa: E731
+                q, k = _vec(op(0)), _vec(op(1))
                 q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk ** -0.5
                 k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
                 g = _gate(_vec(z_smem.at[slot, t]), a, dtb, gate, lower_bound)
-                ops.at[0][...] = q
-                ops.at[1][...] = k
-                ops.at[2][...] = betas[t] * k
-                ops.at[3][...] = jnp.exp(_select(valids[t], g, jnp.zeros_like(g)))
+                op(0)[...] = q
+                op(1)[...] = k
+                op(2)[...] = betas[t] * k
+                op(3)[...] = jnp.exp(_select(valids[t], g, jnp.zeros_like(g)))
                 vb_smem.at[buf, t][...] = betas[t] * _vec(vb_smem.at[buf, t])
             plgpu.commit_smem()
+            if all_states:
+                # the update rows' buffer (e_smem) and this buffer parity's operands are rewritten for the item
+                # after next: their stores (issued an item ago) must have read them before the updates start
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(prep_bars.at[slot])
+            if all_states:  # the item's k^ and e^g for every position, [T, K] each
+                plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
+                plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
 
         for first in range(stages):
             pl.when(first < num_steps)(functools.partial(issue, first))
@@ -301,6 +326,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 o = _vec(o_smem.at[buf, t])
                 y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[slot, t]))
                 y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
+            if all_states:  # the update warpgroups' err rows (committed before they arrived on done_bars)
+                plgpu.copy_smem_to_gmem(e_smem.at[buf], err_ref.at[b, :, h, :])
 
         @pl.loop(0, num_steps)
         def _prep_step(step):
@@ -337,23 +364,19 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
             s = plgpu.load(rows, layout=_TILE) if all_states else None
             for t in range(num_tokens):
-                ops = prep_smem.at[buf, t]
+                op = lambda j, t=t: prep_smem.at[buf, j, t]  # noqa: E731
                 if not all_states:  # decode: the state lives in its slot between positions (fewer registers)
                     s = plgpu.load(rows, layout=_TILE)
-                s = s * _down_rows(_cols(ops.at[3]), tile)
-                err = _rows(vb_smem.at[buf, t, blk]) - jnp.sum(s * _down_rows(_cols(ops.at[2]), tile), axis=1)
-                s = s + _across_cols(err, tile) * _down_rows(_cols(ops.at[1]), tile)
-                if all_states and t:  # the slot's rows are the staging buffer: its last store must have read them
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                rows[...] = s
-                if all_states:  # this position's rows to states_out by TMA (it overlaps the next position's math)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(rows, states_out_ref.at[b, t, h, blk])
-                o_smem.at[buf, t, blk][...] = jnp.sum(s * _down_rows(_cols(ops.at[0]), tile), axis=1).astype(
+                s = s * _down_rows(_cols(op(3)), tile)
+                err = _rows(vb_smem.at[buf, t, blk]) - jnp.sum(s * _down_rows(_cols(op(2)), tile), axis=1)
+                s = s + _across_cols(err, tile) * _down_rows(_cols(op(1)), tile)
+                if all_states:  # verify writes no state: err is this position's update of these rows
+                    e_smem.at[buf, t, blk][...] = err
+                else:
+                    rows[...] = s
+                o_smem.at[buf, t, blk][...] = jnp.sum(s * _down_rows(_cols(op(0)), tile), axis=1).astype(
                     act_dtype).astype(f32)
-            plgpu.commit_smem()  # the new state rows and o are visible to the TMA engine and the prep warpgroup
-            if all_states:  # the slot is refilled once done_bars completes: the last store must have read it
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.commit_smem()  # the new state rows, o (and err) are visible to the TMA engine and the prep warpgroup
             plgpu.barrier_arrive(done_bars.at[slot])
 
 
@@ -364,7 +387,7 @@ def smem_bytes(dv: int, dk: int, stages: int, num_tokens: int, width: int, act_b
     operands = (3 * num_tokens * dk * act_bytes + 3 * (width - 1) * dk * conv_bytes + num_tokens * dk * act_bytes
                 + num_tokens * dv * act_bytes)
     prepared = 2 * (3 * width * dk * taps_bytes + num_tokens * (4 * dk + dv) * 4)
-    return stages * (dv * dk * 4 + operands) + prepared + 2 * num_tokens * dv * 4
+    return stages * (dv * dk * 4 + operands) + prepared + 2 * 2 * num_tokens * dv * 4  # o rows; (verify) err rows
 
 
 def default_stages(**sizes) -> int:
@@ -412,7 +435,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
     pools updated in place at `slots` when the caller donates them; verify (all_states=True), (y, conv states
-    [B, T, W-1, 3*H*K], states [B, T, H, V, K]) after every position, the pools untouched.
+    [B, T, W-1, 3*H*K] after every position, (err [B, T, H, V], key [B, T, H, K], decay [B, T, H, K]) every
+    position's state update), the pools only read.
 
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
@@ -442,20 +466,21 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         ring(3, t, dk), ring(3, width - 1, dk, dtype=conv_state.dtype), ring(t, dk, dtype=z.dtype),
         ring(t, dv, dtype=out_gate.dtype), plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
-        plgpu.SMEM((2, t, 4, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
+        plgpu.SMEM((2, 4, t, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=stages),
         plgpu.Barrier(num_arrivals=3, num_barriers=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=dv // ROWS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-    ]
+    ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else [])
     y_type = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, width - 1, c), conv_state.dtype),
-                  jax.ShapeDtypeStruct((bsz, t, h, dv, dk), jnp.float32)) if all_states else y_type,
+                  jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32), jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
@@ -468,7 +493,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     operands = (slots.astype(jnp.int32), lengths.astype(jnp.int32), fresh, qkv, conv_weight, z, beta, out_gate,
                 a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight)
     if all_states:  # the pools are only read
-        return kernel(*operands, conv_state, state)
+        y, conv_states, *updates = kernel(*operands, conv_state, state)
+        return y, conv_states, tuple(updates)
     # the pools as mutable refs: the kernel's writes become in-place updates (input/output aliasing)
     conv_ref, state_ref = jax.new_ref(conv_state), jax.new_ref(state)
     y = kernel(*operands, conv_ref, state_ref)

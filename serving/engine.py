@@ -324,9 +324,9 @@ class Engine:
             pad_to=b * (k + 1), suppress_eos=[pos < r.sampling.min_tokens for r, pos in flat],
             eos_id=self.cfg.eos_token_id,
         )
-        accepted, emitted, verified = self.runner.speculate(rows, [r.spec_pending for r in reqs], tensors,
-                                                            self.ecfg.spec_fixed_accepted)
-        out = {}
+        accepted, emitted, handle = self.runner.speculate(rows, [r.spec_pending for r in reqs], tensors,
+                                                          self.ecfg.spec_fixed_accepted)
+        out, at_end = {}, []
         for i, req in enumerate(reqs):
             a, start = int(accepted[i]), req.num_computed_tokens
             tokens = [int(t) for t in emitted[i, : a + 1]]
@@ -334,11 +334,14 @@ class Engine:
             req.spec_pending = tokens
             boundary = end // ps * ps
             if boundary == end:
-                self.kv.maybe_checkpoint(req)
-            elif boundary > start:  # crossed inside the run: the verify step kept the state there
+                at_end.append(req)
+            elif boundary > start:  # crossed inside the run: rebuilt from the verify step, before the commit
                 self.kv.maybe_checkpoint(req, boundary, copy_into=lambda slot, i=i, j=boundary - start - 1:
-                                         self.runner.snapshot_verified(verified, i, j, slot))
+                                         self.runner.snapshot_verified(handle, i, j, slot))
             out[req.request_id] = tokens
+        self.runner.commit_speculated(handle)
+        for req in at_end:  # a copy of the committed slot
+            self.kv.maybe_checkpoint(req)
         self.counters["spec_verifies"] += len(reqs)
         self.counters["spec_draft_tokens"] += k * len(reqs)
         self.counters["spec_accepted_tokens"] += int(np.sum(accepted))

@@ -226,7 +226,7 @@ class KVManager:
     def maybe_checkpoint(self, req: Request, length: int | None = None, copy_into=None) -> None:
         """After a step: if req's computed length (or `length`) sits on a page boundary, snapshot the KDA
         state there: by default copied from req's slot; `copy_into(slot)` writes it otherwise (a boundary
-        crossed inside an accepted speculative run, taken from the verify step's per-position states).
+        crossed inside an accepted speculative run, rebuilt from the verify step's per-position updates).
 
         A request keeps its fixed checkpoints (its prompt boundary and its declared cache_boundaries) and
         one rolling one at the latest other boundary reached (its slot is overwritten as it moves on).

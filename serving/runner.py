@@ -272,9 +272,10 @@ class ModelRunner:
         """One speculative decode step. rows[i].tokens == [newest token], context_len = computed length p;
         pending[i]: the tokens after the drafter's not-yet-seen positions p - len .. p - 1.
 
-        Drafts k tokens, verifies them in one target step, accepts, commits the KDA states and refills
-        `pending`. tensors: sampling rows for B_bucket * (k + 1) verify positions.
-        Returns (accepted np [n], emitted np [n, k+1], verified states for `snapshot_verified`).
+        Drafts k tokens, verifies them in one target step, accepts and refills `pending`. tensors: sampling rows
+        for B_bucket * (k + 1) verify positions. The KDA states are not committed yet: the caller takes any in-run
+        checkpoints (`snapshot_verified`), then calls `commit_speculated` with the handle before the next step.
+        Returns (accepted np [n], emitted np [n, k+1], the verify step's handle for `commit_speculated`).
         """
         k, n = self.k, len(rows)
         b = fit(n, self.row_buckets)
@@ -295,16 +296,23 @@ class ModelRunner:
         logits, self.state, verified, vfeats = target_step(
             self.params, self.cfg, self.state, vtokens, vmeta, self.capture, True, self.ecfg.backend)
         accepted, emitted = spec_decode.accept(logits, drafts, tensors.device_branches(), fixed_accepted=fixed_accepted)
-        self.state = commit_verified(self.state, verified, vmeta.slots, accepted + 1)
         self.pending = _store_pending(self.pending, vmeta.slots, vfeats, jnp.zeros(b, jnp.int32))
-        return np.asarray(accepted)[:n], np.asarray(emitted)[:n], (verified, vmeta.slots)
+        return np.asarray(accepted)[:n], np.asarray(emitted)[:n], (verified, vmeta.slots, accepted + 1)
 
-    def snapshot_verified(self, verified, row: int, position: int, dst_slot: int) -> None:
-        """KDA/conv state of row `row` after verify position `position` -> slot dst_slot (a checkpoint
-        at a page boundary crossed inside an accepted run)."""
-        states, _ = verified
-        self.state = commit_verified(self.state, states, jnp.asarray([dst_slot], jnp.int32),
-                                     jnp.asarray([position + 1], jnp.int32), rows=jnp.asarray([row], jnp.int32))
+    def snapshot_verified(self, handle, row: int, position: int, dst_slot: int) -> None:
+        """KDA/conv state of row `row` after verify position `position` -> slot dst_slot (a checkpoint at a page
+        boundary crossed inside an accepted run). Rebuilt from the state before the verify step in the row's
+        slot, so only before `commit_speculated(handle)` overwrites it."""
+        verified, _, _ = handle
+        self.state = commit_verified(self.state, verified, jnp.asarray([dst_slot], jnp.int32),
+                                     jnp.asarray([position + 1], jnp.int32), rows=jnp.asarray([row], jnp.int32),
+                                     backend_name=self.ecfg.backend)
+
+    def commit_speculated(self, handle) -> None:
+        """Keeps each row's accepted prefix of the verify step `handle` (from `speculate`): its KDA and conv
+        states go into the row's slot (after any `snapshot_verified` of the same step)."""
+        verified, slots, num_accepted = handle
+        self.state = commit_verified(self.state, verified, slots, num_accepted, backend_name=self.ecfg.backend)
 
     # --- state movement (checkpoints, host tier, swap) -------------------------------------------
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
@@ -404,5 +412,5 @@ class ModelRunner:
         tensors = SamplingTensors.greedy(b * (k + 1)).device_branches()
         accepted, _ = spec_decode.accept(logits, jnp.zeros((b, k), jnp.int32), tensors,
                                          fixed_accepted=self.ecfg.spec_fixed_accepted)
-        self.state = commit_verified(self.state, verified, meta.slots, accepted + 1)
+        self.state = commit_verified(self.state, verified, meta.slots, accepted + 1, backend_name=self.ecfg.backend)
         self.pending = _store_pending(self.pending, meta.slots, vfeats, jnp.zeros(b, jnp.int32))

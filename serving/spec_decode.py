@@ -6,10 +6,11 @@ in the target's cache (k3-model.md §7):
   1. draft    the drafter catches up on the positions accepted since its last call (their target
               features and the token after each, kept per request as `pending`), then proposes k tokens
               greedily, chaining its own hidden state
-  2. verify   the target scores [x, d_1 .. d_k] at positions p .. p+k in one step, keeping the KDA state
-              after every position (k3jax.verify semantics, plus the EAGLE-3 features)
+  2. verify   the target scores [x, d_1 .. d_k] at positions p .. p+k in one step, keeping every position's
+              KDA state update (k3jax.verify semantics, plus the EAGLE-3 features)
   3. accept   a drafts, then one more token from the target at position p+a (`accept` below)
-  4. commit   KDA/conv states roll back by index (commit_verified(a + 1)); pending becomes the features
+  4. commit   KDA/conv states keep the accepted prefix (commit_verified(a + 1) rebuilds the KDA state from the
+              state before the step and the step's per-position updates); pending becomes the features
               at p .. p+a with the emitted tokens [d_1 .. d_a, bonus] as "the token after"
 
 Draft cache: the drafter's single MLA layer keeps its latents in a pool [1, P, page_size, C+R] addressed by

@@ -121,7 +121,7 @@ def test_decode_matches_reference(t, all_states, block_v, num_warps, loop_v):
     kw = dict(a_log=arr(h) * 0.5, dt_bias=arr(h * d), o_norm_weight=1 + 0.1 * arr(d), all_states=all_states)
     got = jax.device_get(kda_decode(*args, **kw, block_v=block_v, num_warps=num_warps, loop_v=loop_v))
     want = jax.device_get(kda_decode_reference(*args, **kw))
-    for g, w in zip(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # verify: y, conv states, err, key, decay
         assert rel(g, w) < 1e-5
 
 
@@ -143,7 +143,7 @@ def test_decode_packed_projection_equals_the_sliced_operands(t, all_states, loop
     packed = jax.device_get(kda_decode(whole, *rest, None, None, *pools, **kw, loop_v=loop_v,
                                        packed=(beta_col + h + 7, beta_col)))
     want = jax.device_get(kda_decode_reference(qkv, *rest, beta, out_gate, *pools, **kw))
-    for got, same, w in zip(packed, sliced, want):
+    for got, same, w in zip(*map(jax.tree.leaves, (packed, sliced, want))):
         assert rel(got, same) < 1e-6 and rel(got, w) < 1e-5
 
 
@@ -173,7 +173,7 @@ def test_decode_fresh_rows_match_reference(t, all_states, block_v, loop_v):
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel(got[0][valid], want[0][valid]) < 1e-5
     live = np.array([0, 1, 3, 4]) if all_states else slice(None)
-    for g, w in zip(got[1:], want[1:]):
+    for g, w in zip(jax.tree.leaves(got)[1:], jax.tree.leaves(want)[1:]):
         assert np.isfinite(g[live]).all() and rel(g[live], w[live]) < 1e-5
     if not all_states:
         untouched = np.array([2, 4, 5, 6])
@@ -210,7 +210,7 @@ def test_decode_looped_prefetch_fold_match_reference(t, all_states, block_v, num
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel(got[0][valid], want[0][valid]) < 1e-5
     live = np.array([0, 1, 3, 4]) if all_states else slice(None)
-    for g, w in zip(got[1:], want[1:]):
+    for g, w in zip(jax.tree.leaves(got)[1:], jax.tree.leaves(want)[1:]):
         assert np.isfinite(g[live]).all() and rel(g[live], w[live]) < 1e-5
     if not all_states:
         untouched = np.array([2, 3, 4, 5, 6])  # 3 is the idle row's slot
@@ -241,8 +241,8 @@ def state_copies(hlo_text: str, shapes: set[tuple[int, ...]]) -> list[str]:
 def test_verify_step_reads_stacked_pools_in_place(monkeypatch):
     """k3jax.verify through the compiled KDA kernel (other ops on the reference): the stacked pools go to the
     kernel as they are, so the optimized HLO has no instruction that copies, gathers or slices a pool, a layer
-    of one, or the step's rows of one; the returned pools are the given ones; logits and the per-position states
-    (valid positions) match the reference, with a fresh row whose reused slot holds garbage, inf and NaN and a
+    of one, or the step's rows of one; the returned pools are the given ones; logits and the per-position conv
+    states and state updates (valid positions) match the reference, with a fresh row whose reused slot holds garbage, inf and NaN and a
     ragged row. Tolerance: fp32 at HIGHEST precision, kernel vs reference summation order ~1e-6 per layer."""
     registry = {key: fn for key, fn in backend._REGISTRY.items() if key[1] == "reference" or key[0] in KDA_OPS}
     monkeypatch.setattr(backend, "_REGISTRY", registry)
@@ -276,7 +276,8 @@ def test_verify_step_reads_stacked_pools_in_place(monkeypatch):
     jax.clear_caches()
     valid = np.arange(k)[None, :] < np.asarray(lengths)[:, None]
     assert rel(got[0][valid], want[0][valid]) < 1e-4
-    for g, w in ((got[2].kda, want[2].kda), (got[2].conv, want[2].conv)):
+    for g, w in ((got[2].err, want[2].err), (got[2].key, want[2].key), (got[2].decay, want[2].decay),
+                 (got[2].conv, want[2].conv)):
         assert np.isfinite(g[:, valid]).all() and rel(g[:, valid], w[:, valid]) < 1e-4
     np.testing.assert_array_equal(got[1].kda, np.asarray(state.kda))
     np.testing.assert_array_equal(got[1].conv, np.asarray(state.conv))
@@ -403,7 +404,7 @@ def test_decode_mgpu_matches_reference(t, gate, stages, num_ctas):
 @pytest.mark.parametrize("t,gate,stages,num_ctas", [(4, "lower_bound", None, None), (3, "softplus", 2, 3),
                                                     (6, "lower_bound", None, 7)])
 def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas):
-    """The Mosaic GPU kernel in verify mode (all_states: every position's conv and recurrent state written) on the
+    """The Mosaic GPU kernel in verify mode (all_states: every position's conv state and state update written) on the
     H200, same rows as the decode test: shuffled slots, padded, idle and fresh rows over NaN / inf garbage; the
     pools are read only. fp32 activations fit a 2-slot ring up to T6 (T8 needs bf16: `supported` says no)."""
     from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu, kda_decode_mgpu_reference
@@ -424,7 +425,40 @@ def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas):
     got = jax.device_get(kda_decode_mgpu(*args, **kw, stages=stages, num_ctas=num_ctas))
     want = jax.device_get(kda_decode_mgpu_reference(*args, **kw))
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
-    assert got[1].shape == (b, t, 3, 3 * h * d) and got[2].shape == (b, t, h, d, d)
+    assert got[1].shape == (b, t, 3, 3 * h * d) and [u.shape for u in got[2]] == [(b, t, h, d)] * 3
     assert rel(got[0][valid], want[0][valid]) < 1e-5
-    assert np.isfinite(got[2]).all() and rel(got[2], want[2]) < 1e-5
+    for g, w in zip(got[2], want[2]):  # err, key, decay
+        assert np.isfinite(g).all() and rel(g, w) < 1e-5
     np.testing.assert_array_equal(got[1], want[1])  # the raw inputs' windows: copies, no arithmetic
+
+
+@pytest.mark.parametrize("layers,n,t", [(1, 64, 4), (3, 5, 6)])
+def test_commit_kernel_matches_reference(layers, n, t):
+    """pallas_kernels.kda_commit compiled for the GPU (D128, 4 heads): ragged counts, rows written back in place
+    and one to a free (checkpoint) slot, a fresh row over NaN / inf garbage; the reference's states to fp32 rounding
+    of the same multiply-adds, every other slot bit-identical, the donated pool updated without a copy."""
+    from pallas_kernels.kda_commit import kda_commit, kda_commit_reference
+
+    rng = np.random.default_rng(7 + n)
+    h, d, pool = 4, 128, n + 9
+    states = rng.standard_normal((layers, pool, h, d, d)).astype(np.float32)
+    src = rng.permutation(pool)[:n].astype(np.int32)
+    dst = src.copy()
+    dst[0] = np.setdiff1d(np.arange(pool), src)[0]
+    fresh = np.zeros(n, np.int32)
+    fresh[-1] = 1
+    states[:, src[-1], 1, 3, :3] = [np.nan, np.inf, -np.inf]
+    key = rng.standard_normal((layers, n, t, h, d))
+    ups = (0.1 * rng.standard_normal((layers, n, t, h, d)), key / np.linalg.norm(key, axis=-1, keepdims=True),
+           rng.uniform(0.5, 1.0, (layers, n, t, h, d)))
+    args = (*(jnp.asarray(u, jnp.float32) for u in ups), jnp.asarray(src), jnp.asarray(dst),
+            jnp.asarray(1 + np.arange(n) % t, jnp.int32), jnp.asarray(fresh))
+    want = jax.device_get(kda_commit_reference(jnp.asarray(states), *args))
+    step = jax.jit(kda_commit, donate_argnums=(0,))
+    hlo = step.lower(jnp.asarray(states), *args).compile().as_text()
+    pool_type = "f32[" + ",".join(map(str, states.shape)) + "]"
+    assert [ln for ln in hlo.splitlines() if pool_type in ln and " copy(" in ln] == []  # in place: no pool copy
+    got = jax.device_get(step(jnp.asarray(states), *args))
+    assert np.isfinite(got[:, dst]).all() and rel(got, want) < 1e-6
+    untouched = np.setdiff1d(np.arange(pool), dst)
+    np.testing.assert_array_equal(got[:, untouched], states[:, untouched])

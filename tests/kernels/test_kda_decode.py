@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.kda import apply_verify_updates
 from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
 
 
@@ -32,10 +33,25 @@ def decode_inputs(seed, bsz, t, h, dk, pool, width=4, dtype=jnp.float32):
     return step, pools, params
 
 
-def call(fn, step, pools, params, slots, lengths, **kw):
-    return fn(step["qkv"], pools["conv_state"], params["conv_weight"], step["z"], step["beta"], step["out_gate"],
-              pools["state"], jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32),
-              a_log=params["a_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm_weight"], **kw)
+def call(fn, step, pools, params, slots, lengths, raw=False, **kw):
+    """fn's results; in verify (all_states) the per-position states [B, T, H, V, K] rebuilt from the returned
+    updates and the pooled states before the step (zeros for fresh rows), as the model's commit does, unless raw."""
+    out = fn(step["qkv"], pools["conv_state"], params["conv_weight"], step["z"], step["beta"], step["out_gate"],
+             pools["state"], jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32),
+             a_log=params["a_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm_weight"], **kw)
+    if not kw.get("all_states") or raw:
+        return out
+    y, conv_states, updates = out
+    return y, conv_states, verify_states(pools["state"], slots, kw.get("fresh"), updates)
+
+
+def verify_states(pool, slots, fresh, updates):
+    """The state after every verify position, [B, T, H, V, K]: apply_verify_updates over each prefix."""
+    base = pool[jnp.asarray(slots)]
+    if fresh is not None:
+        base = jnp.where((jnp.asarray(fresh) != 0)[:, None, None, None], 0.0, base)
+    t = updates[0].shape[1]
+    return jnp.stack([apply_verify_updates(base, *updates, jnp.full((len(slots),), i + 1)) for i in range(t)], axis=1)
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
@@ -66,6 +82,13 @@ def test_verify_states_equal_sequential_decode(block_v):
                                   block_v=block_v)
     ry, rconv_states, rstates = call(kda_decode_reference, step, pools, params, slots, lengths, all_states=True)
     assert rel(y, ry) < 1e-5 and rel(states, rstates) < 1e-5 and rel(conv_states, rconv_states) < 1e-5
+    # what the kernel writes: per position a [V] and two [K] vectors per head, no state
+    _, _, updates = call(kda_decode, step, pools, params, slots, lengths, all_states=True, interpret=True,
+                         block_v=block_v, raw=True)
+    _, _, rupdates = call(kda_decode_reference, step, pools, params, slots, lengths, all_states=True, raw=True)
+    assert [u.shape for u in updates] == [(2, t, 2, 32)] * 3 and all(u.dtype == jnp.float32 for u in updates)
+    assert all(rel(u, r) < 1e-5 for u, r in zip(updates, rupdates))
+    assert not np.asarray(updates[0][1, 2:]).any() and (np.asarray(updates[2][1, 2:]) == 1).all()  # padding: no-ops
     seq = dict(pools)
     for i in range(t):
         one = {name: a[:, i : i + 1] for name, a in step.items()}

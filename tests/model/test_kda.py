@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from k3jax.config import load_config
-from k3jax.kda import kda_chunked_reference, kda_gate, kda_mixer, kda_recurrent_reference
+from k3jax.kda import (apply_verify_updates, kda_chunked_reference, kda_gate, kda_mixer, kda_recurrent_reference,
+                       states_from_updates)
 from k3jax.layers import causal_conv_with_state, l2_normalize
 from k3jax.params import init_params
 
@@ -92,13 +93,27 @@ def test_padding_tokens_leave_state_unchanged():
         assert rel(fn(*full)[1], fn(*head)[1]) < 1e-6
 
 
-def test_all_states_are_per_token_states():
+def test_all_states_updates_rebuild_every_prefix_state():
+    """all_states returns every token's rank-one update; from the initial state they rebuild the state after each
+    prefix (per row counts, one row at 0 = the initial state) to fp32 rounding of the same operations."""
     q, k, v, g, beta, s0 = random_inputs(4, 2, 6, 2, 16, 16)
     args = tuple(map(jnp.asarray, (q, k, v, g, beta, s0)))
-    _, states = kda_recurrent_reference(*args, all_states=True)
+    o_all, updates = kda_recurrent_reference(*args, all_states=True)
+    assert [u.shape for u in updates] == [(2, 6, 2, 16)] * 3
+    assert rel(o_all, kda_recurrent_reference(*args)[0]) == 0.0  # the outputs do not change with the flag
+    every = states_from_updates(args[-1], *updates)
+    assert every.shape == (2, 6, 2, 16, 16)
     for i in range(6):
         prefix = tuple(jnp.asarray(x[:, : i + 1]) for x in (q, k, v, g, beta)) + (args[-1],)
-        assert rel(states[:, i], kda_recurrent_reference(*prefix)[1]) < 1e-6
+        rebuilt = apply_verify_updates(args[-1], *updates, jnp.full((2,), i + 1))
+        assert rel(rebuilt, kda_recurrent_reference(*prefix)[1]) < 1e-6
+        assert rel(every[:, i], rebuilt) < 1e-6  # (the same operations, scanned)
+    mixed = apply_verify_updates(args[-1], *updates, jnp.asarray([0, 4]))
+    np.testing.assert_array_equal(mixed[0], s0[0])
+    assert rel(mixed[1], kda_recurrent_reference(*(tuple(jnp.asarray(x[:, :4]) for x in (q, k, v, g, beta))
+                                                  + (args[-1],)))[1][1]) < 1e-6
+    with pytest.raises(ValueError, match="apply_verify_updates"):
+        apply_verify_updates(args[-1], updates[0], updates[1][..., :8], updates[2], jnp.ones((2,), jnp.int32))
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
@@ -155,7 +170,7 @@ def test_mixer_verify_states_equal_sequential_decode(name):
         y, conv, rec = kda_mixer(params, x[:, i : i + 1], conv, rec, cfg, mode="recurrent")
         assert rel(y[:, 0], y_all[:, i]) < 1e-5
         np.testing.assert_array_equal(convs[:, i], conv)
-        assert rel(recs[:, i], rec) < 1e-6
+        assert rel(apply_verify_updates(rec0, *recs, jnp.full((2,), i + 1)), rec) < 1e-6
     y_chunk, conv_c, rec_c = kda_mixer(params, x, conv0, rec0, cfg, mode="chunked")
     assert rel(y_chunk, y_all) < 1e-5 and rel(rec_c, rec) < 1e-5
     np.testing.assert_array_equal(conv_c, conv)

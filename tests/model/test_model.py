@@ -115,8 +115,14 @@ def test_verify_equals_sequential_decode(model):
         logits, seq = k3jax.decode(params, cfg, seq, jnp.asarray(tokens[:, prompt + i]), step_meta(slots, table, [prompt + i] * b, [1, 1]))
         assert rel(vlogits[:, i], logits) < 1e-5
         per_step.append(jax.tree.map(jnp.copy, seq))
-        assert rel(verified.kda[:, :, i], seq.kda[:, np.array(slots)]) < 1e-5
+        # the state after position i, rebuilt from the pool's state before verify and the updates
+        kept = k3jax.commit_verified(jax.tree.map(jnp.copy, state_v), verified, jnp.asarray(slots), jnp.full((b,), i + 1))
+        assert rel(kept.kda[:, np.array(slots)], seq.kda[:, np.array(slots)]) < 1e-5
         assert rel(verified.conv[:, :, i], seq.conv[:, np.array(slots)]) < 1e-5
+    # verify hands back a [V] and two [K] vectors per layer, row, position and head, not states
+    h, dv, dk = base.kda.shape[2:]
+    assert verified.err.shape == (cfg.num_kda_layers, b, k, h, dv)
+    assert verified.key.shape == verified.decay.shape == (cfg.num_kda_layers, b, k, h, dk)
     # keep 2 positions of row 0 and 3 of row 1: the pool then equals the matching decode states
     committed = k3jax.commit_verified(state_v, verified, jnp.asarray(slots), jnp.asarray([2, 3]))
     assert rel(committed.kda[:, 3], per_step[1].kda[:, 3]) < 1e-5
