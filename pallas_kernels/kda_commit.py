@@ -30,8 +30,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from k3jax.kda import apply_verify_updates
-
 DEFAULT_BLOCK_V = 32
 NUM_WARPS = 4
 
@@ -70,6 +68,8 @@ def _check(pool, err, key, decay, src, dst, count, fresh):
 
 def kda_commit_reference(pool, err, key, decay, src, dst, count, fresh):
     """Plain-jnp twin of `kda_commit`: gather the source rows (zeros where fresh), apply the updates, scatter."""
+    from k3jax.kda import apply_verify_updates  # (here: k3jax.kda registers this module's functions as it loads)
+
     _check(pool, err, key, decay, src, dst, count, fresh)
     before = pool[:, src]  # [L, n, H, V, K]
     before = jnp.where((fresh != 0)[None, :, None, None, None], 0.0, before)

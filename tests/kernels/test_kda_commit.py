@@ -98,3 +98,14 @@ def test_commit_verified_on_the_kernel_backend_equals_reference():
     got = k3jax.commit_verified(jax.tree.map(jnp.copy, state), verified, **kw, backend_name="interpret")
     assert rel(got.kda, ref.kda) < 1e-6
     np.testing.assert_array_equal(got.conv, ref.conv)
+
+
+def test_module_imports_before_k3jax():
+    """pallas_kernels.kda_commit imported first, in a fresh interpreter (as benchmarks/kda.py may do on the GPU):
+    k3jax.kda registers its functions while loading, so a module-level import of k3jax here would be a cycle."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import pallas_kernels.kda_commit, k3jax.kda"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
