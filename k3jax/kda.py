@@ -99,9 +99,13 @@ def apply_verify_updates(state: jax.Array, err: jax.Array, key: jax.Array, decay
     s = state.astype(jnp.float32)
     count = jnp.asarray(count)[..., None, None, None]
     for i in range(t):
-        stepped = s * decay[..., i, :, None, :] + err[..., i, :, :, None] * key[..., i, :, None, :]
-        s = jnp.where(i < count, stepped, s)
+        s = jnp.where(i < count, _apply_update(s, err[..., i, :, :], key[..., i, :, :], decay[..., i, :, :]), s)
     return s
+
+
+def _apply_update(s, err, key, decay):
+    """One verify position's update of states s [..., H, V, K]: err [..., H, V], key and decay [..., H, K]."""
+    return s * decay[..., None, :] + err[..., :, None] * key[..., None, :]
 
 
 def states_from_updates(state: jax.Array, err: jax.Array, key: jax.Array, decay: jax.Array) -> jax.Array:
@@ -109,8 +113,7 @@ def states_from_updates(state: jax.Array, err: jax.Array, key: jax.Array, decay:
     updates (`apply_verify_updates`' arguments; the same operations, so each equals apply_verify_updates at t + 1).
     For references and tests: the model never materialises them."""
     def step(s, update):
-        e, k, d = update
-        s = s * d[..., None, :] + e[..., :, None] * k[..., None, :]
+        s = _apply_update(s, *update)
         return s, s
 
     _, states = jax.lax.scan(step, state.astype(jnp.float32), tuple(jnp.moveaxis(u, -3, 0) for u in (err, key, decay)))

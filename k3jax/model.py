@@ -235,8 +235,9 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
         h, dv, dk = state.kda.shape[2:]
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
         err, key, decay = ([u[i] for u in verified_kda] for i in range(3))
+        conv_like = jax.ShapeDtypeStruct(state.conv.shape[2:], state.conv.dtype)
         verified = VerifiedStates(err=stack(err, f32(h, dv)), key=stack(key, f32(h, dk)), decay=stack(decay, f32(h, dk)),
-                                  conv=stack(verified_conv, jax.ShapeDtypeStruct(state.conv.shape[2:], state.conv.dtype)), slots=meta.slots.astype(jnp.int32),
+                                  conv=stack(verified_conv, conv_like), slots=meta.slots.astype(jnp.int32),
                                   fresh=meta.context_lens == 0)
     return hidden, new_state, verified, feats
 

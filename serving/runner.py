@@ -297,13 +297,13 @@ class ModelRunner:
             self.params, self.cfg, self.state, vtokens, vmeta, self.capture, True, self.ecfg.backend)
         accepted, emitted = spec_decode.accept(logits, drafts, tensors.device_branches(), fixed_accepted=fixed_accepted)
         self.pending = _store_pending(self.pending, vmeta.slots, vfeats, jnp.zeros(b, jnp.int32))
-        return np.asarray(accepted)[:n], np.asarray(emitted)[:n], (verified, vmeta.slots, accepted + 1)
+        return np.asarray(accepted)[:n], np.asarray(emitted)[:n], (verified, accepted + 1)
 
     def snapshot_verified(self, handle, row: int, position: int, dst_slot: int) -> None:
         """KDA/conv state of row `row` after verify position `position` -> slot dst_slot (a checkpoint at a page
         boundary crossed inside an accepted run). Rebuilt from the state before the verify step in the row's
         slot, so only before `commit_speculated(handle)` overwrites it."""
-        verified, _, _ = handle
+        verified, _ = handle
         self.state = commit_verified(self.state, verified, jnp.asarray([dst_slot], jnp.int32),
                                      jnp.asarray([position + 1], jnp.int32), rows=jnp.asarray([row], jnp.int32),
                                      backend_name=self.ecfg.backend)
@@ -311,8 +311,8 @@ class ModelRunner:
     def commit_speculated(self, handle) -> None:
         """Keeps each row's accepted prefix of the verify step `handle` (from `speculate`): its KDA and conv
         states go into the row's slot (after any `snapshot_verified` of the same step)."""
-        verified, slots, num_accepted = handle
-        self.state = commit_verified(self.state, verified, slots, num_accepted, backend_name=self.ecfg.backend)
+        verified, num_accepted = handle  # (each row goes back to its own slot, verified.slots)
+        self.state = commit_verified(self.state, verified, verified.slots, num_accepted, backend_name=self.ecfg.backend)
 
     # --- state movement (checkpoints, host tier, swap) -------------------------------------------
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
