@@ -366,11 +366,12 @@ KDA_STAGE1_INTERPRET = "v2"
 # of KDA decode, shadow check passed; H200, 2026-12-02), and the model has not run with it since, so it stays
 # opt-in: it pays at K3's head count; at k3-small's it has not been shown to.
 KDA_DECODE_KERNEL = "triton"
-# Keeping a verify step's accepted prefix on the GPU (op "kda_commit", read at trace time): "xla" (gather -> update ->
-# scatter; measured on the H200 on 2026-12-03: B64 / B256 H96 0.439 / 2.241 ms, 2.2-2.8x a copy of the bytes) or
-# "kernel" (pallas_kernels/kda_commit.py: one read and one write in place; tested in interpret mode only -- it has
-# not run on a GPU yet, so it is opt-in). The CPU "interpret" backend always runs the kernel.
-KDA_COMMIT_KERNEL = "xla"
+# Keeping a verify step's accepted prefix on the GPU (op "kda_commit", read at trace time): "kernel"
+# (pallas_kernels/kda_commit.py: one state read and one written per row, in place) or "xla" (gather -> update ->
+# scatter). H200, 2026-12-03 (docs/benchmarks.md, two calls), B64 / B256 H96 T4: kernel 0.266 / 1.003 ms (3.0-3.2
+# TB/s, 73-77 % of copy), XLA 0.440 / 2.236 ms; tests/gpu/test_kda_gpu.py -k commit passed. The CPU "interpret"
+# backend always runs the kernel.
+KDA_COMMIT_KERNEL = "kernel"
 
 
 def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_log, dt_bias, gate, lower_bound,

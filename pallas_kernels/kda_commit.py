@@ -11,6 +11,12 @@ state read and one written per (layer, row, head), the floor of the job. XLA's g
 same math (`kda_commit_reference`) measured 2.2-2.8x slower than a copy of those bytes on the H200 (2026-12-03:
 B64 H96 0.439 ms, B256 2.241 ms against 0.201 / 0.793 ms for a gather-scatter of stored states).
 
+Measured on the H200 (2026-12-03, docs/benchmarks.md; raw docs/results/kda_commit_verify_h200_2026-12-03b.json), L1
+H96 T4 with every row keeping all 4 positions: B64 0.250-0.266 ms, B256 0.957-1.003 ms (3.0-3.4 TB/s of state read
+and written, 73-81 % of the XLA copy of the pool in the same run), against 0.440 / 2.236 ms for XLA's form. block_v
+16 and 32 tie (8: 0.29 ms, 64: 0.30 ms, 128: 2.1 ms at B64; a whole 64 KB state per program, not profiled); 2, 4 and 8
+warps tie at every block_v. Hence block_v 32, 4 warps.
+
 Backend: Pallas Triton lowering, grid (V / block_v, H, L * n): each program owns block_v state rows of one
 (layer, row, head) and keeps them in registers across the T positions; the operands are read through the row's slot
 indices (ordinary int32 inputs) and the pool is aliased to the output, so the caller's donated pool is updated in

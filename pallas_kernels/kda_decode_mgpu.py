@@ -74,7 +74,15 @@ from the update warpgroups through e_smem, k^ and e^g from prep_smem, one TMA co
 k3jax.commit_verified rebuilds the kept state from the pool. Verify T4 H96: B64 **0.368 ms** (was 0.618), B256
 **1.341 ms** (was 2.434); Triton kernel 0.410 / 1.587; fla public API 0.573 / 2.163 (1.56x / 1.61x); decode
 unchanged (0.243 / 0.904 ms in the same call). The kernel now reads ~0.4 / 1.6 GB and writes ~1 % of that: 29-31 %
-of the copy bandwidth, bound by the update warpgroups' per-position chain, no longer by HBM.
+of the copy bandwidth, no longer bound by HBM.
+
+2026-12-03 (twenty-third session; docs/results/kda_commit_verify_h200_2026-12-03b.json): what bounds verify now is
+the prep warpgroup, not the update chain. Ablated copies, verify B64 / B256 T4: the whole kernel 0.355 / 1.353 ms;
+without the update warpgroups' tile math 0.296 / 1.132; without prep's vector work (short convs, L2 norms, gate)
+0.185 / 0.690 (T8 B64: 0.641 against 0.320). Prep's vectors hold one element a thread (K / 128) and each of its
+full reductions is a shared-memory round trip with a barrier, so its T positions are a latency chain; spreading
+that work (more prep threads, positions in parallel) is the next step for verify. Decode T1 is unaffected (0.238
+against 0.230 without prep's work).
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.

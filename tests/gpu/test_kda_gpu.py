@@ -222,7 +222,7 @@ def test_decode_looped_prefetch_fold_match_reference(t, all_states, block_v, num
 # kernel runs its default tiling (block_v 64: two V-blocks per head, the norm in the epilogue); fp32.
 VERIFY_CFG = k3_tiny().replace(num_layers=3, mla_layers=(2,), attn_res_block_size=2, kda_num_heads=2,
                                kda_head_dim=128, name="k3-tiny-kda2-d128")
-KDA_OPS = ("kda_chunked", "kda_chunked_fused", "kda_decode_fused", "kda_recurrent")
+KDA_OPS = ("kda_chunked", "kda_chunked_fused", "kda_commit", "kda_decode_fused", "kda_recurrent")
 _HLO_ARRAY = re.compile(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w-]+)\(")
 
 
@@ -281,6 +281,24 @@ def test_verify_step_reads_stacked_pools_in_place(monkeypatch):
         assert np.isfinite(g[:, valid]).all() and rel(g[:, valid], w[:, valid]) < 1e-4
     np.testing.assert_array_equal(got[1].kda, np.asarray(state.kda))
     np.testing.assert_array_equal(got[1].conv, np.asarray(state.conv))
+
+    # keeping 3 / 1 / 2 positions: k3jax.commit_verified (jitted, the state donated) through pallas_kernels.kda_commit,
+    # the GPU's commit, against the reference commit of the reference's updates
+    monkeypatch.setattr(k3jax.kda, "KDA_COMMIT_KERNEL", "kernel")
+    slots, accepted = jnp.asarray([2, 4, 6], jnp.int32), jnp.asarray([3, 1, 2], jnp.int32)
+    verified = jax.tree.map(jnp.asarray, got[2])
+    hlo = k3jax.commit_verified.lower(state, verified, slots, accepted, backend_name="pallas").compile().as_text()
+    kda_pool = (layers, num_slots, h, d, d)
+    assert [line for line in state_copies(hlo, {kda_pool}) if "custom-call" not in line] == []  # in place
+    kept = jax.device_get(k3jax.commit_verified(jax.tree.map(jnp.copy, state), verified, slots, accepted,
+                                                backend_name="pallas"))  # (the state is donated)
+    want_kept = jax.device_get(k3jax.commit_verified(jax.tree.map(jnp.copy, state), jax.tree.map(jnp.asarray, want[2]),
+                                                     slots, accepted))
+    jax.clear_caches()
+    assert np.isfinite(kept.kda[:, [2, 4, 6]]).all()
+    assert rel(kept.kda, want_kept.kda) < 1e-4 and rel(kept.conv, want_kept.conv) < 1e-4
+    others = np.array([0, 1, 3, 5])
+    np.testing.assert_array_equal(kept.kda[:, others], np.asarray(state.kda)[:, others])
 
 
 @pytest.mark.parametrize("dtype,stage_tol,tol", [(jnp.float32, 2e-5, 2e-5), (jnp.bfloat16, 1e-2, 2e-2)])
