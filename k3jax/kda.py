@@ -360,8 +360,8 @@ KDA_STAGE1_INTERPRET = "v2"
 # The fused decode kernel (read at trace time): "triton" (pallas_kernels/kda_decode.py) or "mosaic"
 # (pallas_kernels/kda_decode_mgpu.py: the state streamed by TMA; decode and verify, K a multiple of 128 -- other
 # sizes keep the Triton kernel). On the H200 (2026-12-03, docs/benchmarks.md) "mosaic" is 1.05x / 1.10x the Triton
-# kernel at B64 / B256 T1 H96 (79-85 % of copy) and 1.11x / 1.18x in verify T4 (0.368 / 1.341 ms, the verify that
-# writes per-position updates). In the whole k3-small model (16
+# kernel at B64 / B256 T1 H96 (79-85 % of copy) and 1.20x / 1.23x in verify T4 (0.340 / 1.292 ms against 0.409 /
+# 1.587, the verify that writes per-position updates). In the whole k3-small model (16
 # heads: under 8 items per CTA) it measured the same as the Triton kernel before those gains (0.792 vs 0.793 ms/step
 # of KDA decode, shadow check passed; H200, 2026-12-02), and the model has not run with it since, so it stays
 # opt-in: it pays at K3's head count; at k3-small's it has not been shown to.

@@ -82,7 +82,13 @@ without the update warpgroups' tile math 0.296 / 1.132; without prep's vector wo
 0.185 / 0.690 (T8 B64: 0.641 against 0.320). Prep's vectors hold one element a thread (K / 128) and each of its
 full reductions is a shared-memory round trip with a barrier, so its T positions are a latency chain; spreading
 that work (more prep threads, positions in parallel) is the next step for verify. Decode T1 is unaffected (0.238
-against 0.230 without prep's work).
+against 0.230 without prep's work). Single ablations of prep's parts at B64 T4: without verify's per-position conv
+states (3 x (W-1) x T vector stores to GMEM per item) 0.311 ms, without the two L2-norm reductions 0.324, without its
+GMEM scalar reads 0.343, without the gate 0.343, without the conv taps 0.349; hoisting the taps 0.355 (no gain).
+So verify's conv states now go out by TMA: the ring slot holds each segment's window and inputs contiguously
+(seq_smem), position t's conv state is rows t+1 .. t+W-1 of it, one bulk copy each (a fresh row's window rows are
+rewritten as zeros first). Patched A/B in one call: verify B64 T4 0.340 against 0.354 ms, B256 1.292 against 1.348
+(1.04x); decode T1 0.239 against 0.241.
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
@@ -161,14 +167,13 @@ def _gate(z, a, dt_bias, gate, lower_bound):
     return -a * lax.select(x > 20.0, x, _log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def _conv_positions(tap, window, x_at, valids, act_dtype, store, on_window=None):
+def _conv_positions(tap, window, x_at, valids, act_dtype, store):
     """Causal short conv + SiLU of one channel segment over its T positions (vectors in one layout), loading each
     tap (`tap(j)`, fp32, oldest tap first) and input (`x_at(t)`) where it is used, to keep few vectors live.
 
     window: the W-1 previous inputs (activation dtype); valids: T scalar bools. Calls store(t, act) with each
-    position's SiLU output (fp32, rounded to the activation dtype as the reference rounds it), and (verify)
-    on_window(t, window) with the W-1 inputs ending at position t, valid or not (the reference's per-position conv
-    state). Returns the last W-1 valid inputs (the new conv state)."""
+    position's SiLU output (fp32, rounded to the activation dtype as the reference rounds it). Returns the last W-1
+    valid inputs (the new conv state)."""
     f32 = jnp.float32
     kept = list(window)
     for t, valid in enumerate(valids):
@@ -177,8 +182,6 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store, on_window=None)
         for i, w_prev in enumerate(window):
             acc = acc + tap(i) * w_prev.astype(f32)
         window = window[1:] + [x_t.astype(act_dtype)]
-        if on_window is not None:
-            on_window(t, window)
         kept = [_select(valid, new, old) for new, old in zip(window, kept)]
         store(t, jax.nn.silu(acc).astype(act_dtype).astype(f32))
     return kept
@@ -197,7 +200,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     #   err_ref [B, T, H, V], key_ref / decay_ref [B, T, H, K] fp32, each position's rank-one state update
     #   (S_t = S_{t-1} * decay_t + err_t key_t^T; k3jax.kda.apply_verify_updates). The pools are only read.
     # SMEM ring, one slot per item in flight: st_smem [S, V, K] fp32 (tiled 8 x 32, 128-byte swizzle) the state;
-    #   x_smem [S, 3, T, K] the item's q|k|v inputs; win_smem [S, 3, W-1, K] its conv windows; z_smem [S, T, K];
+    #   seq_smem [S, 3, W-1+T, K] per q|k|v segment its conv window (rows < W-1) then the item's T inputs (verify:
+    #   position t's conv state is rows t+1 .. t+W-1, stored from here by TMA); z_smem [S, T, K];
     #   og_smem [S, T, V]; bars [S]: the slot's OPERAND_COPIES_PER_ITEM copies (see `issue`) have landed;
     #   state_bars [S]: its state has (the prep warpgroup needs only the operands, so it never waits for the state)
     # SMEM, the head's conv taps for prep, two buffers (item parity): cw_smem [2, 3, W, K]; taps_bars [2] (3 copies)
@@ -214,9 +218,9 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     # only each position's err rows; the prep warpgroup stores those, k^ and e^g (a few KB per item).
     conv_out_ref, err_ref, key_ref, decay_ref = refs[:4] if all_states else (None,) * 4
     scratch = refs[4:] if all_states else refs
-    (st_smem, x_smem, win_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
-     done_bars, state_bars) = scratch[:14]
-    e_smem = scratch[14] if all_states else None
+    (st_smem, seq_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
+     done_bars, state_bars) = scratch[:13]
+    e_smem = scratch[13] if all_states else None
     f32 = jnp.float32
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
     wg = lax.axis_index("wg")
@@ -240,8 +244,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             slot, sl = lax.rem(step, stages), slots_ref[b]
             bar = bars.at[slot]
             for i, seg in enumerate(segs_of(h)):
-                plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], x_smem.at[slot, i], bar)
-                plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], win_smem.at[slot, i], bar)
+                plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], seq_smem.at[slot, i, pl.ds(width - 1, num_tokens)], bar)
+                plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], seq_smem.at[slot, i, pl.ds(0, width - 1)], bar)
             plgpu.copy_gmem_to_smem(z_ref.at[b, :, h, :], z_smem.at[slot], bar)
             plgpu.copy_gmem_to_smem(og_ref.at[b, :, h, :], og_smem.at[slot], bar)
             plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], state_bars.at[slot])
@@ -281,16 +285,15 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             def put(ref, value):
                 ref[...] = value
 
-            def put_window(t, window, seg):  # verify: position t's conv state
-                for r, w in enumerate(window):
-                    conv_out_ref.at[b, t, r, seg][...] = w.astype(conv_out_ref.dtype)
             for i, seg in enumerate(segs_of(h)):
-                window = [_vec(win_smem.at[slot, i, r]).astype(act_dtype) for r in range(width - 1)]
+                window = [_vec(seq_smem.at[slot, i, r]).astype(act_dtype) for r in range(width - 1)]
                 window = [_select(fresh, jnp.zeros_like(w), w) for w in window]  # zeros, not a fresh slot's bytes
+                if all_states:  # the window rows go out by TMA with the inputs (each position's conv state): zeros
+                    for r, w in enumerate(window):  # for a fresh row (each thread rewrites the elements it read)
+                        seq_smem.at[slot, i, r][...] = w
                 kept = _conv_positions(lambda j, i=i: _vec(cw_smem.at[buf, i, j]), window,
-                                       lambda t, i=i: _vec(x_smem.at[slot, i, t]), valids, act_dtype,
-                                       store=lambda t, act, i=i: put(acts_out[i](t), act),
-                                       on_window=functools.partial(put_window, seg=seg) if all_states else None)
+                                       lambda t, i=i: _vec(seq_smem.at[slot, i, width - 1 + t]), valids, act_dtype,
+                                       store=lambda t, act, i=i: put(acts_out[i](t), act))
                 if not all_states:
                     for r in range(width - 1):
                         conv_ref.at[sl, r, seg][...] = kept[r].astype(conv_ref.dtype)
@@ -310,10 +313,17 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             plgpu.commit_smem()
             if all_states:
                 # the update rows' buffer (e_smem) and this buffer parity's operands are rewritten for the item
-                # after next: their stores (issued an item ago) must have read them before the updates start
+                # after next: their stores (issued an item ago) must have read them before the updates start; and
+                # the previous item's ring slot, whose conv states are stored from it, is refilled after this
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(prep_bars.at[slot])
-            if all_states:  # the item's k^ and e^g for every position, [T, K] each
+            if all_states:
+                # each position's conv state, the W-1 inputs ending at it (valid or not: the reference's), straight
+                # from the ring slot (its refill comes after the next item's wait above); the item's k^ and e^g
+                for i, seg in enumerate(segs_of(h)):
+                    for t in range(num_tokens):
+                        plgpu.copy_smem_to_gmem(seq_smem.at[slot, i, pl.ds(t + 1, width - 1)],
+                                                conv_out_ref.at[b, t, :, seg], commit_group=False)
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
 
@@ -472,7 +482,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     ring = lambda *shape, dtype=act, **kw: plgpu.SMEM((stages, *shape), dtype, **kw)
     scratch = [
         ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-        ring(3, t, dk), ring(3, width - 1, dk, dtype=conv_state.dtype), ring(t, dk, dtype=z.dtype),
+        ring(3, width - 1 + t, dk), ring(t, dk, dtype=z.dtype),
         ring(t, dv, dtype=out_gate.dtype), plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
         plgpu.SMEM((2, 4, t, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.SMEM((2, t, dv), jnp.float32),
