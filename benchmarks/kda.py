@@ -565,7 +565,7 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
                              all_states=verify, **kw)
             got = jax.jit(call)(jnp.copy(conv), jnp.copy(state), rows)
             tag = mgpu_tag(knobs)
-            names, flat = (("y", "conv", "err", "key", "decay"), lambda o: (*o[:2], *o[2])) if verify else (
+            names, flat = (("y", "err", "key", "decay"), lambda o: (o[0], *o[1])) if verify else (
                 ("y", "conv", "state"), tuple)
             for out_name, a, r in zip(names, flat(got), flat(ref)):
                 row[f"rel_{out_name}_{tag}_vs_triton"] = rel(jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32))

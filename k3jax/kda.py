@@ -108,6 +108,23 @@ def _apply_update(s, err, key, decay):
     return s * decay[..., None, :] + err[..., :, None] * key[..., None, :]
 
 
+def conv_window_after(window: jax.Array, inputs: jax.Array, count: jax.Array) -> jax.Array:
+    """The short conv's state after the first `count` positions of a verify step: the last W-1 rows of
+    [window; inputs[:count]] -- verify writes no conv states; the commit rebuilds the kept one from these.
+
+    window [..., W-1, C] the state before the step (zeros for a fresh row); inputs [..., T, C] the step's q|k|v
+    inputs before the conv (valid or not: a kept prefix never reaches padding); count [...] int, 0..T (clamped).
+    Returns [..., W-1, C] in window's dtype: the inputs ending at position count - 1, as a decode step by step
+    would have left them."""
+    w1, t = window.shape[-2], inputs.shape[-2]
+    if window.shape[:-2] != inputs.shape[:-2] or window.shape[-1] != inputs.shape[-1]:
+        raise ValueError(f"conv_window_after: window [..., W-1, C] and inputs [..., T, C] with equal leading dims; "
+                         f"got {window.shape}, {inputs.shape}")
+    seq = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=-2)  # [..., W-1+T, C]
+    first = jnp.clip(jnp.asarray(count), 0, t)[..., None] + jnp.arange(w1)  # rows count .. count + W-2
+    return jnp.take_along_axis(seq, first[..., None], axis=-2).astype(window.dtype)
+
+
 def states_from_updates(state: jax.Array, err: jax.Array, key: jax.Array, decay: jax.Array) -> jax.Array:
     """The state after every position, [..., T, H, V, K], from the state before them [..., H, V, K] and their
     updates (`apply_verify_updates`' arguments; the same operations, so each equals apply_verify_updates at t + 1).
@@ -200,16 +217,17 @@ def kda_mixer(
         With `slots`, pools instead: [P, W-1, 3*H*K] and [P, H, V, K], row b's states at slots[b].
       lengths: [B] valid tokens per row (None = all T); padding leaves both states unchanged.
       mode: "chunked" (prefill) or "recurrent" (decode / verify) -- mathematically identical.
-      all_states: (recurrent only, verify) return the conv state after every token [B, T, W-1, C] and every
-        token's recurrent-state update (err [B, T, H, V], key, decay [B, T, H, K]; the module docstring), so
-        speculative verification can keep any prefix (`apply_verify_updates`).
+      all_states: (recurrent only, verify) return the step's conv inputs [B, T, C] (the q|k|v projections before
+        the conv) and every token's recurrent-state update (err [B, T, H, V], key, decay [B, T, H, K]; the module
+        docstring), so speculative verification can keep any prefix (`conv_window_after`,
+        `apply_verify_updates`).
       linear: how the block multiplies by the weights on the hidden-state boundary (see `Linear`): called
         once with every projection reading x (q/k/v, f_a, b, and g or g_a) and once with o_proj. Default:
         plain `dense` each; a parallel strategy passes sharded GEMMs (k3jax.parallel.tp_subgroup). Params in the
         serving layout (k3jax.fuse.fuse_for_serving: one "in_proj" for all six) take the default only.
       slots: [B] int32 distinct pool rows (None: the states are per row, see above). The fused decode kernel
         reads the pools at `slots` itself and, in decode, writes them in place (when the caller donates them);
-        with all_states (verify) it only reads them: the per-position conv states and updates are new [B, T, ...]
+        with all_states (verify) it only reads them: the conv inputs and updates are new [B, T, ...]
         arrays and the pools are neither written nor copied (not aliased to any output). Every other path gathers
         the B rows and runs as without slots, then scatters them back (decode) or returns the per-position results.
       fresh: [B] bool / int (None: none) rows that start from the zero conv and recurrent states whatever
@@ -218,8 +236,8 @@ def kda_mixer(
         gathered (or was given) with a select, so no pool is written to clear a slot.
 
     Returns: (y [B, T, D], new_conv_state, new_rec_state) -- with `slots`, the pools updated at those rows;
-      with all_states (slots or not), the B rows' per-position conv states and state updates instead (see
-      all_states), and the pools, if given, stay as they were.
+      with all_states (slots or not), the B rows' conv inputs and state updates instead (see all_states), and
+      the pools, if given, stay as they were.
     """
     b, t, _ = x.shape
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
@@ -258,8 +276,8 @@ def kda_mixer(
                                             all_states=all_states, backend_name=backend_name, slots=slots,
                                             fresh=fresh, packed=packed)
         return linear(y.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"], new_conv, new_rec
-    if all_states:
-        y, conv_states = _conv_all_states(qkv, conv_state, conv_w)
+    if all_states:  # verify: the kept window comes from the inputs later (conv_window_after)
+        (y, _), new_conv = causal_conv_with_state(qkv, conv_state, conv_w), qkv
     else:
         y, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)
     q, k, v = (y[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))
@@ -279,7 +297,7 @@ def kda_mixer(
         raise ValueError(f"unknown KDA mode {mode!r}")
     o = backend.get("gated_rms_norm", backend_name)(o.astype(x.dtype), gate, params["o_norm"], cfg.rms_norm_eps)
     out = linear(o.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"]
-    return out, (conv_states if all_states else new_conv), new_rec
+    return out, new_conv, new_rec
 
 
 def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Linear | None, matmul=dense):
@@ -310,16 +328,6 @@ def _input_projections(params: dict, x: jax.Array, cfg: ModelConfig, linear: Lin
     return qkv, {name: proj[name] for name in ("f_a", "b_proj", gate_in)}, conv_w, None
 
 
-def _conv_all_states(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array):
-    """Short conv over all T tokens plus the conv state after every token: [B, T, W-1, C]."""
-    y, _ = causal_conv_with_state(qkv, conv_state, conv_w)
-    full = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, W-1+T, C]
-    w1 = conv_state.shape[1]
-    t = qkv.shape[1]
-    idx = jnp.arange(t)[:, None] + 1 + jnp.arange(w1)[None, :]  # state after token i: full[i+1 : i+W]
-    return y, full[:, idx, :].astype(conv_state.dtype)
-
-
 def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, rec_state, cfg: ModelConfig, *,
                  lengths, mode, all_states, backend_name, slots=None, fresh=None, packed=None):
     """kda_mixer's core through a fused kernel op, from the input projections (qkv [B, T, 3HK], z and gate
@@ -339,9 +347,11 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
         rows = jnp.arange(b, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
         operands = (qkv, beta_logits, gate) if packed is None else (packed[0], None, None)
         extra = {} if packed is None else {"packed": packed[1]}
-        y, new_conv, new_rec = op(operands[0], conv_state, conv_w, z, *operands[1:], rec_state, rows, lens,
-                                  a_log=params["A_log"], dt_bias=params["dt_bias"], o_norm_weight=params["o_norm"],
-                                  eps=cfg.rms_norm_eps, all_states=all_states, fresh=fresh, **gate_kw, **extra)
+        out = op(operands[0], conv_state, conv_w, z, *operands[1:], rec_state, rows, lens, a_log=params["A_log"],
+                 dt_bias=params["dt_bias"], o_norm_weight=params["o_norm"], eps=cfg.rms_norm_eps,
+                 all_states=all_states, fresh=fresh, **gate_kw, **extra)
+        # verify: (y, updates) -- no conv states; the step's conv inputs stand in for them (conv_window_after)
+        y, new_conv, new_rec = (out[0], qkv, out[1]) if all_states else out
     else:
         conv_out, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)
         q, k, v = (conv_out[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))

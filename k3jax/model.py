@@ -77,14 +77,16 @@ class StepMeta:
 class VerifiedStates:
     """What a verify step leaves for `commit_verified`, per KDA layer: every position's recurrent-state update
     (k3jax.kda's module docstring: S_t = S_{t-1} * decay_t + err_t key_t^T) -- err [L_kda, B, T, H, V], key and
-    decay [L_kda, B, T, H, K] fp32 -- and the conv state after every position, conv [L_kda, B, T, W-1, C]; slots and
-    fresh [B]: where each row's state before the step lives (verify leaves the pool alone) and whether it starts
-    from zeros instead. 1.5 KB per layer, row, position and head instead of a 64 KB state."""
+    decay [L_kda, B, T, H, K] fp32 -- and the step's short-conv inputs, inputs [L_kda, B, T, C] (the kept conv
+    window is the last W-1 rows of [window before the step; inputs[:count]], k3jax.kda.conv_window_after); slots and
+    fresh [B]: where each row's states before the step live (verify leaves the pools alone) and whether they start
+    from zeros instead. 1.5 KB per layer, row, position and head instead of a 64 KB state, and one input row per
+    position instead of W-1 conv-state rows."""
 
     err: jax.Array
     key: jax.Array
     decay: jax.Array
-    conv: jax.Array
+    inputs: jax.Array
     slots: jax.Array
     fresh: jax.Array
 
@@ -223,9 +225,9 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
     """Shared body of prefill / decode / verify (and the speculative loop's feature-capturing step):
     returns (hidden [B, T, D], new state, verified states or None, features entering `capture` layers)."""
     caches = {"kda": state.kda, "conv": state.conv, "kv_pages": state.kv_pages}
-    verified_kda, verified_conv = [], []
+    verified_kda, verified_inputs = [], []
     mixer = cached_mixer(cfg, caches, meta, kda_mode=kda_mode, backend_name=backend_name,
-                         verified=(verified_kda, verified_conv) if all_states else None)
+                         verified=(verified_kda, verified_inputs) if all_states else None)
     hidden, feats = decoder(params, cfg, embed(params, tokens), mixer, backend_name, capture)
     new_state = DecodeState(**caches)
     verified = None
@@ -235,9 +237,9 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
         h, dv, dk = state.kda.shape[2:]
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
         err, key, decay = ([u[i] for u in verified_kda] for i in range(3))
-        conv_like = jax.ShapeDtypeStruct(state.conv.shape[2:], state.conv.dtype)
+        input_like = jax.ShapeDtypeStruct(state.conv.shape[3:], jnp.dtype(cfg.dtype))
         verified = VerifiedStates(err=stack(err, f32(h, dv)), key=stack(key, f32(h, dk)), decay=stack(decay, f32(h, dk)),
-                                  conv=stack(verified_conv, conv_like), slots=meta.slots.astype(jnp.int32),
+                                  inputs=stack(verified_inputs, input_like), slots=meta.slots.astype(jnp.int32),
                                   fresh=meta.context_lens == 0)
     return hidden, new_state, verified, feats
 
@@ -245,8 +247,8 @@ def step_body(params, cfg, state: DecodeState, tokens, meta: StepMeta, *, kda_mo
 def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: str, backend_name: str,
                  verified: tuple[list, list] | None = None, linear: dict[str, Linear] | None = None) -> Mixer:
     """The attention block of the serving steps over caches = {"kda", "conv", "kv_pages"}, updated in the
-    dict as layers run. With `verified` = (kda list, conv list), KDA layers append their per-position
-    state updates and conv states there and leave the pooled states alone (verify: commit_verified keeps a prefix
+    dict as layers run. With `verified` = (kda list, inputs list), KDA layers append their per-position
+    state updates and conv inputs there and leave the pooled states alone (verify: commit_verified keeps a prefix
     later).
     linear: the projection hooks per mixer kind, as in `cache_free_mixer`."""
     linear = linear or {}
@@ -264,7 +266,7 @@ def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: st
         fresh = meta.context_lens == 0
         # The pools go to the mixer whole, as [L_kda * num_slots, ...] (a free reshape; layer j's slot s is row
         # j * num_slots + s), with the step's rows: the fused decode kernel reads just those rows (decode also
-        # updates them in place; verify writes per-position states to new arrays and leaves the pools unwritten).
+        # updates them in place; verify writes per-position updates to new arrays and leaves the pools unwritten).
         # Gathering the step's state rows first reads and writes 2 x B x H x V x K x 4 bytes per layer (k3-small,
         # B 64: 134 MB per KDA layer), and decode's scatter back as much again. Fresh rows are not zeroed in the
         # pool (a scatter per pool and layer, 0.36 ms of the k3-small step): the kernel reads them as zeros (and
@@ -273,12 +275,12 @@ def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: st
         rows = j * num_slots + meta.slots.astype(jnp.int32)
         flat = lambda pool: pool.reshape(layers * num_slots, *pool.shape[2:])  # noqa: E731
         if verified is not None:  # the pools keep the pre-verify states until commit_verified picks a position
-            y, new_conv, new_rec = kda.kda_mixer(
+            y, inputs, updates = kda.kda_mixer(
                 p, x, flat(caches["conv"]), flat(caches["kda"]), cfg, lengths=meta.lengths, mode=kda_mode,
                 all_states=True, slots=rows, fresh=fresh, backend_name=backend_name, linear=linear.get("kda"),
             )
-            verified[0].append(new_rec)
-            verified[1].append(new_conv)
+            verified[0].append(updates)
+            verified[1].append(inputs)
             return y
         y, conv, rec = kda.kda_mixer(p, x, flat(caches["conv"]), flat(caches["kda"]), cfg, lengths=meta.lengths,
                                      mode=kda_mode, slots=rows, fresh=fresh, backend_name=backend_name,
@@ -334,7 +336,7 @@ def verify(params, cfg: ModelConfig, state: DecodeState, tokens: jax.Array, meta
 
     Writes all k latents to the MLA pages (positions past the accepted prefix are simply overwritten
     later) but leaves the pooled KDA states untouched. Returns (logits float32 [B, k, V], new state,
-    VerifiedStates: every position's KDA state update and conv state) -- pass the latter to `commit_verified`.
+    VerifiedStates: every position's KDA state update and conv input) -- pass the latter to `commit_verified`.
     """
     _check_tokens(tokens, 2, "verify")
     hidden, state, verified, _ = step_body(params, cfg, state, tokens, meta, kda_mode="recurrent", all_states=True,
@@ -349,17 +351,21 @@ def commit_verified(state: DecodeState, verified: VerifiedStates, slots: jax.Arr
     after position num_accepted - 1 into the row's slot. The KDA state is rebuilt from the state before the verify
     step, still in the pool at the row's own slot (verified.slots), and the step's updates
     (k3jax.kda.apply_verify_updates; op "kda_commit", in place in the donated pool on the kernel backends): one
-    state read and one written per layer and row.
+    state read and one written per layer and row. The conv state likewise: the last W-1 rows of [the slot's window
+    before the step (zeros for a fresh row); the step's inputs up to the kept position] (k3jax.kda.conv_window_after).
 
     rows: which verify rows to take (default all, in order); with rows, slots[i] receives row rows[i] (e.g. a
     KDA checkpoint at a page boundary inside an accepted run). Every such copy must come before the commit that
     overwrites the rows' own slots: it reads the states from before the step there."""
     if rows is None:
         rows = jnp.arange(slots.shape[0])
-    count = jnp.clip(num_accepted, 1, verified.conv.shape[2]).astype(jnp.int32)
+    count = jnp.clip(num_accepted, 1, verified.inputs.shape[2]).astype(jnp.int32)
+    src, fresh = verified.slots[rows], verified.fresh[rows]
+    window = jnp.where(fresh[None, :, None, None], jnp.zeros((), state.conv.dtype), state.conv[:, src])
+    kept_window = kda.conv_window_after(window, verified.inputs[:, rows], count[None, :])
     commit = backend.get("kda_commit", backend_name)
     return state.replace(
-        kda=commit(state.kda, verified.err[:, rows], verified.key[:, rows], verified.decay[:, rows],
-                   verified.slots[rows], slots.astype(jnp.int32), count, verified.fresh[rows]),
-        conv=state.conv.at[:, slots].set(verified.conv[:, rows, count - 1]),
+        kda=commit(state.kda, verified.err[:, rows], verified.key[:, rows], verified.decay[:, rows], src,
+                   slots.astype(jnp.int32), count, fresh),
+        conv=state.conv.at[:, slots].set(kept_window),
     )

@@ -14,10 +14,11 @@ and zero conv window, whatever its (reused) slot holds: its pool loads are maske
 exact even over NaN/inf garbage, unlike multiplying by zero), and decode writes its new states over the slot
 as for any other row -- so the model needs no scatter zeroing fresh rows before the kernel. Decode mode reads and writes the pooled conv / recurrent
 states in place (input_output_aliases) at rows slots[b]. Verify mode (all_states=True) leaves the pools
-alone and writes the conv state after every position and, per position, the recurrent state's rank-one update
-(e = beta (v - S' k) [V], k [K], e^g [K]; k3jax.kda's module docstring): the state after any accepted prefix is
-rebuilt from the pooled state before the step (k3jax.kda.apply_verify_updates), so verify reads each state once
-and writes none.
+alone and writes, per position, the recurrent state's rank-one update (e = beta (v - S' k) [V], k [K], e^g [K];
+k3jax.kda's module docstring): the state after any accepted prefix is rebuilt from the pooled state before the
+step (k3jax.kda.apply_verify_updates), so verify reads each state once and writes none. It writes no conv state
+either: the window after a kept prefix is the last W-1 rows of [pooled window; the step's inputs], which the
+caller has (k3jax.kda.conv_window_after).
 
 The numerics follow the reference path exactly where it rounds: the conv output is cast to the
 activation dtype before the norms, and o to the activation dtype before the gated RMSNorm.
@@ -258,10 +259,6 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
 
     valids = [t < length for t in range(num_tokens)]
 
-    def write_conv_position(i, t, window):  # verify: segment i's conv state after position t
-        for r in range(width - 1):
-            conv_out_ref[b, t, r, segs[i]] = window[r].astype(conv_out_ref.dtype)
-
     def write_conv_kept(i, kept):  # decode: segment i's last W-1 valid inputs, the new conv state
         for r in range(width - 1):
             if i >= 2 or whole_head:  # in place: this program is the only reader of these channels, and has read them
@@ -281,11 +278,8 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     if fold_v:  # the head's v channels, all positions, with q and k
         head_v = list(_short_conv_steps(_conv_operands(conv_ref, convw_ref, x_ref, slot, b, segs[2], from_pool,
                                                        num_tokens, act_dtype), valids, act_dtype))
-        for t, (_, window, kept) in enumerate(head_v):
-            if all_states:
-                write_conv_position(2, t, window)
-            elif t == num_tokens - 1:
-                write_conv_kept(2, kept)
+        if not all_states:
+            write_conv_kept(2, head_v[-1][2])
     positions = []  # per position: q, k, e^g, beta, the q|k kept inputs -- made at first use (see position)
 
     def position(t):
@@ -293,12 +287,7 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
         # per program the whole step is then emitted position by position, as the reference computes it
         while len(positions) <= t:
             u = len(positions)
-            (q, q_window, q_kept), (k, k_window, k_kept) = next(qk_steps[0]), next(qk_steps[1])
-            if all_states:
-                def write_qk_windows(u=u, q_window=q_window, k_window=k_window):
-                    write_conv_position(0, u, q_window)
-                    write_conv_position(1, u, k_window)
-                by_one_program(write_qk_windows)
+            (q, _, q_kept), (k, _, k_kept) = next(qk_steps[0]), next(qk_steps[1])
             q, k = _qk_norm(q, k)
             beta_logit = b_ref[b, u, h] if packed is None else x_ref[b, u, packed[1] + h]
             decay, beta = _decay_beta(z_ref[b, u, h, :].astype(f32), beta_logit.astype(f32), alog, dtb,
@@ -321,9 +310,7 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
             if fold_v:
                 v = head_v[t][0]
             else:
-                v, v_window, v_kept = next(v_steps)
-                if all_states:
-                    write_conv_position(2 + j, t, v_window)
+                v, _, v_kept = next(v_steps)
             s, outs[t][j], update = _delta_step(s, decay, k, beta, v, q, act_dtype, v_select)
             if all_states:
                 err_ref, key_ref, decay_ref = state_out_ref
@@ -360,8 +347,8 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
 def _grouped_refs(refs, all_states):
     """The kernel's flat refs -> _kda_rows' positional refs up to state_out_ref (verify: its three update refs as
     one tuple), and what follows (the q|k side output, if any)."""
-    if all_states:
-        return (*refs[:15], tuple(refs[15:18])), refs[18:]
+    if all_states:  # (no conv_out_ref: verify writes no conv state)
+        return (*refs[:14], None, tuple(refs[14:17])), refs[17:]
     return refs[:16], refs[16:]
 
 
@@ -492,14 +479,13 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
     Returns:
       decode: (y [B, T, H, V], new conv pool, new state pool) -- the pools updated in place at `slots`
         when the caller donates them (they are aliased to the outputs).
-      verify: (y, conv states [B, T, W-1, 3*H*K] after every position, (err [B, T, H, V], key [B, T, H, K], decay
-        [B, T, H, K]) fp32: every position's state update, for k3jax.kda.apply_verify_updates); pools untouched.
+      verify: (y, (err [B, T, H, V], key [B, T, H, K], decay [B, T, H, K]) fp32: every position's state update,
+        for k3jax.kda.apply_verify_updates); the pools untouched.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
            o_norm_weight, gate, packed)
     bsz, t, _ = qkv.shape
     p, h, dv, dk = state.shape
-    c = 3 * h * dk  # the conv channels (qkv may be the wider packed projection)
     if packed is not None:  # the kernel reads beta and the gate from qkv; these stand in for their refs, unread
         beta, out_gate = qkv, qkv
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
@@ -516,8 +502,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
            a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight, state]
     y_shape = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     if all_states:
-        out_shape = [y_shape, jax.ShapeDtypeStruct((bsz, t, w1, c), conv_state.dtype),
-                     jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
+        out_shape = [y_shape, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                      jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                      jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)]
         aliases = {}
@@ -532,7 +517,7 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
                 block_v=block_v, prefetch=prefetch, fold_v=bool(fold_v), packed=packed)
     if loop_v:
         looped_outs = out_shape if all_states else out_shape[:3]  # (decode: no q|k side output)
-        y, conv_out, *state_out = pl.pallas_call(
+        y, *rest = pl.pallas_call(
             functools.partial(_looped_kernel, **body),
             grid=(h, bsz),
             in_specs=[full(x) for x in ins],
@@ -541,10 +526,10 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
             input_output_aliases=aliases,
             interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
         )(*ins)
-        return y, conv_out, tuple(state_out) if all_states else state_out[0]
+        return (y, tuple(rest)) if all_states else (y, *rest)
     # Grid (V-blocks, H, B): program_id(0) varies fastest (CUDA x), so neighbouring programs stream
     # neighbouring rows of one (slot, head) state -- fla's order (V-block fastest, then head, then sequence).
-    y, conv_out, *state_out = pl.pallas_call(
+    y, *rest = pl.pallas_call(
         functools.partial(_blocked_kernel, **body),
         grid=(dv // block_v, h, bsz),
         in_specs=[full(x) for x in ins],
@@ -553,12 +538,14 @@ def kda_decode(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, le
         input_output_aliases=aliases,
         interpret=interpret, name="kda_decode_verify" if all_states else "kda_decode", **params,
     )(*ins)
-    state_out, qk_conv = (tuple(state_out), []) if all_states else (state_out[0], state_out[1:])
     if block_v < dv:  # the norm needs all of V: the reference's own op, the same operations in the same order
         from k3jax.layers import gated_rms_norm
 
         y = gated_rms_norm(y, out_gate if packed is None else unpack_projection(qkv, packed, h, dv)[2],
                            o_norm_weight, eps)
+    if all_states:
+        return y, tuple(rest)
+    conv_out, state_out, *qk_conv = rest
     if qk_conv:  # B * (W-1) * 2HK elements into the (aliased, so donated-in-place) pool; slots are distinct
         conv_out = conv_out.at[slots, :, : 2 * h * dk].set(qk_conv[0], unique_indices=True)
     return y, conv_out, state_out
@@ -595,7 +582,5 @@ def kda_decode_reference(qkv, conv_state, conv_weight, z, beta, out_gate, state,
     o, new_rec = kda_recurrent_reference(q, k, v, g, b, s0, all_states=all_states)
     out = gated_rms_norm(o.astype(qkv.dtype), out_gate, o_norm_weight, eps)
     if all_states:
-        full = jnp.concatenate([conv0.astype(qkv.dtype), qkv], axis=1)
-        idx = jnp.arange(t)[:, None] + 1 + jnp.arange(conv0.shape[1])[None, :]
-        return out, full[:, idx, :].astype(conv_state.dtype), new_rec
+        return out, new_rec
     return out, conv_state.at[slots].set(new_conv), state.at[slots].set(new_rec)

@@ -85,10 +85,12 @@ that work (more prep threads, positions in parallel) is the next step for verify
 against 0.230 without prep's work). Single ablations of prep's parts at B64 T4: without verify's per-position conv
 states (3 x (W-1) x T vector stores to GMEM per item) 0.311 ms, without the two L2-norm reductions 0.324, without its
 GMEM scalar reads 0.343, without the gate 0.343, without the conv taps 0.349; hoisting the taps 0.355 (no gain).
-So verify's conv states now go out by TMA: the ring slot holds each segment's window and inputs contiguously
-(seq_smem), position t's conv state is rows t+1 .. t+W-1 of it, one bulk copy each (a fresh row's window rows are
-rewritten as zeros first). Patched A/B in one call: verify B64 T4 0.340 against 0.354 ms, B256 1.292 against 1.348
-(1.04x); decode T1 0.239 against 0.241.
+Verify's conv states first went out by TMA (the ring slot holds each segment's window and inputs contiguously,
+seq_smem; position t's conv state is rows t+1 .. t+W-1 of it, one bulk copy each). Patched A/B in one call: verify
+B64 T4 0.340 against 0.354 ms, B256 1.292 against 1.348 (1.04x); decode T1 0.239 against 0.241 (`11a9e5a`). Then
+verify stopped writing conv states at all: a kept window is the last W-1 rows of [the pool's window; the step's
+inputs], which the commit rebuilds (k3jax.kda.conv_window_after), as it rebuilds the recurrent state. That removes
+all of the ablated stores (the 0.311 ms case above, an upper bound); not yet timed on the H200.
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
@@ -196,12 +198,12 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     #   conv_ref: [P, W-1, 3*H*K] conv-state pool, read by TMA (decode: and written in place, a mutable ref)
     #   state_ref: [P, H, V, K] fp32 state pool, read by TMA (decode: and written in place by TMA, a mutable ref)
     #   y_ref: [B, T, H, V] activation dtype, the gated-normed output
-    #   verify only (all_states), refs[:4]: conv_out_ref [B, T, W-1, 3*H*K], the conv state after each position;
-    #   err_ref [B, T, H, V], key_ref / decay_ref [B, T, H, K] fp32, each position's rank-one state update
+    #   verify only (all_states), refs[:3]: err_ref [B, T, H, V], key_ref / decay_ref [B, T, H, K] fp32, each
+    #   position's rank-one state update
     #   (S_t = S_{t-1} * decay_t + err_t key_t^T; k3jax.kda.apply_verify_updates). The pools are only read.
     # SMEM ring, one slot per item in flight: st_smem [S, V, K] fp32 (tiled 8 x 32, 128-byte swizzle) the state;
-    #   seq_smem [S, 3, W-1+T, K] per q|k|v segment its conv window (rows < W-1) then the item's T inputs (verify:
-    #   position t's conv state is rows t+1 .. t+W-1, stored from here by TMA); z_smem [S, T, K];
+    #   seq_smem [S, 3, W-1+T, K] per q|k|v segment its conv window (rows < W-1) then the item's T inputs;
+    #   z_smem [S, T, K];
     #   og_smem [S, T, V]; bars [S]: the slot's OPERAND_COPIES_PER_ITEM copies (see `issue`) have landed;
     #   state_bars [S]: its state has (the prep warpgroup needs only the operands, so it never waits for the state)
     # SMEM, the head's conv taps for prep, two buffers (item parity): cw_smem [2, 3, W, K]; taps_bars [2] (3 copies)
@@ -216,8 +218,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     # norms, gate, beta) while the others update item j's state, then stores item j's state back and applies its
     # gated RMSNorm. In verify the update warpgroups keep the state in registers across the T positions and write
     # only each position's err rows; the prep warpgroup stores those, k^ and e^g (a few KB per item).
-    conv_out_ref, err_ref, key_ref, decay_ref = refs[:4] if all_states else (None,) * 4
-    scratch = refs[4:] if all_states else refs
+    err_ref, key_ref, decay_ref = refs[:3] if all_states else (None,) * 3
+    scratch = refs[3:] if all_states else refs
     (st_smem, seq_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
      done_bars, state_bars) = scratch[:13]
     e_smem = scratch[13] if all_states else None
@@ -288,9 +290,6 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             for i, seg in enumerate(segs_of(h)):
                 window = [_vec(seq_smem.at[slot, i, r]).astype(act_dtype) for r in range(width - 1)]
                 window = [_select(fresh, jnp.zeros_like(w), w) for w in window]  # zeros, not a fresh slot's bytes
-                if all_states:  # the window rows go out by TMA with the inputs (each position's conv state): zeros
-                    for r, w in enumerate(window):  # for a fresh row (each thread rewrites the elements it read)
-                        seq_smem.at[slot, i, r][...] = w
                 kept = _conv_positions(lambda j, i=i: _vec(cw_smem.at[buf, i, j]), window,
                                        lambda t, i=i: _vec(seq_smem.at[slot, i, width - 1 + t]), valids, act_dtype,
                                        store=lambda t, act, i=i: put(acts_out[i](t), act))
@@ -313,17 +312,10 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             plgpu.commit_smem()
             if all_states:
                 # the update rows' buffer (e_smem) and this buffer parity's operands are rewritten for the item
-                # after next: their stores (issued an item ago) must have read them before the updates start; and
-                # the previous item's ring slot, whose conv states are stored from it, is refilled after this
+                # after next: their stores (issued an item ago) must have read them before the updates start
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(prep_bars.at[slot])
-            if all_states:
-                # each position's conv state, the W-1 inputs ending at it (valid or not: the reference's), straight
-                # from the ring slot (its refill comes after the next item's wait above); the item's k^ and e^g
-                for i, seg in enumerate(segs_of(h)):
-                    for t in range(num_tokens):
-                        plgpu.copy_smem_to_gmem(seq_smem.at[slot, i, pl.ds(t + 1, width - 1)],
-                                                conv_out_ref.at[b, t, :, seg], commit_group=False)
+            if all_states:  # the item's k^ and e^g for every position, [T, K] each
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
 
@@ -452,9 +444,9 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
-    pools updated in place at `slots` when the caller donates them; verify (all_states=True), (y, conv states
-    [B, T, W-1, 3*H*K] after every position, (err [B, T, H, V], key [B, T, H, K], decay [B, T, H, K]) every
-    position's state update), the pools only read.
+    pools updated in place at `slots` when the caller donates them; verify (all_states=True), (y, (err [B, T, H, V],
+    key [B, T, H, K], decay [B, T, H, K]) every position's state update), the pools only read (no conv states:
+    k3jax.kda.conv_window_after rebuilds a kept window from the pool and the step's inputs).
 
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
@@ -496,8 +488,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states),
-        out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, width - 1, c), conv_state.dtype),
-                  jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32), jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
+        out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
         scratch_types=scratch,
         grid=(num_ctas,),
@@ -511,8 +503,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     operands = (slots.astype(jnp.int32), lengths.astype(jnp.int32), fresh, qkv, conv_weight, z, beta, out_gate,
                 a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight)
     if all_states:  # the pools are only read
-        y, conv_states, *updates = kernel(*operands, conv_state, state)
-        return y, conv_states, tuple(updates)
+        y, *updates = kernel(*operands, conv_state, state)
+        return y, tuple(updates)
     # the pools as mutable refs: the kernel's writes become in-place updates (input/output aliasing)
     conv_ref, state_ref = jax.new_ref(conv_state), jax.new_ref(state)
     y = kernel(*operands, conv_ref, state_ref)

@@ -124,8 +124,8 @@ def test_verify_step_reads_kda_pools_in_the_kernel():
         assert (pool_rows, h, d, d) in in_shapes and (pool_rows, w1, c) in in_shapes, in_shapes
         assert not e.params["input_output_aliases"], e.params["input_output_aliases"]
         out_shapes = [tuple(v.aval.shape) for v in e.outvars]
-        # per-position conv states and state updates (err [V], key and decay [K]); no per-position state
-        assert sorted(out_shapes[1:]) == sorted([(batch, k, w1, c)] + [(batch, k, h, d)] * 3), out_shapes
+        # per-position state updates (err [V], key and decay [K]) only: no per-position state, no conv state
+        assert sorted(out_shapes[1:]) == [(batch, k, h, d)] * 3, out_shapes
     scatters = [e.primitive.name for e in eqns if e.primitive.name.startswith("scatter")
                 and e.outvars[0].aval.shape[:1] in ((pool_rows,), (CFG.num_kda_layers,))]
     assert scatters == [], f"scatters into the KDA pools: {scatters}"
@@ -236,7 +236,7 @@ def test_pooled_verify_interpret_equals_reference(kda_kernels_only):
     (ref_logits, ref_state, ref_ver), (int_logits, int_state, int_ver) = out["reference"], out["interpret"]
     assert rel(np.asarray(int_logits)[valid], np.asarray(ref_logits)[valid]) < 1e-5
     for got, want in ((int_ver.err, ref_ver.err), (int_ver.key, ref_ver.key), (int_ver.decay, ref_ver.decay),
-                      (int_ver.conv, ref_ver.conv)):
+                      (int_ver.inputs, ref_ver.inputs)):
         got, want = np.asarray(got)[:, valid], np.asarray(want)[:, valid]  # [L_kda, valid positions, ...]
         assert np.isfinite(got).all() and rel(got, want) < 1e-5
     for new in (int_state, ref_state):
@@ -245,7 +245,7 @@ def test_pooled_verify_interpret_equals_reference(kda_kernels_only):
     zeroed = state.replace(kda=state.kda.at[:, 4].set(0), conv=state.conv.at[:, 4].set(0))
     logits0, _, ver0 = k3jax.verify(params, CFG, zeroed, tokens, meta, backend_name="reference")
     np.testing.assert_array_equal(np.asarray(ref_logits), np.asarray(logits0))
-    for name in ("err", "key", "decay", "conv"):
+    for name in ("err", "key", "decay", "inputs"):
         np.testing.assert_array_equal(np.asarray(getattr(ref_ver, name)), np.asarray(getattr(ver0, name)))
 
 
@@ -267,7 +267,7 @@ def test_pooled_verify_mixer_on_the_reference_path_gathers_the_same_rows():
     gathered = jax.jit(lambda *a: kda_mixer(*a, CFG, **kw))(params, x, conv_pool[slots], rec_pool[slots])
     for got, want in zip(jax.tree.leaves(pooled), jax.tree.leaves(gathered)):
         np.testing.assert_array_equal(got, want)
-    assert [u.shape for u in pooled[2]] == [(2, 3, h, d)] * 3 and pooled[1].shape == (2, 3, w1, c)
+    assert [u.shape for u in pooled[2]] == [(2, 3, h, d)] * 3 and pooled[1].shape == (2, 3, c)
     with pytest.raises(ValueError, match="all_states needs mode='recurrent'"):
         kda_mixer(params, x, conv_pool, rec_pool, CFG, slots=slots, lengths=lengths, mode="chunked", all_states=True)
     with pytest.raises(ValueError, match="slots must be"):

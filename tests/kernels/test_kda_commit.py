@@ -83,21 +83,32 @@ def test_fresh_rows_start_from_zeros_and_bad_shapes_raise():
 
 
 def test_commit_verified_on_the_kernel_backend_equals_reference():
-    """k3jax.commit_verified through op "kda_commit" ("interpret") and the reference give the same pools."""
+    """k3jax.commit_verified through op "kda_commit" ("interpret") and the reference give the same pools; the kept
+    conv window is the last W-1 rows of [the slot's window before the step (zeros for the fresh row); the step's
+    inputs up to the kept position], written over the row's slot (numpy's own concatenation as the oracle)."""
     import k3jax
     from k3jax.model import VerifiedStates
     from k3jax.testing import k3_tiny
 
+    rng = np.random.default_rng(1)
     states, (err, key, decay), src, _ = verify_case(5, 2, 7, 3, 4, 2, 16)
-    conv = jnp.asarray(np.random.default_rng(1).standard_normal((2, 7, 3, 40)), jnp.float32)
-    state = k3jax.init_state(k3_tiny(), 1, 1, 4).replace(kda=states, conv=conv)
-    verified = VerifiedStates(err=err, key=key, decay=decay, conv=jnp.ones((2, 3, 4, 3, 40), jnp.float32),
-                              slots=jnp.asarray(src, jnp.int32), fresh=jnp.asarray([False, True, False]))
-    kw = dict(slots=jnp.asarray(src, jnp.int32), num_accepted=jnp.asarray([4, 1, 2], jnp.int32))
+    conv = rng.standard_normal((2, 7, 3, 40)).astype(np.float32)
+    inputs = rng.standard_normal((2, 3, 4, 40)).astype(np.float32)  # [L, n, T, C]
+    state = k3jax.init_state(k3_tiny(), 1, 1, 4).replace(kda=states, conv=jnp.asarray(conv))
+    fresh, accepted = np.array([False, True, False]), np.array([4, 1, 2])
+    verified = VerifiedStates(err=err, key=key, decay=decay, inputs=jnp.asarray(inputs),
+                              slots=jnp.asarray(src, jnp.int32), fresh=jnp.asarray(fresh))
+    kw = dict(slots=jnp.asarray(src, jnp.int32), num_accepted=jnp.asarray(accepted, jnp.int32))
     ref = k3jax.commit_verified(jax.tree.map(jnp.copy, state), verified, **kw)
     got = k3jax.commit_verified(jax.tree.map(jnp.copy, state), verified, **kw, backend_name="interpret")
     assert rel(got.kda, ref.kda) < 1e-6
     np.testing.assert_array_equal(got.conv, ref.conv)
+    for r, slot in enumerate(src):
+        window = np.zeros_like(conv[:, slot]) if fresh[r] else conv[:, slot]
+        seq = np.concatenate([window, inputs[:, r]], axis=1)  # [L, W-1+T, C]
+        np.testing.assert_array_equal(got.conv[:, slot], seq[:, accepted[r] : accepted[r] + 3])
+    others = np.setdiff1d(np.arange(7), src)
+    np.testing.assert_array_equal(got.conv[:, others], conv[:, others])
 
 
 def test_module_imports_before_k3jax():

@@ -82,7 +82,7 @@ def test_prefill_decode_verify_interpret_equals_reference(cfg):
         ver[name] = k3jax.verify(params, cfg, jax.tree.map(jnp.copy, state), jnp.asarray(drafts),
                                  step_meta(slots, table, pos, [k, k]), backend_name=name)
     assert rel(ver["interpret"][0], ver["reference"][0]) < 1e-5
-    for name in ("err", "key", "decay", "conv"):  # every position's state update and conv state
+    for name in ("err", "key", "decay", "inputs"):  # every position's state update and conv input
         assert rel(getattr(ver["interpret"][2], name), getattr(ver["reference"][2], name)) < 1e-5, name
     np.testing.assert_array_equal(ver["interpret"][1].kda, int_state.kda)  # verify leaves the pool alone
 
@@ -129,5 +129,5 @@ def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch):
     assert calls, "the verify step did not reach kda_decode_mgpu"
     assert rel(ver["interpret"][0][0], ver["reference"][0][0]) < 1e-5
     assert rel(ver["interpret"][0][1, :2], ver["reference"][0][1, :2]) < 1e-5  # row 1's 2 valid drafts
-    for name in ("err", "key", "decay", "conv"):  # every position's state update and conv state
+    for name in ("err", "key", "decay", "inputs"):  # every position's state update and conv input
         assert rel(getattr(ver["interpret"][2], name), getattr(ver["reference"][2], name)) < 1e-5, name
