@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from k3jax.config import load_config
-from k3jax.kda import (apply_verify_updates, kda_chunked_reference, kda_gate, kda_mixer, kda_recurrent_reference,
-                       states_from_updates)
+from k3jax.kda import (apply_verify_updates, conv_window_after, kda_chunked_reference, kda_gate, kda_mixer,
+                       kda_recurrent_reference, states_from_updates)
 from k3jax.layers import causal_conv_with_state, l2_normalize
 from k3jax.params import init_params
 
@@ -164,12 +164,13 @@ def test_mixer_verify_states_equal_sequential_decode(name):
     x = jnp.asarray(rng.standard_normal((2, 5, cfg.hidden_size)), jnp.float32)
     conv0 = jnp.asarray(rng.standard_normal((2, 3, cfg.conv_channels)), jnp.float32)
     rec0 = jnp.asarray(rng.standard_normal((2, cfg.kda_num_heads, 16, 16)) * 0.3, jnp.float32)
-    y_all, convs, recs = kda_mixer(params, x, conv0, rec0, cfg, mode="recurrent", all_states=True)
+    y_all, inputs, recs = kda_mixer(params, x, conv0, rec0, cfg, mode="recurrent", all_states=True)
+    assert inputs.shape == (2, 5, cfg.conv_channels)  # the conv's inputs, not per-position windows
     conv, rec = conv0, rec0
     for i in range(5):
         y, conv, rec = kda_mixer(params, x[:, i : i + 1], conv, rec, cfg, mode="recurrent")
         assert rel(y[:, 0], y_all[:, i]) < 1e-5
-        np.testing.assert_array_equal(convs[:, i], conv)
+        np.testing.assert_array_equal(conv_window_after(conv0, inputs, jnp.full((2,), i + 1)), conv)
         assert rel(apply_verify_updates(rec0, *recs, jnp.full((2,), i + 1)), rec) < 1e-6
     y_chunk, conv_c, rec_c = kda_mixer(params, x, conv0, rec0, cfg, mode="chunked")
     assert rel(y_chunk, y_all) < 1e-5 and rel(rec_c, rec) < 1e-5
