@@ -276,8 +276,9 @@ def kda_mixer(
                                             all_states=all_states, backend_name=backend_name, slots=slots,
                                             fresh=fresh, packed=packed)
         return linear(y.reshape(b, t, h * dk), {"o_proj": params["o_proj"]})["o_proj"], new_conv, new_rec
-    if all_states:  # verify: the kept window comes from the inputs later (conv_window_after)
-        (y, _), new_conv = causal_conv_with_state(qkv, conv_state, conv_w), qkv
+    if all_states:  # verify returns the conv's inputs: a kept window is rebuilt from them (conv_window_after)
+        y, _ = causal_conv_with_state(qkv, conv_state, conv_w)
+        new_conv = qkv
     else:
         y, new_conv = causal_conv_with_state(qkv, conv_state, conv_w, lengths)
     q, k, v = (y[..., i * h * dk : (i + 1) * h * dk].reshape(b, t, h, dk) for i in range(3))
