@@ -274,7 +274,7 @@ def cached_mixer(cfg: ModelConfig, caches: dict, meta: StepMeta, *, kda_mode: st
         layers, num_slots = caches["kda"].shape[:2]
         rows = j * num_slots + meta.slots.astype(jnp.int32)
         flat = lambda pool: pool.reshape(layers * num_slots, *pool.shape[2:])  # noqa: E731
-        if verified is not None:  # the pools keep the pre-verify states until commit_verified picks a position
+        if verified is not None:  # the pools keep the pre-verify states until commit_verified keeps a prefix
             y, inputs, updates = kda.kda_mixer(
                 p, x, flat(caches["conv"]), flat(caches["kda"]), cfg, lengths=meta.lengths, mode=kda_mode,
                 all_states=True, slots=rows, fresh=fresh, backend_name=backend_name, linear=linear.get("kda"),

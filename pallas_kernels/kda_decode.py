@@ -214,8 +214,8 @@ def _kda_rows(slots_ref, lens_ref, fresh_ref, x_ref, conv_ref, convw_ref, z_ref,
     # alog_ref: [H]; dtb_ref: [H, K]; onw_ref: [V] o_norm weight; state_ref: [P, H, V, K] fp32 pool
     # y_ref: [B, T, H, V] (activation dtype): gated-normed output when rows == V, else raw o (normed outside)
     # decode:  conv_out_ref: [P, W-1, 3*H*K] (aliases conv_ref); state_out_ref: [P, H, V, K] (aliases state_ref)
-    # verify:  conv_out_ref: [B, T, W-1, 3*H*K]; state_out_ref: (err_ref [B, T, H, V], key_ref [B, T, H, K],
-    #          decay_ref [B, T, H, K]) fp32, each position's rank-one update of the state (a tuple of three refs)
+    # verify:  conv_out_ref: None (no conv state is written); state_out_ref: (err_ref [B, T, H, V],
+    #          key_ref [B, T, H, K], decay_ref [B, T, H, K]) fp32, each position's rank-one state update (a tuple)
     # qk_conv_out_ref (decode with rows < V only, else None): [B, W-1, 2*H*K] the new q|k conv state, scattered into
     #   the pool outside: every program of the head reads the head's q|k conv state, so none may overwrite it in place.
     # The body of both kernels: sequence b, head h, state rows [part*rows, (part+1)*rows) walked in V-blocks of block_v
