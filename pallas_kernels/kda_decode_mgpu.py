@@ -90,7 +90,8 @@ seq_smem; position t's conv state is rows t+1 .. t+W-1 of it, one bulk copy each
 B64 T4 0.340 against 0.354 ms, B256 1.292 against 1.348 (1.04x); decode T1 0.239 against 0.241 (`11a9e5a`). Then
 verify stopped writing conv states at all: a kept window is the last W-1 rows of [the pool's window; the step's
 inputs], which the commit rebuilds (k3jax.kda.conv_window_after), as it rebuilds the recurrent state. That removes
-all of the ablated stores (the 0.311 ms case above, an upper bound); not yet timed on the H200.
+all of the ablated stores (bound: the 0.311 ms case above). Measured: 0.315 / 1.232 ms against 0.340 / 1.293
+(1.08x / 1.05x, 2026-12-03).
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
