@@ -84,7 +84,9 @@ backend.register("moe_route", "interpret")(partial(_select_experts_pallas, inter
 def grouped_experts_reference(
     x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig
 ) -> jax.Array:
-    """sum_i w_i E_i(x) for tokens x [N, Dx] routed to ids/weights [N, k]; result in x's dtype.
+    """sum_i w_i E_i(x) for tokens x [N, Dx] routed to ids/weights [N, k]; result in x's dtype. An id < 0 is a
+    dropped assignment (every "moe_experts" backend): not computed, contributes zero (k3jax.parallel passes its
+    ranks' non-local picks so).
 
     x may be wider than the experts' input Dx (every "moe_experts" backend reads only its first Dx columns: `moe`
     passes the fused projection's output whole, so the Pallas kernels read the latent columns in place).
@@ -96,16 +98,19 @@ def grouped_experts_reference(
     experts = dequantize_experts(experts, x.dtype)
     x = x[:, :experts["gate"].shape[1]]
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    # assignments grouped by expert; dropped ones (id < 0) last, in no group (ragged_dot gives their rows zeros)
+    flat = jnp.where(flat < 0, cfg.num_experts, flat)
+    order = jnp.argsort(flat, stable=True)
     token = order // k
-    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)  # drops the value E
     xs = x[token]  # [N*k, Dx]
 
     def grouped(lhs, w):
         return jax.lax.ragged_dot(lhs, w.astype(lhs.dtype), group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
 
     h = glu_activation(grouped(xs, experts["gate"]), grouped(xs, experts["up"]), cfg)
-    y = grouped(h, experts["down"]).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    kept = flat[order] < cfg.num_experts
+    y = grouped(h, experts["down"]).astype(jnp.float32) * jnp.where(kept, weights.reshape(-1)[order], 0)[:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 

@@ -24,9 +24,14 @@ kernel costs a launch (~8 us of host time and a ~2.7 us GPU gap each in the k3-s
   4. `grouped_down`: the down GEMM over the same items (each item's column-0 GLU program writes it to a [4, W]
      table, so a down program starts with four scalar loads instead of the bounds-wide schedule arithmetic: on the
      H200, k3-small decode B64, 1.22 vs 1.28 ms/step of down kernels, 2026-12-02), each row scaled by its routing
-     weight (gathered in the kernel) and stored at its assignment's row of y [M, D] fp32 (each row written once);
+     weight (gathered in the kernel) and stored at its assignment's row of y [M, D] fp32 (each row written once;
+     in x's dtype when there is nothing to sum, top_k = 1 and one contraction slice: the same rounding, once);
   5. each token sums its top_k consecutive rows of y (elementwise adds, deterministic: fuse into the consumer).
 `tile_schedule` lists all items at once (tests, the benchmark's MMA-row count).
+
+Dropped assignments: an id < 0 is an assignment this call does not compute (an expert-parallel rank's view of a
+token's picks that live on other ranks, as vLLM's expert_map -1). It sorts after every expert's rows and no work
+item covers it, so it costs no MMA rows; its y row is never written, and the combine selects zero for it.
 
 Mid-size groups (MoeGemmConfig.tail_block_m, .aligned and .column_group; set in LARGE_GROUP_DEFAULT only). Every work item
 costs a full block_m-row MMA, so items waste the rows of a tile that belong to a neighbouring expert: with 56
@@ -861,8 +866,9 @@ def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout
     # rest: down refs ([E, I_pad, D_pad] | packed [E, D_pad, I_pad/2] u8 + scale [E, D_pad, I_pad/32] u8 |
     #       planes [E, I_pad/2, D_pad] u8 + scales [E, I_pad/32, D_pad] u8 |
     #       words [E, I_pad/8, 4 D_pad] u8 + scale words [E, ceil(I_pad/128), D_pad] u32),
-    #       y_ref [S * M, D_pad] fp32 output: contraction slice s's partial of assignment a at row s * M + a, each
-    #       written once, by the item that owns it (S = down_split_k; the combine sums the slices)
+    #       y_ref [S * M, D_pad] fp32 (or x's dtype: S = 1, top_k = 1) output: contraction slice s's partial of
+    #       assignment a at row s * M + a, each written once, by the item that owns it (S = down_split_k; the combine
+    #       sums the slices); a dropped assignment's rows are never written
     # program (item, column tile, slice): slice s runs the contraction steps [s * split_steps, (s + 1) * split_steps)
     down = _WeightRefs(rest[:-1], layout, interpret)
     y_ref = rest[-1]
@@ -895,7 +901,7 @@ def _grouped_down_kernel(items_ref, order_ref, routing_ref, h_ref, *rest, layout
         cols = n0 + jnp.arange(block_n)
         # scatter store as a pair of broadcast index arrays (interpret mode's masked store takes no array-and-slice
         # mix); pad rows target row M: masked on the GPU, and dropped (not a duplicate of a real row) when interpreted
-        plgpu.store(y_ref.at[target[:, None], cols[None, :]], acc * scale[:, None], mask=keep)
+        plgpu.store(y_ref.at[target[:, None], cols[None, :]], (acc * scale[:, None]).astype(y_ref.dtype), mask=keep)
 
     _for_item_rows(*(items_ref[i, item] for i in range(4)), config, tile)
 
@@ -1090,18 +1096,22 @@ def grouped_glu(x: jax.Array, order: jax.Array, bounds: jax.Array, gate, up, *, 
     )(*args)
 
 
+def _down_slices(steps: int, down_split_k: int) -> tuple[int, int]:
+    """(contraction steps per slice, slices) of the down kernel: at most down_split_k slices, every one non-empty."""
+    split_steps = -(-steps // min(down_split_k, steps))
+    return split_steps, -(-steps // split_steps)
+
+
 def grouped_down(h: jax.Array, order: jax.Array, items: jax.Array, routing: jax.Array, down, *,
-                 config: MoeGemmConfig, out_dim: int, interpret: bool = False) -> jax.Array:
+                 config: MoeGemmConfig, out_dim: int, out_dtype=jnp.float32, interpret: bool = False) -> jax.Array:
     """routing[a] * (h_r @ down_e) of each expert-sorted row r, stored at its assignment a = order[r]:
-    h [M_pad, I_pad] -> y [S, M, out_dim] float32 in (token, slot) order, M = routing.shape[0], S the contraction
+    h [M_pad, I_pad] -> y [S, M, out_dim] out_dtype in (token, slot) order, M = routing.shape[0], S the contraction
     slices (config.down_split_k, at most the number of steps): the weighted combine is then a plain sum over the
     slices and each token's top_k rows, no inverse permutation. items [4, W]: `grouped_glu`'s work items (as
     `tile_schedule`'s). order: the sort's, or the ranked `grouped_glu`'s third result (only the rows some item stores
     are read)."""
     m_pad, i_pad = h.shape
-    steps = i_pad // config.block_k
-    split_steps = -(-steps // min(config.down_split_k, steps))
-    splits = -(-steps // split_steps)  # every slice non-empty
+    split_steps, splits = _down_slices(i_pad // config.block_k, config.down_split_k)
     kernel = functools.partial(
         _grouped_down_kernel, layout=mxfp4_layout(down), config=config,
         block_n=config.down_block_n, block_k=config.block_k, split_steps=split_steps, interpret=interpret,
@@ -1109,7 +1119,7 @@ def grouped_down(h: jax.Array, order: jax.Array, items: jax.Array, routing: jax.
     m = routing.shape[0]
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits * m, out_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits * m, out_dim), out_dtype),
         grid=_programs(items.shape[1], out_dim // config.down_block_n, config, splits),
         compiler_params=_compiler_params(config, interpret, down=True),
         interpret=interpret,
@@ -1152,7 +1162,8 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     x may be wider, [N, K' >= K]: its first K columns are the experts' input, read in place when K is a multiple
     of the contraction block (a fused projection's output needs no slice copy); the result is still [N, K].
 
-    ids/weights [N, top_k] (expert ids in [0, E); each token's k experts need not be distinct). experts:
+    ids/weights [N, top_k] (expert ids in [0, E); each token's k experts need not be distinct; an id < 0 is a
+    dropped assignment: not computed, contributes zero -- an expert-parallel rank's non-local picks). experts:
     gate/up [E, K, I] and down [E, I, K] float, or MXFP4-packed entries (see module docstring). Runs the
     Triton-lowered Pallas kernels on the GPU, or interprets them (`interpret=True`, any backend).
     """
@@ -1179,6 +1190,8 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     m_pad = _round_up(m, config.block_m) + (config.block_m if config.aligned else 0)
 
     flat = ids.reshape(-1).astype(jnp.int32)
+    # dropped assignments (id < 0) sort after every expert's rows and are counted by no bound: no item covers them
+    keys = jnp.where(flat < 0, bounds_width(num_experts), flat)
     # the only XLA ops of the schedule: one compare-and-count (row_bounds) and, past decode sizes, one sort (rows
     # grouped by expert); the GLU kernel derives the work items from the bounds (the down kernel reads them from
     # it), and the kernels gather x rows / routing weights by assignment
@@ -1189,10 +1202,10 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
         if (n_p2, k_p2) != (n, top_k):
             order = jnp.pad(order, ((0, n_p2 - n), (0, k_p2 - top_k)), constant_values=-1)
     else:
-        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        order = jnp.argsort(keys, stable=True).astype(jnp.int32)
         if m_pad > m:  # (a zero-width pad would still be an XLA op)
             order = jnp.pad(order, (0, m_pad - m), constant_values=m)
-    bounds = row_bounds(flat, num_experts)
+    bounds = row_bounds(keys, num_experts)
     routing = weights.reshape(-1).astype(jnp.float32)
     glu_k = _round_up(k_dim, block_k)  # the GLU's contraction: x's first k_dim columns, zero-padded to glu_k
     xk = x if glu_k == k_dim else jnp.pad(x[:, :k_dim], ((0, 0), (0, glu_k - k_dim)))
@@ -1204,14 +1217,17 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     h, items = glu_out[:2]
     if ranked:
         order = glu_out[2]
-    y = grouped_down(h, order, items, routing, experts["down"], config=config, out_dim=k_pad, interpret=interpret)
+    single = top_k == 1 and _down_slices(i_pad // config.block_k, config.down_split_k)[1] == 1  # one term a token
+    y = grouped_down(h, order, items, routing, experts["down"], config=config, out_dim=k_pad,
+                     out_dtype=x.dtype if single else jnp.float32, interpret=interpret)
     if k_pad != k_dim:
         y = y[..., :k_dim]
     # each token's top_k consecutive rows of every contraction slice, fp32, deterministic; as unrolled adds rather
     # than a reduction so the sum is elementwise and fuses into its consumer (k3jax.moe's latent RMSNorm) instead of
-    # being a kernel of its own
+    # being a kernel of its own. A dropped assignment's row was never written: selected away, never added.
     rows = y.reshape(y.shape[0], n, top_k, k_dim)
-    terms = [rows[part, :, j] for part in range(rows.shape[0]) for j in range(top_k)]
+    kept = ids >= 0
+    terms = [jnp.where(kept[:, j, None], rows[part, :, j], 0) for part in range(rows.shape[0]) for j in range(top_k)]
     out = terms[0]
     for term in terms[1:]:
         out = out + term
@@ -1259,11 +1275,13 @@ def moe_grouped_mlp_reference(x: jax.Array, ids: jax.Array, weights: jax.Array, 
         for name, v in experts.items()
     }
     x32 = x.astype(jnp.float32)
+    kept = ids >= 0  # dropped assignments (id < 0) contribute zero
+    ids = jnp.where(kept, ids, 0)
     gate = jnp.einsum("nk,njki->nji", x32, w["gate"][ids], precision="highest")  # [N, top_k, I]
     up = jnp.einsum("nk,njki->nji", x32, w["up"][ids], precision="highest")
     h = _glu(gate, up, activation, situ_beta, situ_linear_beta)
     y = jnp.einsum("nji,njid->njd", h, w["down"][ids], precision="highest")
-    return (y * weights.astype(jnp.float32)[..., None]).sum(axis=1).astype(x.dtype)
+    return (y * jnp.where(kept, weights.astype(jnp.float32), 0)[..., None]).sum(axis=1).astype(x.dtype)
 
 
 def grouped_flops(num_rows: int, k_dim: int, i_dim: int) -> int:

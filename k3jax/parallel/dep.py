@@ -100,7 +100,9 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
     # weights bit-cast), so neither ids nor weights are rounded to a bf16 activation dtype
     rows_z = jnp.concatenate([z, jnp.zeros((1, width), z.dtype)])  # row N: an empty slot
     routing = jnp.concatenate([ids.astype(jnp.int32), jax.lax.bitcast_convert_type(weights.astype(jnp.float32), jnp.int32)], 1)
-    rows_routing = jnp.concatenate([routing, jnp.zeros((1, 2 * k), jnp.int32)])
+    # the empty slot's ids are -1 (dropped on every rank), its weights 0.0
+    rows_routing = jnp.concatenate([routing, jnp.concatenate([jnp.full((1, k), -1, jnp.int32),
+                                                              jnp.zeros((1, k), jnp.int32)], 1)])
     sink = num_tokens
 
     def one_round(i, out):
@@ -113,9 +115,10 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
         r_z = recv_z.reshape(ranks * capacity, width)  # [source, slot] rows
         r_ids = recv_routing[..., :k].reshape(ranks * capacity, k)
         r_w = jax.lax.bitcast_convert_type(recv_routing[..., k:], jnp.float32).reshape(ranks * capacity, k)
-        mine = r_ids // local_experts == rank  # empty slots carry weight 0 and contribute nothing
+        # other ranks' picks (and empty slots) are dropped assignments (id -1): no MMA rows, zero contribution
+        mine = r_ids // local_experts == rank
         partial_sums = backend.get("moe_experts", backend_name)(
-            r_z, jnp.where(mine, r_ids - rank * local_experts, 0), jnp.where(mine, r_w, 0.0),
+            r_z, jnp.where(mine, r_ids - rank * local_experts, -1), jnp.where(mine, r_w, 0.0),
             experts, expert_cfg)
         back = jax.lax.all_to_all(partial_sums.reshape(ranks, capacity, width), axis, 0, 0).reshape(ranks * capacity, width)
         return out.at[token_of_slot].add(back.astype(jnp.float32))

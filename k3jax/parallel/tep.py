@@ -176,8 +176,8 @@ def _tep_ffn(cfg: ModelConfig, n: int, backend_name: str):
         ids, weights = route(p["router"], p["router_bias"], xf, cfg)
         rank = jax.lax.axis_index(AXIS)
         mine = ids // expert_cfg.num_experts == rank
-        # assignments to other ranks' experts become weight-0 rows of local expert 0: exactly zero
-        local_ids = jnp.where(mine, ids - rank * expert_cfg.num_experts, 0)
+        # assignments to other ranks' experts are dropped (id -1): computed nowhere here, exactly zero
+        local_ids = jnp.where(mine, ids - rank * expert_cfg.num_experts, -1)
         local_weights = jnp.where(mine, weights, 0.0)
         z = dense(xf, p["latent_down"]) if cfg.moe_latent_size else xf
         y = _psum(backend.get("moe_experts", backend_name)(z, local_ids, local_weights, p["experts"], expert_cfg))

@@ -166,6 +166,73 @@ def test_rows_ranked_in_kernel_equal_the_sorted_order(block_m, tail):
     assert rel(got, numpy_moe(x, ids, w, as_f64(experts), "situ")) < 2e-6
 
 
+def drop_some(rng, ids, fraction):
+    """ids with about `fraction` of the assignments dropped (-1), and token 0's all of them."""
+    ids = np.asarray(ids).copy()
+    ids[rng.random(ids.shape) < fraction] = -1
+    ids[0] = -1
+    return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("ranked", [True, False], ids=["ranked", "sorted"])
+def test_dropped_assignments_add_zero_and_take_no_rows(ranked):
+    """ids < 0 (an expert-parallel rank's non-local picks): the result is the float64 sum over the kept ones only
+    (token 0 keeps none: exactly zero), for the ranked (decode) and the sorted path; the schedule counts only kept
+    rows (row_bounds' last entry), so dropped ones cost no MMA rows; their y rows are never written (interpret mode
+    fills unwritten memory with NaN, so a combine that added them would fail here); the references and the
+    registered backends agree on them."""
+    rng = np.random.default_rng(17)
+    n, top_k, e = 37, 3, 6
+    x, ids, w, experts = make_case(rng, n, top_k, e, 40, 24, jnp.float32, empty=(2,))
+    ids = drop_some(rng, ids, 0.5)
+    kept = np.asarray(ids) >= 0
+    want = numpy_moe(x, np.where(kept, ids, 0), np.where(kept, w, 0), as_f64(experts), "situ")
+    config = MoeGemmConfig(block_m=16, block_k=16, glu_block_n=16, down_block_n=16)
+    bounds, row_bounds = [], moe_gemm.row_bounds
+    spy = lambda flat, num_experts: bounds.append(row_bounds(flat, num_experts)) or bounds[-1]
+    limit = moe_gemm.RANK_IN_KERNEL_MAX_ELEMENTS if ranked else 0
+    with mock.patch.object(moe_gemm, "RANK_IN_KERNEL_MAX_ELEMENTS", limit), \
+            mock.patch.object(moe_gemm, "row_bounds", spy):
+        assert moe_gemm.ranks_in_kernel(n, top_k, config.block_m) == ranked
+        got = moe_grouped_mlp.__wrapped__(x, ids, w, experts, config=config, interpret=True)
+    assert int(bounds[0][-1]) == kept.sum() < ids.size
+    assert rel(got, want) < 2e-6
+    np.testing.assert_array_equal(np.asarray(got[0]), 0.0)
+    assert rel(moe_grouped_mlp_reference(x, ids, w, experts), want) < 2e-6
+    cfg = dataclasses.replace(k3_tiny(), num_experts=e, num_experts_per_tok=top_k, moe_intermediate_size=24)
+    assert rel(grouped_experts_reference(x, ids, w, experts, cfg), want) < 2e-6
+
+
+def test_single_term_rows_are_stored_in_x_dtype_bit_exactly():
+    """top_k = 1 and one contraction slice: the down kernel stores the rows in x's dtype (no fp32 y, no cast pass),
+    bit-equal to storing fp32 and casting after (one rounding either way), with dropped assignments among them; two
+    slices keep the fp32 partials."""
+    rng = np.random.default_rng(18)
+    x, ids, w, experts = make_case(rng, 45, 1, 5, 64, 48, jnp.bfloat16, hot=3)
+    ids = drop_some(rng, ids, 0.3)
+    config = MoeGemmConfig(block_m=16, block_k=16, glu_block_n=16, down_block_n=32)
+    stored = []
+    down = moe_gemm.grouped_down
+
+    def spy(*args, out_dtype, force=None, **kwargs):
+        y = down(*args, out_dtype=force or out_dtype, **kwargs)
+        stored.append(y.dtype)
+        return y
+
+    run = moe_grouped_mlp.__wrapped__
+    with mock.patch.object(moe_gemm, "grouped_down", spy):
+        got = run(x, ids, w, experts, config=config, interpret=True)
+        two_slices = run(x, ids, w, experts, config=dataclasses.replace(config, down_split_k=2), interpret=True)
+    with mock.patch.object(moe_gemm, "grouped_down", functools.partial(spy, force=jnp.float32)):
+        via_fp32 = run(x, ids, w, experts, config=config, interpret=True)
+    assert stored == [jnp.bfloat16, jnp.float32, jnp.float32]
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(via_fp32, np.float32))
+    kept = np.asarray(ids) >= 0
+    want = numpy_moe(x, np.where(kept, ids, 0), np.where(kept, w, 0), as_f64(experts), "situ")
+    assert rel(got, want) < 1e-2 and rel(two_slices, want) < 1e-2
+
+
 def test_fp32_situ_with_empty_experts_and_odd_tokens_matches_float64():
     rng = np.random.default_rng(0)
     x, ids, w, experts = make_case(rng, 13, 3, 7, 40, 24, jnp.float32, empty=(1, 5))
