@@ -24,6 +24,12 @@ Mid-size groups (issue 4: >= 60 % of the jnp.dot peak and >= 1.0x ragged_dot_mgp
   --sweep-rounds N: each case timed in N rounds, each right after its own jnp.dot peak; the share of the peak is
   then the median of the per-round shares (the peak drifts ~10 % within a run, and our times drift with it).
 
+What one DEP rank computes (issue 4's kernels under k3jax.parallel.dep), one command:
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe,sweep \
+        --dep-tokens 1024,16384 --out $OUT/moe_dep.json
+  K3 EP16, rank 0: the tokens with a pick among its 56 experts, all 16 picks each, the non-local ones dropped
+  (ids -1) vs weight-0 rows of local expert 0 (the convention before) vs one row per local pick (top_k 1).
+
 Limits (measured first, same process): bf16 matmul peak (jnp.dot 8192^3), XLA copy bandwidth (bf16 x*2 over
 2 GiB, bytes read + written) and, when torch imports, torch's copy bandwidth (the higher ceiling).
 
@@ -87,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--norm-decode", type=str, default="",
                    help="comma list of NxD decode shapes (e.g. 64x2048,64x7168): AttnRes mix + norm at 3 / 6 / 10 "
                         "sources, default tiling vs the previous rule vs the unfused XLA code (section norms_decode)")
+    p.add_argument("--dep-tokens", type=str, default="",
+                   help="comma list of token counts routed over all ranks: what one K3 EP16 DEP rank computes for "
+                        "them, non-local picks dropped vs weight-0 rows vs one row per pick (section dep)")
     p.add_argument("--sweep-tokens", type=str, default=None,
                    help="comma list of token counts for the sweep (default: the first and second-last of the "
                         "shape's --tokens / --small-tokens)")
@@ -502,6 +511,59 @@ def mma_rows(cfg: MoeGemmConfig, counts: np.ndarray) -> int:
     return int(n.size * cfg.block_m)
 
 
+def dep_routing(shape: dict, tokens: int, seed: int):
+    """What one DEP rank receives: the tokens (of `tokens` routed anywhere) with at least one pick among this rank's
+    experts, each with all top_k picks as local ids -- the others -1 (k3jax.parallel.dep's dropped assignments) --
+    and its weights. Returns (ids [R, top_k], weights [R, top_k], local picks)."""
+    rng = np.random.default_rng(seed)
+    local, total, top_k = shape["local"], shape["total"], shape["top_k"]
+    picks = np.argsort(rng.random((tokens, total)), axis=1)[:, :top_k].astype(np.int32)  # rank 0 owns 0 .. local-1
+    mine = picks < local
+    received = mine.any(axis=1)
+    ids = np.where(mine, picks, -1)[received]
+    weights = rng.uniform(0.02, 0.2, ids.shape).astype(np.float32)
+    return ids, weights, int(mine.sum())
+
+
+def bench_dep(shape, token_counts, limits, interpret):
+    """The rows a DEP rank computes: its received tokens' non-local picks dropped (ids -1, this tree) against the
+    previous convention (weight-0 rows of local expert 0, all computed), and against one row per local pick with
+    top_k = 1 (the sweep's shape: x duplicated per pick, nothing to select away), identical inputs; each checked
+    against the dropped form (the weight-0 rows add exact zeros)."""
+    e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
+    bf16, _ = make_experts(shape, seed=3)
+    out = []
+    for t in token_counts:
+        ids_np, w_np, local_picks = dep_routing(shape, t, seed=t + 11)
+        r = ids_np.shape[0]
+        x = jax.random.normal(jax.random.key(t), (r, k_dim), jnp.float32).astype(jnp.bfloat16)
+        kept = ids_np >= 0
+        token, slot = np.nonzero(kept)
+        forms = {
+            "dropped": (x, jnp.asarray(ids_np), jnp.asarray(w_np)),
+            "weight0_expert0": (x, jnp.asarray(np.where(kept, ids_np, 0)), jnp.asarray(np.where(kept, w_np, 0))),
+            "one_row_per_pick": (x[jnp.asarray(token)], jnp.asarray(ids_np[token, slot][:, None]),
+                                 jnp.asarray(w_np[token, slot][:, None])),
+        }
+        f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, interpret=interpret))
+        row = dict(tokens_routed=t, received=r, top_k=shape["top_k"], local_picks=local_picks,
+                   rows_per_expert=local_picks / e)
+        results = {}
+        for name, (xs, ids, w) in forms.items():
+            results[name] = f(xs, ids, w, bf16)
+            row[f"{name}_ms"] = float("nan") if interpret else timed(f, xs, ids, w, bf16) * 1e3
+        row["rel_err_weight0_vs_dropped"] = rel_err(results["weight0_expert0"], results["dropped"])
+        per_token = jax.ops.segment_sum(results["one_row_per_pick"].astype(jnp.float32), jnp.asarray(token), r)
+        row["rel_err_one_row_vs_dropped"] = rel_err(per_token, results["dropped"].astype(jnp.float32))
+        if not interpret:
+            row["weight0_over_dropped"] = row["weight0_expert0_ms"] / row["dropped_ms"]
+            row["dropped_over_one_row"] = row["dropped_ms"] / row["one_row_per_pick_ms"]
+            row["dropped_tflops"] = moe_gemm.grouped_flops(local_picks, k_dim, i_dim) / (row["dropped_ms"] * 1e-3) / 1e12
+        print("dep", row, flush=True)
+        out.append(row)
+    return out
+
+
 def sweep_summary(rows) -> list[str]:
     """Per T: the best correct bf16 case of ours against issue 4's bar (>= 60 % of the jnp.dot peak, >= 1.0x the
     ragged_dot_mgpu peer)."""
@@ -723,6 +785,13 @@ def table(result) -> str:
             lines.append(f"| {shape} | {t} | {r['rows_per_expert']:.1f} | {impl} | {quant} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                          f"{r['weight_gbps']:.0f} | {r['floor_ratio']:.2f} | {ratio:.2f} |")
     lines.append("(x floor: ms / max(FLOPs / matmul peak, weight bytes / copy bandwidth); last column > 1: ours-bf16 is faster)")
+    for r in result.get("dep", []):
+        lines.append(
+            f"dep: {r['tokens_routed']} tokens routed, {r['received']} received (top {r['top_k']}), {r['local_picks']} "
+            f"local picks ({r['rows_per_expert']:.1f} rows/expert): dropped ids {r['dropped_ms']:.3f} ms, weight-0 rows "
+            f"of expert 0 {r['weight0_expert0_ms']:.3f} ms ({r.get('weight0_over_dropped', float('nan')):.2f}x), one "
+            f"row per pick {r['one_row_per_pick_ms']:.3f} ms (dropped / it {r.get('dropped_over_one_row', float('nan')):.2f}); "
+            f"rel err weight-0 {r['rel_err_weight0_vs_dropped']:.1e}, one-row {r['rel_err_one_row_vs_dropped']:.1e}")
     for r in result.get("sweep", []):
         head = f"sweep T={r['tokens']} {r['impl']} {r['weights']} {r['tiling']}"
         if "ms" in r:
@@ -810,6 +879,10 @@ def main(argv=None) -> dict:
         for name, shape in shapes.items():
             result["moe"] += bench_moe(name, shape, tokens[name], limits, args, interpret)
             save()
+    if args.dep_tokens:
+        result["dep"] = bench_dep(shapes["tiny" if args.smoke else "k3-ep16"],
+                                  [int(t) for t in args.dep_tokens.split(",") if t], limits, interpret)
+        save()
     if "sweep" not in skip:
         name = "tiny" if args.smoke else args.sweep_shape
         sweep_tokens = [tokens[name][0], tokens[name][-2]] if not args.smoke else [5]

@@ -149,3 +149,22 @@ def test_adjacent_peak_rounds_and_the_bar_use_the_paired_share():
     assert "59.0 % of the adjacent jnp.dot peaks (median of 5 rounds, 55.0-62.0 %)" in line and "NOT met" in line
     (line,) = module.sweep_summary([base, peer])
     assert "61.0 % of the jnp.dot peak" in line and line.endswith(": met")
+
+
+def test_dep_section_receives_tokens_with_local_picks_and_agrees(tmp_path, capsys):
+    """The DEP section (--dep-tokens): a rank receives exactly the tokens with a local pick, their other picks as -1;
+    the three forms agree (the weight-0 rows add exact zeros; one row per pick rounds each row to bf16 before the
+    per-token sum: within the bf16 band) and the table reports them."""
+    module = load_benchmark()
+    shape = module.SMOKE_SHAPES["tiny"]
+    ids, weights, local_picks = module.dep_routing(shape, 40, seed=3)
+    assert ids.shape[1] == shape["top_k"] and weights.shape == ids.shape
+    kept = ids >= 0
+    assert kept.any(axis=1).all() and kept.sum() == local_picks and ids.max() < shape["local"]
+    assert (ids[~kept] == -1).all() and (~kept).any()
+    result = module.main(["--smoke", "--skip", "norms,moe,sweep", "--dep-tokens", "30",
+                          "--out", str(tmp_path / "dep.json")])
+    (row,) = result["dep"]
+    assert row["rel_err_weight0_vs_dropped"] == 0.0
+    assert 0 < row["rel_err_one_row_vs_dropped"] < 1e-2
+    assert "dep: 30 tokens routed" in capsys.readouterr().out
