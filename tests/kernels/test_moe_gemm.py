@@ -177,10 +177,10 @@ def drop_some(rng, ids, fraction):
 @pytest.mark.parametrize("ranked", [True, False], ids=["ranked", "sorted"])
 def test_dropped_assignments_add_zero_and_take_no_rows(ranked):
     """ids < 0 (an expert-parallel rank's non-local picks): the result is the float64 sum over the kept ones only
-    (token 0 keeps none: exactly zero), for the ranked (decode) and the sorted path; the schedule counts only kept
-    rows (row_bounds' last entry), so dropped ones cost no MMA rows; their y rows are never written (interpret mode
-    fills unwritten memory with NaN, so a combine that added them would fail here); the references and the
-    registered backends agree on them."""
+    (token 0 keeps none: exactly zero; all dropped: all zero), for the ranked (decode) and the sorted path; the
+    schedule counts only kept rows (row_bounds' last entry), so dropped ones cost no MMA rows; their y rows are never
+    written (interpret mode fills unwritten memory with NaN, so a combine that added them would fail here); the
+    references agree on them."""
     rng = np.random.default_rng(17)
     n, top_k, e = 37, 3, 6
     x, ids, w, experts = make_case(rng, n, top_k, e, 40, 24, jnp.float32, empty=(2,))
@@ -195,7 +195,9 @@ def test_dropped_assignments_add_zero_and_take_no_rows(ranked):
             mock.patch.object(moe_gemm, "row_bounds", spy):
         assert moe_gemm.ranks_in_kernel(n, top_k, config.block_m) == ranked
         got = moe_grouped_mlp.__wrapped__(x, ids, w, experts, config=config, interpret=True)
-    assert int(bounds[0][-1]) == kept.sum() < ids.size
+        nothing = moe_grouped_mlp.__wrapped__(x, jnp.full_like(ids, -1), w, experts, config=config, interpret=True)
+    assert int(bounds[0][-1]) == kept.sum() < ids.size and int(bounds[1][-1]) == 0
+    np.testing.assert_array_equal(np.asarray(nothing), 0.0)  # a rank that received no local pick
     assert rel(got, want) < 2e-6
     np.testing.assert_array_equal(np.asarray(got[0]), 0.0)
     assert rel(moe_grouped_mlp_reference(x, ids, w, experts), want) < 2e-6
