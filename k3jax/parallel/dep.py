@@ -118,7 +118,7 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
         # other ranks' picks (and empty slots) are dropped assignments (id -1): no MMA rows, zero contribution
         mine = r_ids // local_experts == rank
         partial_sums = backend.get("moe_experts", backend_name)(
-            r_z, jnp.where(mine, r_ids - rank * local_experts, -1), jnp.where(mine, r_w, 0.0),
+            r_z, jnp.where(mine, r_ids - rank * local_experts, -1), r_w,
             experts, expert_cfg)
         back = jax.lax.all_to_all(partial_sums.reshape(ranks, capacity, width), axis, 0, 0).reshape(ranks * capacity, width)
         return out.at[token_of_slot].add(back.astype(jnp.float32))

@@ -178,9 +178,8 @@ def _tep_ffn(cfg: ModelConfig, n: int, backend_name: str):
         mine = ids // expert_cfg.num_experts == rank
         # assignments to other ranks' experts are dropped (id -1): computed nowhere here, exactly zero
         local_ids = jnp.where(mine, ids - rank * expert_cfg.num_experts, -1)
-        local_weights = jnp.where(mine, weights, 0.0)
         z = dense(xf, p["latent_down"]) if cfg.moe_latent_size else xf
-        y = _psum(backend.get("moe_experts", backend_name)(z, local_ids, local_weights, p["experts"], expert_cfg))
+        y = _psum(backend.get("moe_experts", backend_name)(z, local_ids, weights, p["experts"], expert_cfg))
         if cfg.moe_latent_size:
             if cfg.moe_latent_norm:
                 y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)
