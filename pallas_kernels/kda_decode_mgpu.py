@@ -38,7 +38,9 @@ bf16 rounding (5e-5); in place (no pool copy in the optimized HLO). The way ther
 warpgroup doing everything with operands from global memory 0.61 ms (ablation: its TMA streaming alone 0.228 ms =
 84 % of copy, with the state update 0.236); operands by TMA 0.47; two warpgroups sharing the vector work 0.37; prep
 specialised (vectors in the WGMMA column form, 32 replicated values a thread) 0.46; prep in the strided layout 0.25.
-The model uses it with k3jax.kda.KDA_DECODE_KERNEL = "mosaic" (opt-in: see there).
+The model's GPU decode kernel since 2026-12-04 (k3jax.kda.KDA_DECODE_KERNEL = "mosaic"; see there), reading the
+serving layout's fused input projection in place (`packed`: beta and the output gate at their columns, the gate's
+rows by TMA), so the step slices nothing for it.
 
 2026-12-03 (twentieth session; benchmarks/kda.py --decode-variants mgpu, raw JSON
 docs/results/kda_decode_verify_mgpu_h200_2026-12-03.json; torch copy 4.19-4.20 TB/s). Two changes to decode and
@@ -192,9 +194,11 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
                  onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, gate,
-                 lower_bound, eps, act_dtype, all_states):
+                 lower_bound, eps, act_dtype, all_states, packed):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
+    #   packed = (og_col, beta_col): x_ref is the whole projection [B, T, C] and holds both at those columns
+    #   (beta_ref and og_ref are x_ref again, unread)
     #   alog_ref: [H] fp32; dtb_ref: [H, K] fp32; onw_ref: [V] o_norm weight
     #   conv_ref: [P, W-1, 3*H*K] conv-state pool, read by TMA (decode: and written in place, a mutable ref)
     #   state_ref: [P, H, V, K] fp32 state pool, read by TMA (decode: and written in place by TMA, a mutable ref)
@@ -240,6 +244,12 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     def segs_of(h):  # the head's q, k and v channels
         return [pl.ds((i * num_heads + h) * dk, dk) for i in range(3)]
 
+    def beta_logit(b, t, h):
+        return beta_ref[b, t, h] if packed is None else x_ref[b, t, packed[1] + h]
+
+    def out_gate_rows(b, h):  # [T, V]
+        return og_ref.at[b, :, h, :] if packed is None else x_ref.at[b, :, pl.ds(packed[0] + h * dv, dv)]
+
     @pl.when(wg == num_update)
     def _prep_warpgroup():
         def issue(step):
@@ -250,7 +260,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], seq_smem.at[slot, i, pl.ds(width - 1, num_tokens)], bar)
                 plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], seq_smem.at[slot, i, pl.ds(0, width - 1)], bar)
             plgpu.copy_gmem_to_smem(z_ref.at[b, :, h, :], z_smem.at[slot], bar)
-            plgpu.copy_gmem_to_smem(og_ref.at[b, :, h, :], og_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(out_gate_rows(b, h), og_smem.at[slot], bar)
             plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], state_bars.at[slot])
 
         def store(step):  # item `step`'s state back to the pool once every update warpgroup is done with it
@@ -278,7 +288,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             fresh = fresh_ref[b] != 0
             valids = [t < length for t in range(num_tokens)]
             a = jnp.exp(alog_ref[h])
-            betas = [jnp.where(valids[t], jax.nn.sigmoid(beta_ref[b, t, h].astype(f32)), 0.0)
+            betas = [jnp.where(valids[t], jax.nn.sigmoid(beta_logit(b, t, h).astype(f32)), 0.0)
                      for t in range(num_tokens)]
             plgpu.barrier_wait(taps_bars.at[buf])
             plgpu.barrier_wait(bars.at[slot])
@@ -414,9 +424,15 @@ def _ring_sizes(qkv, conv_state, conv_weight, state) -> dict:
                 conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize)
 
 
-def _unsupported(qkv, conv_state, conv_weight, state) -> str | None:
+def _unsupported(qkv, conv_state, conv_weight, state, packed=None) -> str | None:
     """Why kda_decode_mgpu cannot take these (kda_decode-valid) operands, or None; the ring's depth apart."""
     dv, dk = state.shape[2:]
+    if packed is not None:
+        # TMA reads the output gate's rows at column packed[0] of rows C wide: both must fall on 16 bytes
+        row_bytes, col_bytes = qkv.shape[2] * qkv.dtype.itemsize, packed[0] * qkv.dtype.itemsize
+        if row_bytes % 16 or col_bytes % 16:
+            return (f"with packed, the projection's rows ({row_bytes} B) and the output gate's column offset "
+                    f"({col_bytes} B) must be multiples of 16 bytes for TMA")
     if dv != dk or dv % ROWS or dv > 4 * ROWS or dk % 128:
         return (f"the Mosaic GPU decode kernel needs V == K, V % {ROWS} == 0, V <= {4 * ROWS} (a warpgroup per {ROWS} "
                 f"rows) and K % 128 == 0 (a warpgroup's strided vector); got V={dv}, K={dk}")
@@ -429,19 +445,20 @@ def _unsupported(qkv, conv_state, conv_weight, state) -> str | None:
     return None
 
 
-def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_) -> bool:
+def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed=None) -> bool:
     """Whether kda_decode_mgpu takes these operands (kda_decode's argument order): V == K, K a multiple of 128 up
-    to 256, an fp32 state, the conv pool in the activation dtype, and a ring of 2 slots fitting shared memory."""
+    to 256, an fp32 state, the conv pool in the activation dtype, a ring of 2 slots fitting shared memory, and
+    with `packed` a projection whose rows and output-gate column TMA can address."""
     if state.ndim != 4 or qkv.ndim != 3:
         return False
-    return _unsupported(qkv, conv_state, conv_weight, state) is None
+    return _unsupported(qkv, conv_state, conv_weight, state, packed) is None
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
-                                             "all_states"))
+                                             "all_states", "packed"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                     o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
-                    interpret=False, num_ctas=None, stages=None):
+                    packed=None, interpret=False, num_ctas=None, stages=None):
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
@@ -449,16 +466,20 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     key [B, T, H, K], decay [B, T, H, K]) every position's state update), the pools only read (no conv states:
     k3jax.kda.conv_window_after rebuilds a kept window from the pool and the step's inputs).
 
+    packed = (out-gate column, beta column), as kda_decode's: qkv is the whole input projection [B, T, C] (q|k|v
+    its leading 3HK columns), beta and out_gate are None, and the kernel reads both from qkv's columns in place
+    (the serving layout's fused GEMM output; no slices per step). C and the out-gate column must fall on 16 bytes.
+
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
     Sizes: V a multiple of 64 up to 256, K of 128; conv_state in the activation dtype.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
-           o_norm_weight, gate)
+           o_norm_weight, gate, packed)
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     width = conv_weight.shape[0]
-    reason = _unsupported(qkv, conv_state, conv_weight, state)
+    reason = _unsupported(qkv, conv_state, conv_weight, state, packed)
     if reason is not None:
         raise ValueError(reason)
     sizes = _ring_sizes(qkv, conv_state, conv_weight, state)
@@ -476,7 +497,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     scratch = [
         ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         ring(3, width - 1 + t, dk), ring(t, dk, dtype=z.dtype),
-        ring(t, dv, dtype=out_gate.dtype), plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
+        ring(t, dv, dtype=act if packed is not None else out_gate.dtype), plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
         plgpu.SMEM((2, 4, t, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=stages),
@@ -488,7 +509,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     y_type = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
-                          lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states),
+                          lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
@@ -501,6 +522,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         compiler_params=plgpu.CompilerParams(approx_math=APPROX_MATH),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
+    if packed is not None:  # beta and the output gate are qkv's columns: qkv again in their places (never read)
+        beta = out_gate = qkv
     operands = (slots.astype(jnp.int32), lengths.astype(jnp.int32), fresh, qkv, conv_weight, z, beta, out_gate,
                 a_log[:h].astype(jnp.float32), dt_bias.astype(jnp.float32).reshape(h, dk), o_norm_weight)
     if all_states:  # the pools are only read

@@ -420,6 +420,39 @@ def test_decode_mgpu_matches_reference(t, gate, stages, num_ctas):
     assert not got[2][3].any() and not got[1][3].any()
 
 
+@pytest.mark.parametrize("t,all_states,dtype", [(1, False, jnp.float32), (4, True, jnp.float32),
+                                                (1, False, jnp.bfloat16)])
+def test_mgpu_packed_projection_equals_the_sliced_operands(t, all_states, dtype):
+    """The Mosaic kernel's `packed` (beta and the output gate read from the fused projection in place, the gate's
+    rows by TMA at a 16-byte-aligned column) on the H200, decode and verify, fp32 and bf16: bit-identical to the
+    sliced operands (the same values reach the same arithmetic), both at the reference's bar (bf16: 2e-2)."""
+    from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu, kda_decode_mgpu_reference
+
+    rng = np.random.default_rng(6)
+    b, h, d, pool = 5, 4, 128, 9
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
+    qkv, beta, out_gate = (arr(b, t, 3 * h * d).astype(dtype), arr(b, t, h).astype(dtype),
+                           arr(b, t, h, d).astype(dtype))
+    extra = lambda n: arr(b, t, n).astype(dtype)  # noqa: E731
+    # q|k|v [1536], 6 unrelated, beta [4], 14 unrelated (the gate at column 1560: 16-byte aligned in both dtypes)
+    whole = jnp.concatenate([qkv, extra(6), beta, extra(14), out_gate.reshape(b, t, h * d), extra(8)], axis=-1)
+    beta_col = 3 * h * d + 6
+    rest = (arr(pool, 3, 3 * h * d).astype(dtype), arr(4, 3 * h * d) * 0.5, arr(b, t, h, d))
+    pools = (arr(pool, h, d, d), jnp.asarray([7, 0, 3, 8, 1], jnp.int32), jnp.asarray([t, t, 0, 1, t], jnp.int32))
+    kw = dict(a_log=arr(h) * 0.5, dt_bias=arr(h * d), o_norm_weight=1 + 0.1 * arr(d), all_states=all_states)
+    sliced = jax.device_get(kda_decode_mgpu(qkv, *rest, beta, out_gate, *pools, **kw))
+    packed = jax.device_get(kda_decode_mgpu(whole, *rest, None, None, *pools, **kw, packed=(beta_col + h + 14,
+                                                                                             beta_col)))
+    want = jax.device_get(kda_decode_mgpu_reference(qkv, *rest, beta, out_gate, *pools, **kw))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    valid = np.arange(t)[None, :] < np.asarray(pools[2])[:, None]
+    for i, (got, same, w) in enumerate(zip(*map(jax.tree.leaves, (packed, sliced, want)))):
+        np.testing.assert_array_equal(got, same)
+        if i == 0:  # y: the reference's padded positions are not the kernel's business
+            got, w = got[valid], w[valid]
+        assert rel(np.asarray(got, np.float32), np.asarray(w, np.float32)) < tol
+
+
 @pytest.mark.parametrize("t,gate,stages,num_ctas", [(4, "lower_bound", None, None), (3, "softplus", 2, 3),
                                                     (6, "lower_bound", None, 7)])
 def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas):

@@ -62,6 +62,38 @@ def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas):
     assert rel(states[0, t - 1], pools["state"][4]) > 1e-3  # the live rows did move
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_packed_projection_equals_the_sliced_operands(verify):
+    """`packed`: beta and the output gate read in place from one wider projection (other columns between and after
+    them, as in the serving layout's fused GEMM output) give exactly the sliced operands' results, decode and
+    verify, over 2 CTAs' rings. A gate column or row width TMA cannot address (not on 16 bytes) is refused with
+    the reason, and `supported` says no, so the model hands this kernel the slices instead."""
+    from pallas_kernels.kda_decode_mgpu import supported
+
+    bsz, t, h, dk = 3, 2 if verify else 1, 2, 128
+    step, pools, params = decode_inputs(5, bsz=bsz, t=t, h=h, dk=dk, pool=6)
+    rng = np.random.default_rng(9)
+    extra = lambda n: jnp.asarray(rng.standard_normal((bsz, t, n)).astype(np.float32))  # noqa: E731
+    # columns: q|k|v [768], 6 unrelated, beta [H], 8 unrelated (the gate starts at 784: 3136 B), gate [H*V], 4 more
+    whole = jnp.concatenate([step["qkv"], extra(6), step["beta"], extra(8), step["out_gate"].reshape(bsz, t, h * dk),
+                             extra(4)], axis=-1)
+    beta_col = 3 * h * dk + 6
+    packed = (beta_col + h + 8, beta_col)
+    slots, lengths = [4, 0, 2], [t, 1, 0]
+    kw = dict(all_states=verify, interpret=True, num_ctas=2, stages=2)
+    want = call(kda_decode_mgpu, step, pools, params, slots, lengths, **kw)
+    in_place = dict(step, qkv=whole, beta=None, out_gate=None)
+    got = call(kda_decode_mgpu, in_place, pools, params, slots, lengths, packed=packed, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    args = (whole, pools["conv_state"], params["conv_weight"], step["z"], None, None, pools["state"])
+    assert supported(*args, packed=packed)
+    unaligned = (packed[0] - 2, beta_col)  # 782 fp32 columns: 3128 B
+    assert not supported(*args, packed=unaligned)
+    with pytest.raises(ValueError, match="16 bytes"):
+        call(kda_decode_mgpu, in_place, pools, params, slots, lengths, packed=unaligned, **kw)
+
+
 def test_defaults_and_argument_errors():
     """Ring depth from shared memory (3 slots at T1 D128, 2 at T8); bad sizes / knobs raise ValueError."""
     sizes = dict(dv=128, dk=128, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4)
@@ -127,12 +159,13 @@ def test_benchmark_decode_profile_records_each_variant(tmp_path):
         assert prof["source"] == "host" and prof["ms_per_step"] > 0 and prof["by_kernel"]
 
 
-@pytest.mark.parametrize("t,gate,all_states", [(1, "lower_bound", False), (4, "softplus", False),
-                                               (4, "lower_bound", True), (8, "softplus", True)])
-def test_lowers_for_the_h200_offline(t, gate, all_states, monkeypatch):
+@pytest.mark.parametrize("t,gate,all_states,packed", [(1, "lower_bound", False, True), (4, "softplus", False, False),
+                                                      (4, "lower_bound", True, True), (8, "softplus", True, False)])
+def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     """The kernel lowers to Mosaic GPU for sm_90 at the benchmark's shape (B64 H96 D128, bf16, fp32 taps) on a
     machine without a GPU: layouts, TMA shapes and the shared-memory budget (its limit is checked at lowering),
-    which the interpreter does not check. (`_infer_arch` asks the local GPU; here there is none.)"""
+    which the interpreter does not check. (`_infer_arch` asks the local GPU; here there is none.) `packed`: the
+    serving layout's whole K3 input projection, q|k|v, the gate's low-rank input (128), beta (96), the gate."""
     import jax
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -144,6 +177,11 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, monkeypatch):
             s((b, t, h), jnp.float32), s((b, t, h, d), bf), s((pool, h, d, d), jnp.float32), s((b,), jnp.int32),
             s((b,), jnp.int32))
     kw = dict(a_log=s((h,), jnp.float32), dt_bias=s((h * d,), jnp.float32), o_norm_weight=s((d,), bf))
-    fn = lambda *a, **k: kda_decode_mgpu(*a, **k, gate=gate, all_states=all_states)
+    columns = None
+    if packed:
+        beta_col = 3 * h * d + 128
+        args = (s((b, t, beta_col + h + h * d), bf), *args[1:4], None, None, *args[6:])
+        columns = (beta_col + h, beta_col)
+    fn = lambda *a, **k: kda_decode_mgpu(*a, **k, gate=gate, all_states=all_states, packed=columns)
     text = jax.jit(fn).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
