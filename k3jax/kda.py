@@ -368,15 +368,16 @@ def _fused_mixer(op, params, x, qkv, z, beta_logits, gate, conv_w, conv_state, r
 # minutes to CI's model tests, and tests/kernels/test_kda_intra.py checks that kernel against v2 on its own.
 KDA_STAGE1 = "pallas"
 KDA_STAGE1_INTERPRET = "v2"
-# The fused decode kernel (read at trace time): "triton" (pallas_kernels/kda_decode.py) or "mosaic"
-# (pallas_kernels/kda_decode_mgpu.py: the state streamed by TMA; decode and verify, K a multiple of 128 -- other
-# sizes keep the Triton kernel). On the H200 (2026-12-03, docs/benchmarks.md) "mosaic" is 1.05x / 1.10x the Triton
-# kernel at B64 / B256 T1 H96 (79-85 % of copy) and 1.20x / 1.23x in verify T4 (0.340 / 1.292 ms against 0.409 /
-# 1.587, the verify that writes per-position updates). In the whole k3-small model (16
-# heads: under 8 items per CTA) it measured the same as the Triton kernel before those gains (0.792 vs 0.793 ms/step
-# of KDA decode, shadow check passed; H200, 2026-12-02), and the model has not run with it since, so it stays
-# opt-in: it pays at K3's head count; at k3-small's it has not been shown to.
-KDA_DECODE_KERNEL = "triton"
+# The fused decode kernel (read at trace time): "mosaic" (pallas_kernels/kda_decode_mgpu.py: the state streamed by
+# TMA; decode and verify, K a multiple of 128 -- other sizes fall back to the Triton kernel) or "triton"
+# (pallas_kernels/kda_decode.py). On the H200 (2026-12-03, docs/benchmarks.md) "mosaic" is 1.05x / 1.10x the Triton
+# kernel at B64 / B256 T1 H96 (79-86 % of copy) and 1.23-1.28x in verify T4 (0.315 / 1.232 ms against 0.394 /
+# 1.517). In the whole k3-small decode step (16 heads), once it read the fused projection in place (`packed`, as the
+# Triton kernel does), 0.768 against 0.813 ms/step of KDA decode, the same 581 kernels, 0.1 ms less device time
+# per step, shadow check passed (2026-12-04). The interpret backend (CPU) keeps the Triton kernel: Mosaic GPU's
+# interpreter costs seconds per model step in CI; tests/kernels/test_kda_model.py runs the model through it.
+KDA_DECODE_KERNEL = "mosaic"
+KDA_DECODE_KERNEL_INTERPRET = "triton"
 # Keeping a verify step's accepted prefix on the GPU (op "kda_commit", read at trace time): "kernel"
 # (pallas_kernels/kda_commit.py: one state read and one written per row, in place) or "xla" (gather -> update ->
 # scatter). H200, 2026-12-03 (docs/benchmarks.md, two calls), B64 / B256 H96 T4: kernel 0.266 / 1.003 ms (3.0-3.2
@@ -401,14 +402,20 @@ def _packed_fused_chunk(chunk_fn, q, k, v, z, beta_logits, state, lengths, *, a_
 
 
 def _fused_decode(*args, interpret: bool, all_states: bool = False, packed=None, **kw):
-    """The fused decode / verify op: KDA_DECODE_KERNEL's kernel where it applies, else the Triton one (which alone
-    reads a packed projection in place; the Mosaic one gets the slices)."""
+    """The fused decode / verify op: KDA_DECODE_KERNEL's kernel (KDA_DECODE_KERNEL_INTERPRET's in interpret mode)
+    where it applies, else the Triton one. Both read a packed projection in place; the Mosaic one gets the slices
+    only where TMA cannot address the packed columns."""
     from pallas_kernels.kda_decode import kda_decode, unpack_projection
     from pallas_kernels import kda_decode_mgpu
 
-    if KDA_DECODE_KERNEL not in ("triton", "mosaic"):
-        raise ValueError(f"KDA_DECODE_KERNEL must be 'triton' or 'mosaic'; got {KDA_DECODE_KERNEL!r}")
-    if KDA_DECODE_KERNEL == "mosaic":
+    kernel = KDA_DECODE_KERNEL_INTERPRET if interpret else KDA_DECODE_KERNEL
+    if kernel not in ("triton", "mosaic"):
+        raise ValueError(f"KDA_DECODE_KERNEL{'_INTERPRET' if interpret else ''} must be 'triton' or 'mosaic'; "
+                         f"got {kernel!r}")
+    if kernel == "mosaic":
+        if packed is not None and kda_decode_mgpu.supported(*args, packed=packed):
+            return kda_decode_mgpu.kda_decode_mgpu(*args, interpret=interpret, all_states=all_states, packed=packed,
+                                                   **kw)
         unpacked = list(args)
         if packed is not None:
             state = args[6]

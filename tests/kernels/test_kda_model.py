@@ -87,19 +87,27 @@ def test_prefill_decode_verify_interpret_equals_reference(cfg):
     np.testing.assert_array_equal(ver["interpret"][1].kda, int_state.kda)  # verify leaves the pool alone
 
 
-def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch):
-    """k3jax.kda.KDA_DECODE_KERNEL = "mosaic": the model's decode and verify steps run kda_decode_mgpu
-    (interpreted; K = 128, the size it takes) and match the reference path's logits and pools. Two rows in
-    shuffled slots; in decode one idles (its slot untouched), in verify one is padded."""
+@pytest.mark.parametrize("layout,gate_rank", [("checkpoint", 16), ("serving", 14), ("serving", 16)])
+def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch, layout, gate_rank):
+    """KDA_DECODE_KERNEL = "mosaic" (the GPU default; here KDA_DECODE_KERNEL_INTERPRET, as the interpret backend
+    keeps Triton): the model's decode and verify steps run kda_decode_mgpu (interpreted; K = 128, the size it takes) and match the reference path's logits and pools. Two rows in
+    shuffled slots; in decode one idles (its slot untouched), in verify one is padded. In the serving layout
+    (k3jax.fuse) the kernel reads beta and the output gate from the fused projection in place (`packed`) when TMA
+    can address the gate's column: at gate rank 14 it starts at column 784 (3136 B, on 16 bytes); at 16, column
+    786 (3144 B) is not, and the step hands the kernel the slices instead."""
+    from k3jax import fuse
     from k3jax import kda as kda_mod
     from pallas_kernels import kda_decode_mgpu
 
     calls = []
     real = kda_decode_mgpu.kda_decode_mgpu
-    monkeypatch.setattr(kda_decode_mgpu, "kda_decode_mgpu", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(kda_mod, "KDA_DECODE_KERNEL", "mosaic")
-    cfg = CONFIGS[0].replace(kda_head_dim=128, kda_num_heads=2, name="k3-tiny-kda1-d128")
+    monkeypatch.setattr(kda_decode_mgpu, "kda_decode_mgpu",
+                        lambda *a, **k: (calls.append(k.get("packed")), real(*a, **k))[1])
+    monkeypatch.setattr(kda_mod, "KDA_DECODE_KERNEL_INTERPRET", "mosaic")
+    cfg = CONFIGS[0].replace(kda_head_dim=128, kda_num_heads=2, kda_gate_rank=gate_rank, name="k3-tiny-kda1-d128")
     params = k3jax.init_params(cfg, jax.random.key(6))
+    serving = fuse.fuse_for_serving(params, cfg) if layout == "serving" else params
+    in_place = layout == "serving" and gate_rank == 14
     rng = np.random.default_rng(1)
     b, prompt = 2, np.array([5, 3])
     tokens = rng.integers(0, cfg.vocab_size, (b, 8))
@@ -112,9 +120,10 @@ def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch):
     nxt = tokens[np.arange(b), prompt]
     dec = {}
     for name in ("reference", "interpret"):
-        dec[name] = k3jax.decode(params, cfg, jax.tree.map(jnp.copy, state), jnp.asarray(nxt),
-                                 step_meta(slots, table, prompt, [1, 0]), backend_name=name)
+        dec[name] = k3jax.decode(serving if name == "interpret" else params, cfg, jax.tree.map(jnp.copy, state),
+                                 jnp.asarray(nxt), step_meta(slots, table, prompt, [1, 0]), backend_name=name)
     assert calls, "the decode step did not reach kda_decode_mgpu"
+    assert all((packed is not None) == in_place for packed in calls), calls
     assert rel(dec["interpret"][0][0], dec["reference"][0][0]) < 1e-5  # row 1 idles (length 0)
     assert rel(dec["interpret"][1].kda, dec["reference"][1].kda) < 1e-5
     assert rel(dec["interpret"][1].conv, dec["reference"][1].conv) < 1e-5
@@ -124,9 +133,10 @@ def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch):
     drafts = np.stack([tokens[r, prompt[r] : prompt[r] + 3] for r in range(b)])
     ver = {}
     for name in ("reference", "interpret"):
-        ver[name] = k3jax.verify(params, cfg, jax.tree.map(jnp.copy, state), jnp.asarray(drafts),
-                                 step_meta(slots, table, prompt, [3, 2]), backend_name=name)
+        ver[name] = k3jax.verify(serving if name == "interpret" else params, cfg, jax.tree.map(jnp.copy, state),
+                                 jnp.asarray(drafts), step_meta(slots, table, prompt, [3, 2]), backend_name=name)
     assert calls, "the verify step did not reach kda_decode_mgpu"
+    assert all((packed is not None) == in_place for packed in calls), calls
     assert rel(ver["interpret"][0][0], ver["reference"][0][0]) < 1e-5
     assert rel(ver["interpret"][0][1, :2], ver["reference"][0][1, :2]) < 1e-5  # row 1's 2 valid drafts
     for name in ("err", "key", "decay", "inputs"):  # every position's state update and conv input
