@@ -82,7 +82,7 @@ backend.register("moe_route", "interpret")(partial(_select_experts_pallas, inter
 
 @backend.register("moe_experts", "reference")
 def grouped_experts_reference(
-    x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig
+    x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig, *, expected_rows: int | None = None
 ) -> jax.Array:
     """sum_i w_i E_i(x) for tokens x [N, Dx] routed to ids/weights [N, k]; result in x's dtype. An id < 0 is a
     dropped assignment (every "moe_experts" backend): not computed, contributes zero (k3jax.parallel passes its
@@ -93,6 +93,9 @@ def grouped_experts_reference(
 
     experts: {"gate", "up": [E, Dx, I], "down": [E, I, Dx]} in any float dtype, or MXFP4-packed in the
     checkpoint's or the kernel's layout (see k3jax.quant), dequantised here (bit-identically for both).
+
+    expected_rows: the assignments the caller expects to keep (an expert-parallel rank's share), a tiling hint for
+    the Pallas backends (moe_gemm.moe_grouped_mlp); no effect on any result, unused here.
     """
     n, k = ids.shape
     experts = dequantize_experts(experts, x.dtype)
@@ -115,12 +118,13 @@ def grouped_experts_reference(
 
 
 def _grouped_experts_pallas(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig,
-                            *, interpret: bool) -> jax.Array:
+                            *, interpret: bool, expected_rows: int | None = None) -> jax.Array:
     """`grouped_experts_reference` on the Pallas grouped GEMM (MXFP4 entries stay packed and are decoded in
     the kernel: fastest in the kernel layout, load_pretrained(experts="kernel"))."""
     return moe_gemm.moe_grouped_mlp(
         x, ids, weights, experts, activation="silu" if cfg.hidden_act == "silu" else "situ",
-        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, interpret=interpret,
+        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, expected_rows=expected_rows,
+        interpret=interpret,
     )
 
 

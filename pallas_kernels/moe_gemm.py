@@ -1153,10 +1153,12 @@ def _check_inputs(x, ids, weights, experts, activation):
     return eg, kg, ig
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "config", "expected_rows",
+                                             "interpret"))
 def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, activation: str = "situ",
                     situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-                    config: MoeGemmConfig | None = None, interpret: bool = False) -> jax.Array:
+                    config: MoeGemmConfig | None = None, expected_rows: int | None = None,
+                    interpret: bool = False) -> jax.Array:
     """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) for x [N, K]; result [N, K] in x.dtype (fp32 combine).
 
     x may be wider, [N, K' >= K]: its first K columns are the experts' input, read in place when K is a multiple
@@ -1166,13 +1168,20 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     dropped assignment: not computed, contributes zero -- an expert-parallel rank's non-local picks). experts:
     gate/up [E, K, I] and down [E, I, K] float, or MXFP4-packed entries (see module docstring). Runs the
     Triton-lowered Pallas kernels on the GPU, or interprets them (`interpret=True`, any backend).
+
+    expected_rows: how many assignments the caller expects to be kept (ids >= 0), for `default_config`'s tiling when
+    no config is given (None: all N x top_k). An expert-parallel rank drops most of its received picks: K3's EP16
+    rank at 1024 routed tokens keeps 986 of 10,320 assignments, and tiling by the kept rows (64-row tiles instead
+    of 128) took 1.11 against 1.24 ms on the H200 (2026-12-04, docs/benchmarks.md). The results do not depend on it.
     """
     num_experts, k_dim, i_dim = _check_inputs(x, ids, weights, experts, activation)
+    if expected_rows is not None and (not isinstance(expected_rows, int) or expected_rows < 1):
+        raise ValueError(f"expected_rows must be a positive int or None, got {expected_rows!r}")
     n, top_k = ids.shape
     m = n * top_k
     layouts = {mxfp4_layout(w) for w in experts.values()}
     word_down = (k_dim, i_dim) if mxfp4_layout(experts["down"]) in WORD_LAYOUTS else None
-    config = config or default_config(m, num_experts, word_down)
+    config = config or default_config(m if expected_rows is None else expected_rows, num_experts, word_down)
     packed = layouts != {"float"}
     if packed and config.block_k < MXFP4_GROUP:
         raise ValueError(f"MXFP4 weights need block_k >= {MXFP4_GROUP}, got {config.block_k}")

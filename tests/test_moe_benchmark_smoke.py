@@ -153,7 +153,7 @@ def test_adjacent_peak_rounds_and_the_bar_use_the_paired_share():
 
 def test_dep_section_receives_tokens_with_local_picks_and_agrees(tmp_path, capsys):
     """The DEP section (--dep-tokens): a rank receives exactly the tokens with a local pick, their other picks as -1;
-    the three forms agree (the weight-0 rows add exact zeros; one row per pick rounds each row to bf16 before the
+    the forms agree (the weight-0 rows add exact zeros; the expected-rows tiling only tiles; one row per pick rounds each row to bf16 before the
     per-token sum: within the bf16 band) and the table reports them."""
     module = load_benchmark()
     shape = module.SMOKE_SHAPES["tiny"]
@@ -166,5 +166,6 @@ def test_dep_section_receives_tokens_with_local_picks_and_agrees(tmp_path, capsy
                           "--out", str(tmp_path / "dep.json")])
     (row,) = result["dep"]
     assert row["rel_err_weight0_vs_dropped"] == 0.0
+    assert row["rel_err_expected_vs_dropped"] < 1e-6 and row["expected_rows"] >= 1  # a tiling choice only
     assert 0 < row["rel_err_one_row_vs_dropped"] < 1e-2
     assert "dep: 30 tokens routed" in capsys.readouterr().out

@@ -115,11 +115,13 @@ def routed_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.
         r_z = recv_z.reshape(ranks * capacity, width)  # [source, slot] rows
         r_ids = recv_routing[..., :k].reshape(ranks * capacity, k)
         r_w = jax.lax.bitcast_convert_type(recv_routing[..., k:], jnp.float32).reshape(ranks * capacity, k)
-        # other ranks' picks (and empty slots) are dropped assignments (id -1): no MMA rows, zero contribution
+        # other ranks' picks (and empty slots) are dropped assignments (id -1): no MMA rows, zero contribution.
+        # Of its ranks * capacity * k received assignments a rank keeps about num_tokens * k (each rank's picks
+        # spread evenly over the ranks): the kernels' tiling follows that, not the received count
         mine = r_ids // local_experts == rank
         partial_sums = backend.get("moe_experts", backend_name)(
             r_z, jnp.where(mine, r_ids - rank * local_experts, -1), r_w,
-            experts, expert_cfg)
+            experts, expert_cfg, expected_rows=max(1, min(num_tokens, ranks * capacity) * k))
         back = jax.lax.all_to_all(partial_sums.reshape(ranks, capacity, width), axis, 0, 0).reshape(ranks * capacity, width)
         return out.at[token_of_slot].add(back.astype(jnp.float32))
 

@@ -179,7 +179,9 @@ def _tep_ffn(cfg: ModelConfig, n: int, backend_name: str):
         # assignments to other ranks' experts are dropped (id -1): computed nowhere here, exactly zero
         local_ids = jnp.where(mine, ids - rank * expert_cfg.num_experts, -1)
         z = dense(xf, p["latent_down"]) if cfg.moe_latent_size else xf
-        y = _psum(backend.get("moe_experts", backend_name)(z, local_ids, weights, p["experts"], expert_cfg))
+        # each rank keeps about 1 / n of the N * k assignments (the tiling hint; results do not depend on it)
+        y = _psum(backend.get("moe_experts", backend_name)(z, local_ids, weights, p["experts"], expert_cfg,
+                                                           expected_rows=max(1, -(-ids.size // n))))
         if cfg.moe_latent_size:
             if cfg.moe_latent_norm:
                 y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)

@@ -205,6 +205,28 @@ def test_dropped_assignments_add_zero_and_take_no_rows(ranked):
     assert rel(grouped_experts_reference(x, ids, w, experts, cfg), want) < 2e-6
 
 
+def test_expected_rows_chooses_the_tiling_not_the_result():
+    """expected_rows (an expert-parallel rank's kept share): default_config tiles by it instead of all N x top_k
+    assignments -- here 16-row decode tiles (ranked rows) instead of 128-row ones (sorted) -- and the result is the
+    float64 sum either way; a bad value raises."""
+    rng = np.random.default_rng(19)
+    n, top_k, e = 101, 4, 4  # 101 assignments per expert: the 128-row tiling; 40 kept rows would take decode tiles
+    x, ids, w, experts = make_case(rng, n, top_k, e, 40, 24, jnp.float32)
+    ids = drop_some(rng, ids, 0.9)
+    kept = np.asarray(ids) >= 0
+    want = numpy_moe(x, np.where(kept, ids, 0), np.where(kept, w, 0), as_f64(experts), "situ")
+    chosen, default_config = [], moe_gemm.default_config
+    spy = lambda rows, *a: chosen.append(default_config(rows, *a)) or chosen[-1]  # noqa: E731
+    with mock.patch.object(moe_gemm, "default_config", spy):
+        tiled_by_all = moe_grouped_mlp.__wrapped__(x, ids, w, experts, interpret=True)
+        tiled_by_kept = moe_grouped_mlp.__wrapped__(x, ids, w, experts, expected_rows=int(kept.sum()), interpret=True)
+    assert [c.block_m for c in chosen] == [128, moe_gemm.DECODE_CONFIG.block_m]
+    assert rel(tiled_by_all, want) < 2e-6 and rel(tiled_by_kept, want) < 2e-6
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="expected_rows"):
+            moe_grouped_mlp.__wrapped__(x, ids, w, experts, expected_rows=bad, interpret=True)
+
+
 def test_single_term_rows_are_stored_in_x_dtype_bit_exactly():
     """top_k = 1 and one contraction slice: the down kernel stores the rows in x's dtype (no fp32 y, no cast pass),
     bit-equal to storing fp32 and casting after (one rounding either way), with dropped assignments among them; two

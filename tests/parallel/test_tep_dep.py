@@ -62,6 +62,25 @@ def test_moe_block_equals_single_device(setup):
     assert rel_err(dep.moe_block(dict(dep_params, layers=layers), cfg, layer, x, mesh), want) <= RTOL
 
 
+def test_dep_tiles_its_experts_by_its_even_share(setup, monkeypatch):
+    """Each DEP rank hands the experts op its expected kept rows (its tokens x top_k: its even share of the picks)
+    as the kernels' tiling hint, not the ranks * capacity * top_k assignments it receives (most of them dropped);
+    the result is unchanged."""
+    from k3jax import backend
+
+    cfg, params, mesh, _, dep_params = setup
+    layer = 5
+    hints, real = [], backend.get("moe_experts", "reference")
+    monkeypatch.setitem(backend._REGISTRY, ("moe_experts", "reference"),
+                        lambda *a, expected_rows=None, **k: (hints.append(expected_rows), real(*a, **k))[1])
+    x = jax.random.normal(jax.random.key(4), (RANKS * 3, 5, cfg.hidden_size), jnp.float32)
+    want = jax.jit(model_ffn, static_argnums=2)(params["layers"][layer]["mlp"], x, cfg)
+    assert hints == [None]  # the single-device layer keeps every assignment: no hint
+    hints.clear()
+    assert rel_err(dep.moe_block(dep_params, cfg, layer, x, mesh), want) <= RTOL
+    assert hints == [3 * 5 * cfg.num_experts_per_tok]  # 15 tokens per rank (traced once)
+
+
 def test_forward_equals_single_device(setup):
     """`forward` (cache-free attention) under both strategies, on k3-tiny cut to its first two layers (KDA +
     dense MLP, then MLA + MoE: every layer kind; the full depth runs in the serving tests below, and
