@@ -258,10 +258,14 @@ def test_k3_small_mla_decode_layer_has_one_input_gemm():
     assert after["weight_slice"] == after["weight_convert"] == 0
 
 
-def test_k3_small_kda_decode_kernel_reads_the_projection_in_place():
-    """Serving layout, backend "pallas": the fused decode kernel gets the input GEMM's whole output [B, 1, C] (q|k|v,
-    beta logits and output gate read at their columns, pallas_kernels.kda_decode's `packed`) instead of three
-    slices, which XLA copied out as three kernels per layer on the H200 (2026-12-02 profile)."""
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
+def test_k3_small_kda_decode_kernel_reads_the_projection_in_place(kernel, monkeypatch):
+    """Serving layout, backend "pallas", either decode kernel (k3jax.kda.KDA_DECODE_KERNEL): the fused decode kernel
+    gets the input GEMM's whole output [B, 1, C] (q|k|v, beta logits and output gate read at their columns, the
+    kernels' `packed`) instead of three slices, which XLA copied out as three kernels per layer on the H200
+    (2026-12-02 profile for Triton, 2026-12-04 for Mosaic). (A Pallas Triton kernel traces as `pallas_call`, a
+    Mosaic GPU one as `mpmd_map`.)"""
+    monkeypatch.setattr(kda, "KDA_DECODE_KERNEL", kernel)
     cfg, _, fused = _k3_small_layers()
     attn = fused[0]["attn"]
     b, sd = 64, jax.ShapeDtypeStruct
@@ -276,8 +280,9 @@ def test_k3_small_kda_decode_kernel_reads_the_projection_in_place():
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
+            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
                 shapes.append([tuple(v.aval.shape) for v in eqn.invars])
+                continue  # (the kernel's body holds no other kernel)
             for sub in jex.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
