@@ -82,7 +82,8 @@ backend.register("moe_route", "interpret")(partial(_select_experts_pallas, inter
 
 @backend.register("moe_experts", "reference")
 def grouped_experts_reference(
-    x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig, *, expected_rows: int | None = None
+    x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, cfg: ModelConfig, *,
+    expected_rows: int | None = None,
 ) -> jax.Array:
     """sum_i w_i E_i(x) for tokens x [N, Dx] routed to ids/weights [N, k]; result in x's dtype. An id < 0 is a
     dropped assignment (every "moe_experts" backend): not computed, contributes zero (k3jax.parallel passes its

@@ -497,7 +497,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     scratch = [
         ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         ring(3, width - 1 + t, dk), ring(t, dk, dtype=z.dtype),
-        ring(t, dv, dtype=act if packed is not None else out_gate.dtype), plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
+        ring(t, dv, dtype=act if packed is not None else out_gate.dtype),
+        plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
         plgpu.SMEM((2, 4, t, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=stages),
