@@ -543,9 +543,10 @@ def bench_dep(shape, token_counts, limits, interpret):
         kept = ids_np >= 0
         token, slot = np.nonzero(kept)
         expected = max(1, round(t * shape["top_k"] * e / shape["total"]))
+        dropped = (x, jnp.asarray(ids_np), jnp.asarray(w_np))
         forms = {
-            "dropped": (x, jnp.asarray(ids_np), jnp.asarray(w_np)),
-            "dropped_expected": (x, jnp.asarray(ids_np), jnp.asarray(w_np)),
+            "dropped": dropped,
+            "dropped_expected": dropped,  # the same arrays, another tiling
             "weight0_expert0": (x, jnp.asarray(np.where(kept, ids_np, 0)), jnp.asarray(np.where(kept, w_np, 0))),
             "one_row_per_pick": (x[jnp.asarray(token)], jnp.asarray(ids_np[token, slot][:, None]),
                                  jnp.asarray(w_np[token, slot][:, None])),
