@@ -153,8 +153,8 @@ def test_adjacent_peak_rounds_and_the_bar_use_the_paired_share():
 
 def test_dep_section_receives_tokens_with_local_picks_and_agrees(tmp_path, capsys):
     """The DEP section (--dep-tokens): a rank receives exactly the tokens with a local pick, their other picks as -1;
-    the forms agree (the weight-0 rows add exact zeros; the expected-rows tiling only tiles; one row per pick rounds each row to bf16 before the
-    per-token sum: within the bf16 band) and the table reports them."""
+    the forms agree (the weight-0 rows add exact zeros; the expected-rows tiling only tiles; one row per pick
+    rounds each row to bf16 before the per-token sum: within the bf16 band) and the table reports them."""
     module = load_benchmark()
     shape = module.SMOKE_SHAPES["tiny"]
     ids, weights, local_picks = module.dep_routing(shape, 40, seed=3)

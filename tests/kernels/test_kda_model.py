@@ -90,12 +90,13 @@ def test_prefill_decode_verify_interpret_equals_reference(cfg):
 @pytest.mark.parametrize("gate_rank", [14, 16])
 def test_decode_through_the_mosaic_kernel_equals_reference(monkeypatch, gate_rank):
     """KDA_DECODE_KERNEL = "mosaic" (the GPU default; here KDA_DECODE_KERNEL_INTERPRET, as the interpret backend
-    keeps Triton): the model's decode and verify steps run kda_decode_mgpu (interpreted; K = 128, the size it takes) and match the reference path's logits and pools. Two rows in
-    shuffled slots; in decode one idles (its slot untouched), in verify one is padded. In the serving layout
-    (k3jax.fuse, what the engine runs) the kernel reads beta and the output gate from the fused projection in place (`packed`) when TMA
-    can address the gate's column: at gate rank 14 it starts at column 784 (3136 B, on 16 bytes); at 16, column
-    786 (3144 B) is not, and the step hands the kernel the slices instead (the checkpoint layout's path: the
-    kernel gets separate operands; the reference runs on the checkpoint-layout params)."""
+    keeps Triton): the model's decode and verify steps run kda_decode_mgpu (interpreted; K = 128, the size it
+    takes) and match the reference path's logits and pools. Two rows in shuffled slots; in decode one idles (its
+    slot untouched), in verify one is padded. In the serving layout (k3jax.fuse, what the engine runs) the kernel
+    reads beta and the output gate from the fused projection in place (`packed`) when TMA can address the gate's
+    column: at gate rank 14 it starts at column 784 (3136 B, on 16 bytes); at 16, column 786 (3144 B) is not, and
+    the step hands the kernel the slices instead (the checkpoint layout's path: the kernel gets separate operands;
+    the reference runs on the checkpoint-layout params)."""
     from k3jax import fuse
     from k3jax import kda as kda_mod
     from pallas_kernels import kda_decode_mgpu
