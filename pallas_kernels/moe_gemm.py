@@ -1174,6 +1174,46 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     rank at 1024 routed tokens keeps 986 of 10,320 assignments, and tiling by the kept rows (64-row tiles instead
     of 128) took 1.11 against 1.24 ms on the H200 (2026-12-04, docs/benchmarks.md). The results do not depend on it.
     """
+    y, k_dim = _grouped_rows(x, ids, weights, experts, activation=activation, situ_beta=situ_beta,
+                             situ_linear_beta=situ_linear_beta, config=config, expected_rows=expected_rows,
+                             single_dtype=x.dtype, interpret=interpret)
+    return combine_rows(y, ids, k_dim).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "config", "expected_rows",
+                                             "interpret"))
+def moe_grouped_rows(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, activation: str = "situ",
+                     situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
+                     config: MoeGemmConfig | None = None, expected_rows: int | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """`moe_grouped_mlp` before its combine: the weighted rows w[n, j] * E_{ids[n, j]}(x[n]), fp32 [S, N * top_k, K']
+    in (token, slot) order, S contraction slices of the down GEMM (their sum is the row), K' >= K (columns past K
+    are padding). A dropped assignment's rows are never written (garbage): select them away by ids >= 0, as
+    `combine_rows` and pallas_kernels/moe_combine.py do. Same arguments as `moe_grouped_mlp`."""
+    return _grouped_rows(x, ids, weights, experts, activation=activation, situ_beta=situ_beta,
+                         situ_linear_beta=situ_linear_beta, config=config, expected_rows=expected_rows,
+                         single_dtype=None, interpret=interpret)[0]
+
+
+def combine_rows(y: jax.Array, ids: jax.Array, k_dim: int) -> jax.Array:
+    """sum over slices and each token's top_k rows of `moe_grouped_rows`' output -> [N, k_dim] in y's dtype."""
+    n, top_k = ids.shape
+    # each token's top_k consecutive rows of every contraction slice, fp32, deterministic; as unrolled adds rather
+    # than a reduction so the sum is elementwise and fuses into its consumer (k3jax.moe's latent RMSNorm) instead of
+    # being a kernel of its own. A dropped assignment's row was never written: selected away, never added.
+    rows = y[..., :k_dim].reshape(y.shape[0], n, top_k, k_dim)
+    kept = ids >= 0
+    terms = [jnp.where(kept[:, j, None], rows[part, :, j], 0) for part in range(rows.shape[0]) for j in range(top_k)]
+    out = terms[0]
+    for term in terms[1:]:
+        out = out + term
+    return out
+
+
+def _grouped_rows(x, ids, weights, experts, *, activation, situ_beta, situ_linear_beta, config, expected_rows,
+                  single_dtype, interpret) -> tuple[jax.Array, int]:
+    """(the down kernel's output [S, N * top_k, K'], K). single_dtype: with one term a token (top_k 1, one slice)
+    the down kernel stores the result in this dtype (no combine needed); None keeps fp32 rows."""
     num_experts, k_dim, i_dim = _check_inputs(x, ids, weights, experts, activation)
     if expected_rows is not None and (not isinstance(expected_rows, int) or expected_rows < 1):
         raise ValueError(f"expected_rows must be a positive int or None, got {expected_rows!r}")
@@ -1227,20 +1267,10 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     if ranked:
         order = glu_out[2]
     single = top_k == 1 and _down_slices(i_pad // config.block_k, config.down_split_k)[1] == 1  # one term a token
-    y = grouped_down(h, order, items, routing, experts["down"], config=config, out_dim=k_pad,
-                     out_dtype=x.dtype if single else jnp.float32, interpret=interpret)
-    if k_pad != k_dim:
-        y = y[..., :k_dim]
-    # each token's top_k consecutive rows of every contraction slice, fp32, deterministic; as unrolled adds rather
-    # than a reduction so the sum is elementwise and fuses into its consumer (k3jax.moe's latent RMSNorm) instead of
-    # being a kernel of its own. A dropped assignment's row was never written: selected away, never added.
-    rows = y.reshape(y.shape[0], n, top_k, k_dim)
-    kept = ids >= 0
-    terms = [jnp.where(kept[:, j, None], rows[part, :, j], 0) for part in range(rows.shape[0]) for j in range(top_k)]
-    out = terms[0]
-    for term in terms[1:]:
-        out = out + term
-    return out.astype(x.dtype)
+    out_dtype = single_dtype if single and single_dtype is not None else jnp.float32
+    y = grouped_down(h, order, items, routing, experts["down"], config=config, out_dim=k_pad, out_dtype=out_dtype,
+                     interpret=interpret)
+    return y, k_dim
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1307,7 +1337,7 @@ def expert_weight_bytes(num_experts_touched: int, k_dim: int, i_dim: int, packed
 __all__ = [
     "MoeGemmConfig", "default_config", "tile_schedule", "work_item", "row_bounds", "bounds_width", "num_work_items",
     "grouped_glu", "grouped_down",
-    "moe_grouped_mlp", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
+    "moe_grouped_mlp", "moe_grouped_rows", "combine_rows", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
     "expert_weight_bytes", "prepare_mxfp4", "mxfp4_checkpoint_layout", "mxfp4_layout", "mxfp4_weight_reference",
     "MXFP4_VARIANTS", "MXFP4_LAYOUT_KEYS", "KERNEL_LAYOUTS", "PLANE_BLOCK",
 ]
