@@ -69,6 +69,7 @@ from k3jax import StepMeta, backend
 from k3jax import kda as k3_kda
 from k3jax import layers as k3_layers
 from k3jax import mla as k3_mla
+from k3jax import moe as k3_moe
 
 PHASES = ("decode", "prefill")
 # Cross-backend pass bars (relative L2 error) for bf16 models, per phase. Each kernel matches its reference within
@@ -157,6 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pallas_kernels.moe_gemm.DECODE_CONFIG for this run, as bm/gn/dn/bk/warps/stages"
                         "[/tail_block_m[/down_stages[/down_split_k[/aligned[/column_group]]]]] (the grouped GEMMs' "
                         "tiling at <= 16 rows per expert; MoeGemmConfig.from_tiling)")
+    p.add_argument("--moe-combine-kernel", type=int, choices=(0, 1), default=int(k3_moe.COMBINE_KERNEL),
+                   help="1 (default): the MoE experts' combine, latent RMSNorm and shared GLU as one kernel "
+                        "(pallas_kernels/moe_combine.py; k3jax.moe.COMBINE_KERNEL); 0: as XLA fuses them")
     p.add_argument("--dense-kernel", choices=k3_layers.DENSE_KERNELS, default=k3_layers.DENSE_DECODE_KERNEL,
                    help="the pallas backend's dense GEMMs at decode sizes (k3jax.layers.DENSE_DECODE_KERNEL; default "
                         f"{k3_layers.DENSE_DECODE_KERNEL}): xla, or skinny (pallas_kernels/skinny_gemm.py)")
@@ -517,6 +521,7 @@ KERNEL_GROUPS = (
     ("kda_decode", "KDA decode kernel"), ("kda_chunk", "KDA prefill kernels"), ("mla_decode", "MLA decode kernel"),
     ("mgpu_decode", "MLA decode kernel"), ("mosaic", "Mosaic GPU kernels"),
     ("mla_prefill", "MLA prefill kernel"), ("moe_grouped", "MoE grouped GEMM kernels"),
+    ("moe_combine", "MoE combine kernel"),
     ("attn_res", "AttnRes mix+norm kernel"), ("gated_rms", "gated RMSNorm kernel"),
     ("skinny_matmul", "dense GEMMs (Pallas skinny)"), ("router_topk", "MoE router selection kernel"),
     ("gemm", "dense GEMMs (cuBLAS/XLA)"), ("xmma", "dense GEMMs (cuBLAS/XLA)"), ("nvjet", "dense GEMMs (cuBLAS/XLA)"),
@@ -1031,6 +1036,7 @@ def main(argv=None) -> dict:
     budget = Budget(args.budget_s, started)
     k3_mla.MLA_DECODE_KERNEL = args.mla_kernel
     k3_kda.KDA_DECODE_KERNEL = args.kda_decode_kernel
+    k3_moe.COMBINE_KERNEL = bool(args.moe_combine_kernel)
     k3_layers.use_dense_kernel(args.dense_kernel)
     if not args.moe_rank_in_kernel or args.moe_decode_tiling:
         from pallas_kernels import moe_gemm

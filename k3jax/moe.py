@@ -6,7 +6,9 @@ For a token x (already post_attention_layernorm'd, full width D):
   shared: gated MLP on the full-width x
 The expert computation is grouped: assignments are sorted by expert and each expert multiplies its
 contiguous group (`jax.lax.ragged_dot`), never a dense all-experts matmul. The "pallas" and "interpret"
-backends of op "moe_experts" run pallas_kernels/moe_gemm.py (fused GLU epilogue, in-kernel MXFP4).
+backends of op "moe_experts" run pallas_kernels/moe_gemm.py (fused GLU epilogue, in-kernel MXFP4); with fused
+projections, op "moe_out_input" (the experts, their combine, the latent RMSNorm and the shared GLU: the output
+GEMM's input) adds pallas_kernels/moe_combine.py.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from k3jax import backend
 from k3jax.config import ModelConfig
 from k3jax.layers import dense, glu_activation, mlp, rms_norm
 from k3jax.quant import dequantize_experts
-from pallas_kernels import moe_gemm, router_topk
+from pallas_kernels import moe_combine, moe_gemm, router_topk
 
 # Load-time fused projections (`fuse_moe_weights`); `moe` takes layer params with or without them.
 FUSED_IN = "in_proj"  # [D, Dl + 2 I_sh]: latent_down | shared gate | shared up (all read the same x, bf16)
 FUSED_OUT = "out_proj"  # [Dl + I_sh, D]: latent_up stacked over shared down (one GEMM on [norm(y_lat) | h_shared])
+# Whether the kernel backends build FUSED_OUT's input with pallas_kernels/moe_combine.py (True) or leave the experts'
+# combine, the latent RMSNorm and the shared GLU to XLA (False: benchmarks/model_forward.py --moe-combine-kernel 0).
+COMBINE_KERNEL = True
 
 
 def route(router_w: jax.Array, bias: jax.Array, x: jax.Array, cfg: ModelConfig, *,
@@ -133,6 +138,52 @@ backend.register("moe_experts", "pallas")(partial(_grouped_experts_pallas, inter
 backend.register("moe_experts", "interpret")(partial(_grouped_experts_pallas, interpret=True))
 
 
+@backend.register("moe_out_input", "reference")
+def out_input_reference(fused: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict,
+                        latent_norm: jax.Array | None, cfg: ModelConfig, *, backend_name: str = "reference",
+                        expected_rows: int | None = None) -> jax.Array:
+    """FUSED_OUT's input [N, Dl + I_sh] = [RMSNorm(sum_i w_i E_i(z)) | GLU(shared gate, shared up)] from FUSED_IN's
+    output `fused` [N, Dl + 2 I_sh] (z its first Dl columns, the shared gate and up the next two blocks), the
+    experts on `backend_name`'s "moe_experts". latent_norm None: no latent RMSNorm (cfg.moe_latent_norm off)."""
+    y = backend.get("moe_experts", backend_name)(fused, ids, weights, experts, cfg, expected_rows=expected_rows)
+    return _norm_and_join(y, fused, latent_norm, cfg)
+
+
+def _norm_and_join(y: jax.Array, fused: jax.Array, latent_norm: jax.Array | None, cfg: ModelConfig) -> jax.Array:
+    """[RMSNorm(y) | GLU of `fused`'s shared gate and up columns]: the routed sum y [N, Dl] and FUSED_IN's output."""
+    latent, width = cfg.moe_latent_size, cfg.shared_intermediate_size
+    if latent_norm is not None:
+        y = rms_norm(y, latent_norm, cfg.rms_norm_eps)
+    h_shared = glu_activation(fused[:, latent:latent + width], fused[:, latent + width:latent + 2 * width], cfg)
+    return jnp.concatenate([y, h_shared], axis=-1)
+
+
+def _out_input_pallas(fused: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict,
+                      latent_norm: jax.Array | None, cfg: ModelConfig, *, interpret: bool,
+                      expected_rows: int | None = None) -> jax.Array:
+    """`out_input_reference` as two grouped-GEMM kernels and one combine kernel (pallas_kernels/moe_combine.py):
+    the experts' weighted rows are summed, normed and joined by the shared GLU in one pass instead of XLA's fusion
+    of the same (k3-small decode on the H200, 2026-12-04: 2.96 against 9.09 us a layer). Where the kernel is not
+    the faster (`moe_combine.supported`: K3's widths, whose 16 x 3584 values a token one program sums serially) or
+    does not tile the widths, and with COMBINE_KERNEL = False, XLA combines the same rows."""
+    latent, width = cfg.moe_latent_size, cfg.shared_intermediate_size
+    activation = "silu" if cfg.hidden_act == "silu" else "situ"
+    rows = moe_gemm.moe_grouped_rows(fused, ids, weights, experts, activation=activation, situ_beta=cfg.situ_beta,
+                                     situ_linear_beta=cfg.situ_linear_beta, expected_rows=expected_rows,
+                                     interpret=interpret)
+    if not COMBINE_KERNEL or not moe_combine.supported(latent, width, top_k=ids.shape[1], slices=rows.shape[0],
+                                                       interpret=interpret):
+        return _norm_and_join(moe_gemm.combine_rows(rows, ids, latent).astype(fused.dtype), fused, latent_norm, cfg)
+    return moe_combine.moe_combine(rows, ids, k_dim=latent, dtype=fused.dtype, norm_weight=latent_norm,
+                                   eps=cfg.rms_norm_eps, shared=fused, shared_columns=(latent, latent + width, width),
+                                   activation=activation, situ_beta=cfg.situ_beta,
+                                   situ_linear_beta=cfg.situ_linear_beta, interpret=interpret)
+
+
+backend.register("moe_out_input", "pallas")(partial(_out_input_pallas, interpret=False))
+backend.register("moe_out_input", "interpret")(partial(_out_input_pallas, interpret=True))
+
+
 def fuse_moe_weights(layer_params: dict, cfg: ModelConfig) -> dict:
     """One MoE layer's params with its x-side GEMMs fused, for serving (a load-time transform; fewer kernels per
     decode step, each ~8 us of host launch time on the H200). Other layers' params are returned unchanged.
@@ -193,6 +244,10 @@ def moe(params: dict, x: jax.Array, cfg: ModelConfig, *, backend_name: str = "re
     ids, weights = route(params["router"], params["router_bias"], xf, cfg, backend_name=backend_name)
     matmul = backend.get("dense", backend_name)
     z, shared_gate, shared_up = _x_projections(params, xf, cfg, matmul)
+    if FUSED_OUT in params:  # latent + shared experts, fused (z is FUSED_IN's whole output)
+        norm = params["latent_norm"] if cfg.moe_latent_norm else None
+        hidden = backend.get("moe_out_input", backend_name)(z, ids, weights, params["experts"], norm, cfg)
+        return matmul(hidden, params[FUSED_OUT]).reshape(shape)
     y = backend.get("moe_experts", backend_name)(z, ids, weights, params["experts"], cfg)
     if cfg.moe_latent_size and cfg.moe_latent_norm:
         y = rms_norm(y, params["latent_norm"], cfg.rms_norm_eps)

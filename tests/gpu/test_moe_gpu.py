@@ -325,3 +325,26 @@ def test_k3_small_decode_layer_fused_pallas_matches_unfused_reference():
     got = jax.jit(lambda p, x: moe(p, x, cfg, backend_name="pallas"))(fuse_moe_weights(layer, cfg), x)
     assert np.isfinite(np.asarray(got, np.float32)).all()
     assert rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("tokens,top_k,k_dim,width,slices", [(64, 8, 1024, 1024, 1), (40, 16, 3584, 6144, 2)])
+def test_moe_combine_compiled_equals_reference(tokens, top_k, k_dim, width, slices):
+    """pallas_kernels/moe_combine.py compiled: k3-small's decode shape (64 tokens, top-8, latent 1024, shared 1024) and
+    K3's widths (latent 3584 and shared 6144: seven and six power-of-two chunks; top-16, two down slices), dropped
+    slots holding NaN, against its jnp reference on the same device. The sums are the same fp32 adds in the same
+    order; the outputs are bf16, so 1e-2 (one rounding step where the norm's reduction order tips it)."""
+    from pallas_kernels import moe_combine
+
+    keys = jax.random.split(jax.random.key(tokens), 4)
+    rows = jax.random.normal(keys[0], (slices, tokens * top_k, k_dim), jnp.float32)
+    ids = jax.random.randint(keys[1], (tokens, top_k), -3, 50).astype(jnp.int32)  # ~6 % dropped
+    rows = jnp.where((ids.reshape(-1) < 0)[None, :, None], jnp.nan, rows)
+    shared = (jax.random.normal(keys[2], (tokens, k_dim + 2 * width)) * 2).astype(jnp.bfloat16)
+    norm = (1 + 0.1 * jax.random.normal(keys[3], (k_dim,))).astype(jnp.bfloat16)
+    kw = dict(k_dim=k_dim, dtype=jnp.bfloat16, norm_weight=norm, eps=1e-5, shared=shared,
+              shared_columns=(k_dim, k_dim + width, width))
+    got = moe_combine.moe_combine(rows, ids, **kw)
+    want = jax.jit(lambda r, i: moe_combine.moe_combine_reference(r, i, **kw))(rows, ids)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel(got, want) < 1e-2
+    assert rel(got[:, :k_dim], want[:, :k_dim]) < 1e-2 and rel(got[:, k_dim:], want[:, k_dim:]) < 1e-2

@@ -87,6 +87,27 @@ def test_fused_layer_equals_unfused(dtype, bound, routing):
         assert (np.asarray(ids) == 4).any(1).all()
 
 
+def test_fused_layer_runs_the_combine_kernel_or_falls_back(monkeypatch):
+    """With fused projections the kernel backends build FUSED_OUT's input with pallas_kernels/moe_combine.py (a spy
+    counts its calls); where it is not used (supported() False: widths it does not tile, rows past its size cut)
+    XLA combines the same rows. Both equal the unfused reference layer (float32: summation order, the 1e-5 bound
+    above). A fresh jit each: the spy counts traces."""
+    from pallas_kernels import moe_combine
+
+    cfg = k3_tiny().replace(dtype="float32")
+    layer, x = _case(cfg, 4, (3, 3))
+    fused = fuse_moe_weights(layer, cfg)
+    want = moe_jit(layer, x, cfg=cfg)
+    calls = []
+    real = moe_combine.moe_combine
+    monkeypatch.setattr(moe_combine, "moe_combine", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = jax.jit(moe, static_argnames=("cfg", "backend_name"))(fused, x, cfg=cfg, backend_name="interpret")
+    assert len(calls) == 1 and rel(got, want) < 1e-5
+    monkeypatch.setattr(moe_combine, "supported", lambda *a, **k: False)
+    got = jax.jit(moe, static_argnames=("cfg", "backend_name"))(fused, x, cfg=cfg, backend_name="interpret")
+    assert len(calls) == 1 and rel(got, want) < 1e-5
+
+
 def test_fused_params_structure_and_other_layouts():
     """The fused weights replace the originals (same bytes), fusing twice is a no-op, dense layers pass through,
     numpy stays numpy; a config without a latent (kimi-linear-tiny) fuses only the shared gate and up and matches."""
@@ -154,14 +175,19 @@ HEAVY = ("dot_general", "gather", "cumsum", "scatter", "scatter-add", "reduce_su
 def test_decode_layer_kernel_count_proxy():
     """The fused layer's decode step: 3 GEMMs (router, FUSED_IN, FUSED_OUT), the expert selection as one kernel
     (pallas_kernels/router_topk.py: no top_k sort, no take_along_axis gather), one compare-and-count for the
-    schedule and no sort at decode sizes (the grouped GEMMs rank their own rows; no scatter, no cumsum), the combine as elementwise adds (fusing into the latent RMSNorm, whose
-    mean is the only other reduction). The unfused layer keeps its 6 GEMMs but shares the other savings."""
+    schedule and no sort at decode sizes (the grouped GEMMs rank their own rows; no scatter, no cumsum), and the
+    combine, the latent RMSNorm and the shared GLU as one kernel (pallas_kernels/moe_combine.py: no concatenate, no
+    reduction left outside kernels but the schedule's count). The unfused layer keeps its 6 GEMMs, the combine as
+    elementwise adds fusing into the latent RMSNorm (whose mean is the other reduction), and shares the rest."""
     fused = decode_layer_primitives(fused=True)
     unfused = decode_layer_primitives(fused=False)
     assert fused["dot_general"] == 3 and unfused["dot_general"] == 6
+    assert fused["pallas_call"] == 4 and unfused["pallas_call"] == 3
+    assert fused["concatenate"] == 0 and fused["reduce_sum"] == 1
     for counts in (fused, unfused):
-        assert counts["sort"] == 0 and counts["pallas_call"] == 3 and counts["top_k"] == 0
+        assert counts["sort"] == 0 and counts["top_k"] == 0
         assert counts["scatter"] == counts["scatter-add"] == counts["cumsum"] == counts["while"] == 0
         assert counts["gather"] == 0 and counts["reduce_sum"] <= 2
     heavy = {k: v for k, v in fused.items() if k in HEAVY}
-    assert sum(heavy.values()) <= 9, heavy  # 28 such ops at 34a154c, 11 before the selection kernel, 10 before ranking
+    assert sum(heavy.values()) <= 8, heavy  # 28 such ops at 34a154c, 11 before the selection kernel, 10 before
+    # ranking, 9 before the combine kernel
