@@ -1337,7 +1337,8 @@ def expert_weight_bytes(num_experts_touched: int, k_dim: int, i_dim: int, packed
 __all__ = [
     "MoeGemmConfig", "default_config", "tile_schedule", "work_item", "row_bounds", "bounds_width", "num_work_items",
     "grouped_glu", "grouped_down",
-    "moe_grouped_mlp", "moe_grouped_rows", "combine_rows", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference", "grouped_flops",
+    "moe_grouped_mlp", "moe_grouped_rows", "combine_rows", "moe_grouped_mlp_reference", "mxfp4_dequantize_reference",
+    "grouped_flops",
     "expert_weight_bytes", "prepare_mxfp4", "mxfp4_checkpoint_layout", "mxfp4_layout", "mxfp4_weight_reference",
     "MXFP4_VARIANTS", "MXFP4_LAYOUT_KEYS", "KERNEL_LAYOUTS", "PLANE_BLOCK",
 ]
