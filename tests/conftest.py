@@ -25,6 +25,7 @@ Run: `python -m pytest -q` (CPU, as CI does); `K3JAX_TEST_GPU=1 python -m pytest
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,20 @@ def pytest_configure(config):
 
         jax.config.update("jax_compilation_cache_dir", where)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+@pytest.fixture(scope="session")
+def serve_compile_cache(tmp_path_factory):
+    """K3JAX_COMPILE_CACHE for the `k3jax serve` processes the tests start: a folder of the run's shared XLA cache,
+    so a worker that the other pytest-xdist process already started with the same flags and shapes loads its
+    programs instead of compiling them again (keys include the XLA flags and the programs). A fresh temporary
+    directory when the shared cache is off."""
+    where = _xla_cache_dir()
+    if where is None:
+        return tmp_path_factory.mktemp("xla_cache_serve")
+    path = Path(where) / "serve"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def pytest_unconfigure(config):
