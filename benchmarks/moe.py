@@ -28,8 +28,9 @@ What one DEP rank computes (issue 4's kernels under k3jax.parallel.dep), one com
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe.py --skip norms,moe,sweep \
         --dep-tokens 1024,16384 --out $OUT/moe_dep.json
   K3 EP16, rank 0: the tokens with a pick among its 56 experts, all 16 picks each, the non-local ones dropped
-  (ids -1; tiled by all received assignments, and by the expected kept rows as k3jax.parallel.dep passes them) vs
-  weight-0 rows of local expert 0 (the convention before) vs one row per local pick (top_k 1).
+  (ids -1; tiled by all received assignments, and by the expected kept rows as k3jax.parallel.dep passes them, with
+  the combine kernel that reads only kept slots and with XLA's) vs weight-0 rows of local expert 0 (the convention
+  before) vs one row per local pick (top_k 1).
 
 Limits (measured first, same process): bf16 matmul peak (jnp.dot 8192^3), XLA copy bandwidth (bf16 x*2 over
 2 GiB, bytes read + written) and, when torch imports, torch's copy bandwidth (the higher ceiling).
@@ -532,7 +533,8 @@ def bench_dep(shape, token_counts, limits, interpret):
     top_k = 1 (the sweep's shape: x duplicated per pick, nothing to select away), identical inputs; each checked
     against the dropped form (the weight-0 rows add exact zeros). "dropped_expected" is the dropped form tiled as
     k3jax.parallel.dep calls it: by the rank's expected kept rows (expected_rows = T * top_k * local / total, its
-    even share), not by all received assignments ("dropped")."""
+    even share), not by all received assignments ("dropped"); with few kept rows a token its combine is
+    pallas_kernels/moe_combine.py (moe_grouped_mlp's "auto"), which "dropped_expected_xla_combine" replaces by XLA's."""
     e, k_dim, i_dim = shape["local"], shape["k_dim"], shape["i_dim"]
     bf16, _ = make_experts(shape, seed=3)
     out = []
@@ -546,28 +548,34 @@ def bench_dep(shape, token_counts, limits, interpret):
         dropped = (x, jnp.asarray(ids_np), jnp.asarray(w_np))
         forms = {
             "dropped": dropped,
-            "dropped_expected": dropped,  # the same arrays, another tiling
+            "dropped_expected": dropped,  # the same arrays, another tiling (and, by "auto", the combine kernel)
+            "dropped_expected_xla_combine": dropped,  # that tiling with XLA's combine (all 16 slots read)
             "weight0_expert0": (x, jnp.asarray(np.where(kept, ids_np, 0)), jnp.asarray(np.where(kept, w_np, 0))),
             "one_row_per_pick": (x[jnp.asarray(token)], jnp.asarray(ids_np[token, slot][:, None]),
                                  jnp.asarray(w_np[token, slot][:, None])),
         }
         f = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, interpret=interpret))
         f_expected = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, expected_rows=expected, interpret=interpret))
+        f_expected_xla = jax.jit(functools.partial(moe_gemm.moe_grouped_mlp, expected_rows=expected, combine="xla",
+                                                   interpret=interpret))
         row = dict(tokens_routed=t, received=r, top_k=shape["top_k"], local_picks=local_picks,
                    rows_per_expert=local_picks / e, expected_rows=expected)
         results = {}
         for name, (xs, ids, w) in forms.items():
-            fn = f_expected if name == "dropped_expected" else f
+            fn = {"dropped_expected": f_expected, "dropped_expected_xla_combine": f_expected_xla}.get(name, f)
             results[name] = fn(xs, ids, w, bf16)
             row[f"{name}_ms"] = float("nan") if interpret else timed(fn, xs, ids, w, bf16) * 1e3
         row["rel_err_weight0_vs_dropped"] = rel_err(results["weight0_expert0"], results["dropped"])
         row["rel_err_expected_vs_dropped"] = rel_err(results["dropped_expected"], results["dropped"])
+        row["rel_err_expected_xla_combine_vs_dropped"] = rel_err(results["dropped_expected_xla_combine"],
+                                                                 results["dropped"])
         per_token = jax.ops.segment_sum(results["one_row_per_pick"].astype(jnp.float32), jnp.asarray(token), r)
         row["rel_err_one_row_vs_dropped"] = rel_err(per_token, results["dropped"].astype(jnp.float32))
         if not interpret:
             row["weight0_over_dropped"] = row["weight0_expert0_ms"] / row["dropped_ms"]
             row["dropped_over_one_row"] = row["dropped_ms"] / row["one_row_per_pick_ms"]
             row["dropped_over_expected"] = row["dropped_ms"] / row["dropped_expected_ms"]
+            row["xla_combine_over_kernel"] = row["dropped_expected_xla_combine_ms"] / row["dropped_expected_ms"]
             row["dropped_tflops"] = moe_gemm.grouped_flops(local_picks, k_dim, i_dim) / (row["dropped_ms"] * 1e-3) / 1e12
         print("dep", row, flush=True)
         out.append(row)
@@ -800,7 +808,9 @@ def table(result) -> str:
             f"dep: {r['tokens_routed']} tokens routed, {r['received']} received (top {r['top_k']}), {r['local_picks']} "
             f"local picks ({r['rows_per_expert']:.1f} rows/expert): dropped ids {r['dropped_ms']:.3f} ms, tiled by "
             f"{r['expected_rows']} expected rows {r['dropped_expected_ms']:.3f} ms "
-            f"({r.get('dropped_over_expected', float('nan')):.2f}x), weight-0 rows "
+            f"({r.get('dropped_over_expected', float('nan')):.2f}x; with XLA's combine "
+            f"{r['dropped_expected_xla_combine_ms']:.3f} ms, {r.get('xla_combine_over_kernel', float('nan')):.2f}x), "
+            f"weight-0 rows "
             f"of expert 0 {r['weight0_expert0_ms']:.3f} ms ({r.get('weight0_over_dropped', float('nan')):.2f}x), one "
             f"row per pick {r['one_row_per_pick_ms']:.3f} ms (dropped / it {r.get('dropped_over_one_row', float('nan')):.2f}); "
             f"rel err weight-0 {r['rel_err_weight0_vs_dropped']:.1e}, one-row {r['rel_err_one_row_vs_dropped']:.1e}")

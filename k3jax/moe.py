@@ -130,7 +130,7 @@ def _grouped_experts_pallas(x: jax.Array, ids: jax.Array, weights: jax.Array, ex
     return moe_gemm.moe_grouped_mlp(
         x, ids, weights, experts, activation="silu" if cfg.hidden_act == "silu" else "situ",
         situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, expected_rows=expected_rows,
-        interpret=interpret,
+        combine="auto" if COMBINE_KERNEL else "xla", interpret=interpret,
     )
 
 
@@ -171,8 +171,8 @@ def _out_input_pallas(fused: jax.Array, ids: jax.Array, weights: jax.Array, expe
     rows = moe_gemm.moe_grouped_rows(fused, ids, weights, experts, activation=activation, situ_beta=cfg.situ_beta,
                                      situ_linear_beta=cfg.situ_linear_beta, expected_rows=expected_rows,
                                      interpret=interpret)
-    if not COMBINE_KERNEL or not moe_combine.supported(latent, width, top_k=ids.shape[1], slices=rows.shape[0],
-                                                       interpret=interpret):
+    if not COMBINE_KERNEL or not moe_combine.supported(latent, width, kept_per_token=ids.shape[1],
+                                                       slices=rows.shape[0], interpret=interpret):
         return _norm_and_join(moe_gemm.combine_rows(rows, ids, latent).astype(fused.dtype), fused, latent_norm, cfg)
     return moe_combine.moe_combine(rows, ids, k_dim=latent, dtype=fused.dtype, norm_weight=latent_norm,
                                    eps=cfg.rms_norm_eps, shared=fused, shared_columns=(latent, latent + width, width),

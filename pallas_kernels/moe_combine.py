@@ -36,7 +36,7 @@ MIN_CHUNK = 16  # narrower power-of-two chunks would unroll hundreds of loads (a
 _MAX_CHUNK = 1024
 _REGISTER_BUDGET = 4096  # fp32 sums held per program (rows x K)
 MIN_PROGRAMS = 264  # two per SM of the H200 before a program takes more than one token
-# One program sums a token's top_k x slices rows: at K3's widths (16 x 3584 = 57,344 values a token) that serial work
+# One program sums a token's kept rows x slices: at K3's widths (16 x 3584 = 57,344 values a token) that serial work
 # lost to XLA, which splits the sum and the norm into two wide kernels: 15.0 against 9.0 us at 64 tokens (best
 # tiling, H200, 2026-12-04). At k3-small's (8 x 1024 = 8,192) the kernel took 2.96 against 9.09 us. The cut sits at
 # twice the measured win; the range between was not measured.
@@ -57,10 +57,12 @@ def _chunk(d: int, interpret: bool) -> int:
     return _pow2_divisor(d, _MAX_CHUNK)
 
 
-def supported(k_dim: int, shared_width: int = 0, *, top_k: int = 1, slices: int = 1, interpret: bool = False) -> bool:
+def supported(k_dim: int, shared_width: int = 0, *, kept_per_token: int = 1, slices: int = 1,
+              interpret: bool = False) -> bool:
     """Whether the kernel takes a latent width K and a shared GLU width W (0: none) without tiny chunks, and a
-    token's rows (top_k x slices x K values, summed by one program) are few enough for it to beat XLA's fusion."""
-    return _chunks_ok(k_dim, shared_width, interpret) and top_k * slices * k_dim <= MAX_ROW_VALUES
+    token's kept rows (kept_per_token x slices x K values, summed by one program; a dropped slot is not read) are
+    few enough for it to beat XLA's fusion."""
+    return _chunks_ok(k_dim, shared_width, interpret) and kept_per_token * slices * k_dim <= MAX_ROW_VALUES
 
 
 def _chunks_ok(k_dim: int, shared_width: int, interpret: bool) -> bool:
@@ -101,7 +103,10 @@ def _combine_kernel(rows_ref, ids_ref, *refs, top_k: int, k_dim: int, rows: int,
         acc = None
         for s in range(rows_ref.shape[0]):
             for j in range(top_k):
-                term = [jnp.where(kept[j][:, None], rows_ref[s, token, j, c], 0.0) for c in k_chunks]  # [rows, k_chunk]
+                # a masked load: a dropped slot's row is never read (an expert-parallel rank keeps ~1 of 16)
+                # (the int32 scalars: interpret mode's masked load takes array indices, not Python ints)
+                term = [plgpu.load(rows_ref.at[jnp.int32(s), token, jnp.int32(j), c], mask=kept[j][:, None],
+                                   other=0.0) for c in k_chunks]  # [rows, k_chunk]
                 acc = term if acc is None else [a + t for a, t in zip(acc, term)]
         y = [a.astype(dtype) for a in acc]
         if has_norm:

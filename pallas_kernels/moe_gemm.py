@@ -118,6 +118,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import moe_combine
+
 MXFP4_GROUP = 32  # inputs per E8M0 scale
 ACTIVATIONS = ("situ", "silu")
 
@@ -1154,10 +1156,10 @@ def _check_inputs(x, ids, weights, experts, activation):
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "config", "expected_rows",
-                                             "interpret"))
+                                             "combine", "interpret"))
 def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, activation: str = "situ",
                     situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-                    config: MoeGemmConfig | None = None, expected_rows: int | None = None,
+                    config: MoeGemmConfig | None = None, expected_rows: int | None = None, combine: str = "auto",
                     interpret: bool = False) -> jax.Array:
     """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) for x [N, K]; result [N, K] in x.dtype (fp32 combine).
 
@@ -1173,10 +1175,26 @@ def moe_grouped_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: d
     no config is given (None: all N x top_k). An expert-parallel rank drops most of its received picks: K3's EP16
     rank at 1024 routed tokens keeps 986 of 10,320 assignments, and tiling by the kept rows (64-row tiles instead
     of 128) took 1.11 against 1.24 ms on the H200 (2026-12-04, docs/benchmarks.md). The results do not depend on it.
+
+    combine: how each token's rows are summed -- "xla" (`combine_rows`: elementwise adds that fuse into the
+    consumer), "kernel" (pallas_kernels/moe_combine.py: one program per token, masked loads, so a dropped slot's
+    row is not read), or "auto": the kernel where `moe_combine.supported` expects it to be the faster for the
+    expected kept rows per token. Results agree to the fp32 sum's rounding (same adds, same order).
     """
+    if combine not in ("auto", "kernel", "xla"):
+        raise ValueError(f"combine must be 'auto', 'kernel' or 'xla', got {combine!r}")
+    if combine == "auto" and ids.shape[1] == 1:
+        combine = "xla"  # one term a token: the down kernel can store the result itself (nothing to sum)
     y, k_dim = _grouped_rows(x, ids, weights, experts, activation=activation, situ_beta=situ_beta,
                              situ_linear_beta=situ_linear_beta, config=config, expected_rows=expected_rows,
-                             single_dtype=x.dtype, interpret=interpret)
+                             single_dtype=x.dtype if combine == "xla" else None, interpret=interpret)
+    n, top_k = ids.shape
+    kept_per_token = -(-(n * top_k if expected_rows is None else expected_rows) // n)
+    use_kernel = combine == "kernel" or (
+        combine == "auto" and moe_combine.supported(k_dim, kept_per_token=min(kept_per_token, top_k),
+                                                    slices=y.shape[0], interpret=interpret))
+    if use_kernel:
+        return moe_combine.moe_combine(y, ids, k_dim=k_dim, dtype=x.dtype, interpret=interpret)
     return combine_rows(y, ids, k_dim).astype(x.dtype)
 
 

@@ -167,5 +167,6 @@ def test_dep_section_receives_tokens_with_local_picks_and_agrees(tmp_path, capsy
     (row,) = result["dep"]
     assert row["rel_err_weight0_vs_dropped"] == 0.0
     assert row["rel_err_expected_vs_dropped"] < 1e-6 and row["expected_rows"] >= 1  # a tiling choice only
+    assert row["rel_err_expected_xla_combine_vs_dropped"] < 1e-6  # (and the combine kernel the same adds as XLA's)
     assert 0 < row["rel_err_one_row_vs_dropped"] < 1e-2
     assert "dep: 30 tokens routed" in capsys.readouterr().out

@@ -106,7 +106,8 @@ def test_dropped_assignments_match_reference(tokens, top_k):
     """ids < 0 (an expert-parallel rank's non-local picks, k3jax.parallel): compiled, at K3 widths, against the
     reference with those assignments dropped -- the ranked decode path, DEP-shaped rows (top 16, ~1 kept per token,
     token 0 keeps none: exactly zero), and top_k = 1 at the large-group tiling, where the down kernel stores bf16.
-    Unwritten y rows are whatever the allocator left: the combine must select them away."""
+    Unwritten y rows are whatever the allocator left: the combine must select them away (XLA's) or not read them
+    (pallas_kernels/moe_combine.py)."""
     e, k, i = 6, 3584, 3072
     rng = np.random.default_rng(tokens + top_k)
     ids = np.stack([rng.choice(e, top_k, replace=top_k > e) for _ in range(tokens)]).astype(np.int32)
@@ -117,11 +118,13 @@ def test_dropped_assignments_match_reference(tokens, top_k):
     x = jax.random.normal(jax.random.key(tokens), (tokens, k)).astype(jnp.bfloat16)
     experts = _experts(e, k, i, 4)
     cfg = load_config("k3").replace(num_experts=e, num_experts_per_tok=min(top_k, e))  # the reference reads E only
-    got = moe_gemm.moe_grouped_mlp(x, ids, w, experts)
     want = grouped_experts_reference(x, ids, w, experts, cfg)
-    assert np.isfinite(np.asarray(got, np.float32)).all()
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), 0.0)
-    assert rel(got, want) < 1e-2
+    # the combine both ways (top_k > 1): XLA's, and the kernel's masked loads that skip the dropped slots' rows
+    for combine in ("xla", "kernel") if top_k > 1 else ("auto",):
+        got = moe_gemm.moe_grouped_mlp(x, ids, w, experts, combine=combine)
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32), 0.0)
+        assert rel(got, want) < 1e-2
 
 
 MID_SIZE_MODES = {  # tail tiles and expert-aligned items for mid-size groups (benchmarks/moe.py --sweep-configs tilings)

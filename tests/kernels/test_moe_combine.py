@@ -127,9 +127,46 @@ def test_bad_inputs_raise_and_supported_widths():
         with pytest.raises(ValueError, match=message):
             mc.moe_combine(args.pop("rows"), args.pop("ids"), **args)
     # compiled (not interpret): widths must split into power-of-two chunks of at least 16
-    assert mc.supported(1024, 1024, top_k=8) and mc.supported(3584, 6144)  # k3-small's decode; K3's widths tile
+    assert mc.supported(1024, 1024, kept_per_token=8) and mc.supported(3584, 6144)  # k3-small decode; K3's widths
     assert not mc.supported(36) and not mc.supported(1024, 40) and mc.supported(36, 40, interpret=True)
-    # ... but a K3 token's 16 x 3584 summed values are past the row-size cut (XLA's fusion is faster there)
-    assert not mc.supported(3584, 6144, top_k=16) and not mc.supported(1024, 1024, top_k=8, slices=4)
+    # ... but a K3 token's 16 x 3584 summed values are past the row-size cut (XLA's fusion is faster there), while
+    # an expert-parallel rank's ~2 kept of 16 are not
+    assert not mc.supported(3584, 6144, kept_per_token=16) and not mc.supported(1024, kept_per_token=8, slices=4)
+    assert mc.supported(3584, kept_per_token=2)
     with pytest.raises(ValueError, match="power-of-two"):
         mc.moe_combine(jnp.zeros((1, 4, 36), jnp.float32), i[:2], k_dim=36, dtype=jnp.float32)
+
+
+def test_grouped_mlp_combine_modes_agree_and_auto_follows_the_kept_rows(monkeypatch):
+    """moe_gemm.moe_grouped_mlp's combine: "kernel" (masked loads: a dropped slot is not read) and "xla" add the same
+    fp32 terms in the same order, so they agree to rounding (2e-6; float32 experts), and both match the gathered
+    float64-accumulated reference (1e-5). Most slots are dropped, as on an expert-parallel rank. "auto" takes the
+    kernel while the expected kept rows per token fit the size cut (MAX_ROW_VALUES, lowered here), XLA beyond it:
+    a spy counts the kernel's traces (each expected_rows is a new trace of the jitted function)."""
+    from pallas_kernels import moe_gemm
+
+    rng = np.random.default_rng(11)
+    n, top_k, e, k_dim, i_dim = 7, 6, 5, 48, 32
+    x = jnp.asarray(rng.standard_normal((n, k_dim)), jnp.float32)
+    ids = np.where(rng.random((n, top_k)) < 0.7, -1, rng.integers(0, e, (n, top_k))).astype(np.int32)
+    ids[0, 0], ids[3] = 2, -1  # some token keeps a pick; token 3 keeps none
+    weights = jnp.asarray(rng.uniform(0.1, 0.5, (n, top_k)), jnp.float32)
+    experts = {name: jnp.asarray(rng.standard_normal(shape) * shape[1] ** -0.5, jnp.float32)
+               for name, shape in (("gate", (e, k_dim, i_dim)), ("up", (e, k_dim, i_dim)), ("down", (e, i_dim, k_dim)))}
+    ids = jnp.asarray(ids)
+    run = lambda **kw: moe_gemm.moe_grouped_mlp(x, ids, weights, experts, interpret=True, **kw)  # noqa: E731
+    by_kernel, by_xla = run(combine="kernel"), run(combine="xla")
+    np.testing.assert_allclose(by_kernel, by_xla, rtol=2e-6, atol=2e-6)
+    assert rel(by_kernel, moe_gemm.moe_grouped_mlp_reference(x, ids, weights, experts)) < 1e-5
+    assert not np.asarray(by_kernel)[3].any()
+
+    calls = []
+    real = mc.moe_combine
+    monkeypatch.setattr(mc, "moe_combine", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(mc, "MAX_ROW_VALUES", 2 * k_dim)
+    run(combine="auto", expected_rows=n * top_k)  # 6 kept rows a token expected: past the lowered cut
+    assert not calls
+    auto = run(combine="auto", expected_rows=n)  # one a token
+    assert calls and rel(auto, by_xla) < 2e-6
+    with pytest.raises(ValueError, match="combine"):
+        run(combine="triton")
