@@ -15,7 +15,11 @@ Why a kernel: XLA fused these ops (the combine's unrolled adds, the norm, the GL
 fusion that took 9.2 us per MoE layer in the k3-small decode step on the H200 (B64: 2 MB of fp32 rows; 24 calls,
 0.22 ms of a 7.9 ms step, the largest XLA fusion of the step, profile of 2026-12-04): 2 x 512 output tiles, so each
 program of the norm's half summed its rows' whole [top_k, K] twice over. Here one program owns `rows` whole tokens:
-it reads each row once, keeps the sum in registers, and writes both halves.
+it reads each row once, keeps the sum in registers, and writes both halves: 2.96 against 9.09 us at that shape.
+A dropped slot's row is not read at all (a masked load), which is what an expert-parallel rank needs: of a received
+token's 16 slots it keeps ~1.5, and XLA's select still reads all 16. Without a norm or a GLU this is also
+`moe_gemm.moe_grouped_mlp`'s combine where combine="auto" expects it to be the faster (K3 EP16 DEP rank, H200,
+2026-12-04: the rank's whole MoE 1.075 against 1.119 ms at 1,024 routed tokens, 2.824 against 3.227 ms at 16,384).
 
 Pallas backend: the Triton lowering (row-local, memory-bound, no matrix work; runs in interpret mode on CPU for CI).
 K and W are walked in power-of-two chunks that divide them (Triton tensors are power-of-two shaped; exact tiling
@@ -36,10 +40,11 @@ MIN_CHUNK = 16  # narrower power-of-two chunks would unroll hundreds of loads (a
 _MAX_CHUNK = 1024
 _REGISTER_BUDGET = 4096  # fp32 sums held per program (rows x K)
 MIN_PROGRAMS = 264  # two per SM of the H200 before a program takes more than one token
-# One program sums a token's kept rows x slices: at K3's widths (16 x 3584 = 57,344 values a token) that serial work
-# lost to XLA, which splits the sum and the norm into two wide kernels: 15.0 against 9.0 us at 64 tokens (best
-# tiling, H200, 2026-12-04). At k3-small's (8 x 1024 = 8,192) the kernel took 2.96 against 9.09 us. The cut sits at
-# twice the measured win; the range between was not measured.
+# One program sums a token's kept rows x slices: at K3's widths with all 16 kept (16 x 3584 = 57,344 values a token)
+# that serial work lost to XLA, which splits the sum and the norm into two wide kernels: 15.0 against 9.0 us at 64
+# tokens (best tiling, H200, 2026-12-04; measured before the masked loads). At k3-small's (8 x 1024 = 8,192) the
+# kernel took 2.96 against 9.09 us, and a DEP rank's ~2 x 3584 kept won by 1.04-1.14x on its whole MoE. The cut sits
+# at twice the measured win at k3-small; the range between was not measured.
 MAX_ROW_VALUES = 16384
 
 
