@@ -1206,8 +1206,8 @@ def moe_grouped_rows(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: 
                      interpret: bool = False) -> jax.Array:
     """`moe_grouped_mlp` before its combine: the weighted rows w[n, j] * E_{ids[n, j]}(x[n]), fp32 [S, N * top_k, K']
     in (token, slot) order, S contraction slices of the down GEMM (their sum is the row), K' >= K (columns past K
-    are padding). A dropped assignment's rows are never written (garbage): select them away by ids >= 0, as
-    `combine_rows` and pallas_kernels/moe_combine.py do. Same arguments as `moe_grouped_mlp`."""
+    are padding). A dropped assignment's rows are never written (garbage): `combine_rows` selects them away by
+    ids >= 0, pallas_kernels/moe_combine.py does not read them. Same arguments as `moe_grouped_mlp`."""
     return _grouped_rows(x, ids, weights, experts, activation=activation, situ_beta=situ_beta,
                          situ_linear_beta=situ_linear_beta, config=config, expected_rows=expected_rows,
                          single_dtype=None, interpret=interpret)[0]
