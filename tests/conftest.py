@@ -94,22 +94,24 @@ def pytest_unconfigure(config):
 # pytest-xdist (pyproject's addopts run `-n 2 --dist loadfile`; `-n 0` runs in one process): whole files
 # go to the two workers. Files that share a process-level memo run on the same worker: the trained pair
 # of k3jax.train_drafter.tiny_markov_pair (about a minute of training) serves test_drafter.py, then
-# test_speculative.py. So do the files of tests/workload that use its session-scoped `k3jax serve` worker
-# (about 35 s to start and compile under load; on both workers it started twice). Files start heaviest first
-# (seconds measured serially on the 2-core CPU), so no long file begins when the other worker is nearly done;
-# the rest follow in collection order.
+# test_speculative.py, then test_engine_spec.py (its trained-drafter test trained the pair again on the
+# other worker: the three files alone, -n 0, 215.7 s as two units, 164.9 s as one). So do the files of
+# tests/workload that use its session-scoped `k3jax serve` worker (about 35 s to start and compile under
+# load; on both workers it started twice). Files start heaviest first (seconds measured serially on the
+# 2-core CPU), so no long file begins when the other worker is nearly done; the rest follow in collection
+# order.
 _XDIST_SAME_WORKER = {
     "tests/model/test_speculative.py": "tests/model/test_drafter.py",
+    "tests/serving/test_engine_spec.py": "tests/model/test_drafter.py",
     "tests/workload/test_replay.py": "tests/workload/test_aiperf_agree.py",
     "tests/workload/test_sweep.py": "tests/workload/test_aiperf_agree.py",
 }
 _XDIST_HEAVY_FIRST = (  # the slowest files of a -n 2 run on 2026-12-01 (seconds of test time, before the shared XLA cache)
     "tests/model/test_model.py",  # 1062
     "tests/serving/test_engine.py",  # 756
-    "tests/serving/test_engine_spec.py",  # 496
+    "tests/model/test_drafter.py",  # with test_speculative.py and test_engine_spec.py: 165 (2026-12-04)
     "tests/kernels/test_kda_decode.py",  # 464
     "tests/test_cli.py",  # 435
-    "tests/model/test_drafter.py",  # 157, with test_speculative.py 202
     "tests/test_benchmark_smoke.py",  # 231
     "tests/parallel/test_strategies.py",  # 184
     "tests/parallel/test_tep_dep.py",  # 162
