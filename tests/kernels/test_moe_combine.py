@@ -9,9 +9,11 @@ rounding step of the output (2^-8 relative). Against float64 numpy: fp32 roundin
 GLU's tanh / sigmoid, 2e-5 relative; in bf16 the inputs of the norm and the GLU are rounded to 8 bits, 2e-2.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import moe_combine as mc
 
@@ -170,3 +172,24 @@ def test_grouped_mlp_combine_modes_agree_and_auto_follows_the_kept_rows(monkeypa
     assert calls and rel(auto, by_xla) < 2e-6
     with pytest.raises(ValueError, match="combine"):
         run(combine="triton")
+
+
+def test_lowers_to_triton_for_an_h200():
+    """The compiled kernel (not interpret mode) lowers through Pallas's Triton path for an abstract H200 on this CPU:
+    k3-small's decode (norm, shared GLU in programs of their own, 8 warps), its prefill tiling (4 tokens a program),
+    and a DEP rank's combine at K3's latent width (masked loads, 7 chunks, no norm). Catches lowering errors before
+    device time; Triton's own compile to PTX happens only on a GPU."""
+    spec = jax.ShapeDtypeStruct
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    for tokens, top_k, k_dim, with_shared in [(64, 8, 1024, True), (8192, 8, 1024, True), (645, 16, 3584, False)]:
+        arrays = {"norm_weight": spec((k_dim,), jnp.bfloat16), "shared": spec((tokens, 3 * k_dim), jnp.bfloat16)}
+        static = {"shared_columns": (k_dim, 2 * k_dim, k_dim)} if with_shared else {}
+
+        def fn(rows, ids, arrays, k_dim=k_dim, static=static):
+            return mc.moe_combine(rows, ids, k_dim=k_dim, dtype=jnp.bfloat16, **arrays, **static)
+
+        args = (spec((1, tokens * top_k, k_dim), jnp.float32), spec((tokens, top_k), jnp.int32),
+                arrays if with_shared else {})
+        with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1, (tokens, top_k, k_dim)
