@@ -6,6 +6,7 @@ another Python than the project's venv). Each `job_*` function takes a dict of n
 options and returns a dict of numpy arrays. Command line (used by parity_util's subprocess runner):
 
     python torch_ref_jobs.py JOB in.npz out.npz          (options travel as JSON in in.npz["__opts__"])
+    python torch_ref_jobs.py --serve                      (the same for each JSON [JOB, in.npz, out.npz] line of stdin)
 
 References used (versions pinned in the report / test extras):
 * transformers 5.24.0 `models/kimi_linear/modeling_kimi_linear.py`: KimiLinearForCausalLM, the torch KDA
@@ -556,7 +557,27 @@ def run_job(name: str, arrays: dict, opts: dict) -> dict:
     return fn(arrays, **opts)
 
 
+def _serve() -> int:
+    """Jobs from stdin, one JSON [job, in.npz, out.npz] a line, until stdin closes. Each is answered on stdout
+    by a line starting with parity_util.JOB_DONE: "ok" (out.npz written) or the job's traceback as JSON."""
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            _main(json.loads(line))
+            answer = "ok"
+        except Exception:
+            answer = json.dumps(traceback.format_exc())
+        print(f"\n{_JOB_DONE}{answer}", flush=True)  # on a line of its own, whatever the job printed
+    return 0
+
+
+_JOB_DONE = "K3JAX-TORCH-REF-JOB-DONE "  # parity_util.JOB_DONE (this file imports nothing of the tests)
+
+
 def _main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        return _serve()
     name, src, dst = argv
     with np.load(src, allow_pickle=False) as data:
         arrays = {k: data[k] for k in data.files if k != "__opts__"}
