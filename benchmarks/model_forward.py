@@ -374,7 +374,12 @@ def step_shapes(cfg, args, phase: str) -> tuple:
         b, pages = 1, -(-args.tokens // args.page_size)
         tokens = i32(1, args.tokens)
     state = jax.eval_shape(lambda: k3jax.init_state(cfg, b, b * pages, args.page_size))
-    return k3jax.param_shapes(cfg), state, tokens, StepMeta(i32(b), i32(b, pages), i32(b), i32(b))
+    params = k3jax.param_shapes(cfg)
+    if args.fuse:  # the layout the timed phases run (the MoE op differs: moe_out_input on fused params)
+        from k3jax.fuse import fuse_for_serving
+
+        params = jax.eval_shape(lambda p: fuse_for_serving(p, cfg), params)
+    return params, state, tokens, StepMeta(i32(b), i32(b, pages), i32(b), i32(b))
 
 
 def dispatch_report(cfg, args) -> dict:

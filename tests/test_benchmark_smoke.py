@@ -49,8 +49,8 @@ def test_model_forward_smoke_reference_vs_interpret(tmp_path, capsys):
     assert {e["impl"] for ph in ref_ops.values() for e in ph["ops"].values()} == {"reference"}
     assert result["backends"]["reference"]["non_reference_ops"] == {"decode": [], "prefill": []}
     assert result["backends"]["interpret"]["non_reference_ops"] == {
-        "decode": ["attn_res_mix_norm", "kda_decode_fused", "moe_experts", "moe_route"],
-        "prefill": ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused", "moe_experts", "moe_route"],
+        "decode": ["attn_res_mix_norm", "kda_decode_fused", "moe_out_input", "moe_route"],
+        "prefill": ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused", "moe_out_input", "moe_route"],
     }
     mla_op = result["backends"]["interpret"]["dispatch"]["decode"]["ops"]["mla_paged_attention"]
     assert mla_op == {"impl": "interpret", "calls": 3, "kernels": {"reference (shape fallback)": 3}}
@@ -118,12 +118,16 @@ def test_model_forward_dispatch_only(tmp_path):
                                     "--out", str(out)])
     assert json.loads(out.read_text()) == result
     ker, ref = result["backends"]["interpret"], result["backends"]["reference"]
-    assert ker["decode"]["non_reference_ops"] == ["attn_res_mix_norm", "kda_decode_fused", "moe_experts", "moe_route"]
+    # the serving layout by default (--fuse 1), as the timed phases: its MoE op is moe_out_input
+    assert ker["decode"]["non_reference_ops"] == ["attn_res_mix_norm", "kda_decode_fused", "moe_out_input", "moe_route"]
     assert ker["prefill"]["non_reference_ops"] == ["attn_res_mix_norm", "gated_rms_norm", "kda_chunked_fused",
-                                                   "moe_experts", "moe_route"]
+                                                   "moe_out_input", "moe_route"]
     assert ker["decode"]["dispatch"]["ops"]["mla_paged_attention"]["kernels"] == {"reference (shape fallback)": 3}
     assert ref["decode"]["dispatch"]["ops"]["kda_recurrent"] == {"impl": "reference", "calls": 6}
     assert ref["prefill"]["non_reference_ops"] == []
+    unfused = load_benchmark().main(["--model", "k3-tiny", "--dispatch-only", "--backends", "interpret", "--phases",
+                                     "decode", "--batch", "3", "--context", "50", "--page-size", "16", "--fuse", "0"])
+    assert "moe_experts" in unfused["backends"]["interpret"]["decode"]["non_reference_ops"]  # the checkpoint layout
 
 
 def test_model_forward_backend_options():
@@ -167,14 +171,14 @@ def test_model_forward_shadow_check_finds_a_wrong_kernel_and_restriction_bisects
     monkeypatch.setitem(backend._REGISTRY, ("gated_rms_norm", "interpret"),
                         lambda *a, **kw: (reference(*a, **kw) * 1.03).astype(a[0].dtype))
     out = tmp_path / "shadow.json"
-    argv = TINY_ARGS + ["--backends", "reference,interpret:moe_experts+gated_rms_norm", "--phases", "prefill",
+    argv = TINY_ARGS + ["--backends", "reference,interpret:moe_out_input+gated_rms_norm", "--phases", "prefill",
                         "--shadow-check", "--out", str(out)]
     result = load_benchmark().main(argv)
-    spec = "interpret:moe_experts+gated_rms_norm"
-    assert sorted(result["backends"][spec]["non_reference_ops"]["prefill"]) == ["gated_rms_norm", "moe_experts"]
+    spec = "interpret:moe_out_input+gated_rms_norm"  # (the serving layout's MoE op)
+    assert sorted(result["backends"][spec]["non_reference_ops"]["prefill"]) == ["gated_rms_norm", "moe_out_input"]
     check = result["shadow_check"][spec]
-    assert set(check["prefill"]) == {"gated_rms_norm", "moe_experts"} and "decode" not in check
-    moe, norm = check["prefill"]["moe_experts"], check["prefill"]["gated_rms_norm"]
+    assert set(check["prefill"]) == {"gated_rms_norm", "moe_out_input"} and "decode" not in check
+    moe, norm = check["prefill"]["moe_out_input"], check["prefill"]["gated_rms_norm"]
     assert moe["passed"] and moe["calls"] > 0 and moe["max_rel_error"] < 1e-4  # fp32: summation order only
     assert not norm["passed"] and abs(norm["max_rel_error"] - 0.03) < 1e-3
     assert not check["passed"]
