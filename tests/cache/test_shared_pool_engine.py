@@ -22,8 +22,10 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 
-SIZES = dict(page_size=16, num_pages=64, num_slots=12, max_running=1, max_prefill_tokens=16, max_model_len=256,
-             bucket_growth=64)  # one row bucket, one token bucket: every compile counts on 2 CPU cores
+# one row bucket, one token bucket: every compile counts on 2 CPU cores. tests/disagg's sizes (test_roles.SIZES,
+# test_deployment.ENGINE): its engines and workers load these programs from the run's XLA cache
+SIZES = dict(page_size=16, num_pages=96, num_slots=24, max_running=1, max_prefill_tokens=16, max_model_len=512,
+             bucket_growth=64)
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 pytestmark = pytest.mark.slow  # two k3-tiny engines per backend (~50 s CPU); issue 7's acceptance, so CI runs it
 

@@ -1,6 +1,7 @@
 """Helpers for the P/D tests: the API tests' process launcher (tests/api/conftest.py), shared by name."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,17 @@ def launch():
 def shared_compile_cache(tmp_path_factory):
     """One persistent XLA cache for this directory's in-process engines and worker processes (which run
     with this process's XLA_FLAGS, part of the cache key): every engine here has the same shapes, so
-    each program compiles once per session, whichever engine needs it first. Restored afterwards."""
+    each program compiles once, whichever engine needs it first. That is the run's shared cache when
+    tests/conftest.py set one (K3JAX_TEST_XLA_CACHE, both pytest-xdist processes): the workers then also
+    load what other modules compiled -- k3-tiny's init programs, and the engine programs of
+    tests/cache/test_shared_pool_engine.py (the same sizes). Otherwise a fresh directory, restored afterwards."""
     import jax
     from jax._src import compilation_cache
 
+    run_cache = os.environ.get("K3JAX_TEST_XLA_CACHE")
+    if run_cache and jax.config.jax_compilation_cache_dir == run_cache:
+        yield Path(run_cache)
+        return
     path = tmp_path_factory.mktemp("xla_cache_disagg")
     before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     jax.config.update("jax_compilation_cache_dir", str(path))

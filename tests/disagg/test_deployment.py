@@ -8,8 +8,8 @@ lower index), the embedded router, and SMG in PD mode in front of the same worke
   decode worker computes itself for a request without bootstrap fields;
 - killing a decode worker mid-stream ends that stream with an error; the router keeps serving on the
   remaining decode worker.
-Workers share a session-temporary XLA cache with test_roles' in-process engines (same shapes, same XLA
-flags): the first to compile a program writes it, the others load it.
+Workers share an XLA cache with test_roles' in-process engines (same shapes, same XLA flags; the run's
+shared cache, see conftest.py): the first to compile a program writes it, the others load it.
 
 Run: python -m pytest -q tests/disagg/test_deployment.py
 """
