@@ -97,14 +97,17 @@ def pytest_unconfigure(config):
 # test_speculative.py, then test_engine_spec.py (its trained-drafter test trained the pair again on the
 # other worker: the three files alone, -n 0, 215.7 s as two units, 164.9 s as one). So do the files of
 # tests/workload that use its session-scoped `k3jax serve` worker (about 35 s to start and compile under
-# load; on both workers it started twice). Files start heaviest first (seconds measured serially on the
-# 2-core CPU), so no long file begins when the other worker is nearly done; the rest follow in collection
-# order.
+# load; on both workers it started twice), and the files of tests/parity (one torch interpreter per process
+# serves their reference jobs, parity_util.py: alone, -n 0, 26.9 + 32.9 s in two processes, 49.9 s in one).
+# Files start heaviest first (seconds measured serially on the 2-core CPU), so no long file begins when the
+# other worker is nearly done; the rest follow in collection order.
 _XDIST_SAME_WORKER = {
     "tests/model/test_speculative.py": "tests/model/test_drafter.py",
     "tests/serving/test_engine_spec.py": "tests/model/test_drafter.py",
     "tests/workload/test_replay.py": "tests/workload/test_aiperf_agree.py",
     "tests/workload/test_sweep.py": "tests/workload/test_aiperf_agree.py",
+    "tests/parity/test_k3_model.py": "tests/parity/test_k3_components.py",
+    "tests/parity/test_kimi_linear_model.py": "tests/parity/test_k3_components.py",
 }
 _XDIST_HEAVY_FIRST = (  # the slowest files of a -n 2 run on 2026-12-01 (seconds of test time, before the shared XLA cache)
     "tests/model/test_model.py",  # 1062
