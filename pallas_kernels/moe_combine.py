@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fused_norm import _pow2_divisor
+
 ACTIVATIONS = ("situ", "silu")
 MIN_CHUNK = 16  # narrower power-of-two chunks would unroll hundreds of loads (an odd K has chunk 1)
 _MAX_CHUNK = 1024
@@ -46,13 +48,6 @@ MIN_PROGRAMS = 264  # two per SM of the H200 before a program takes more than on
 # kernel took 2.96 against 9.09 us, and a DEP rank's ~2 x 3584 kept won by 1.04-1.14x on its whole MoE. The cut sits
 # at twice the measured win at k3-small; the range between was not measured.
 MAX_ROW_VALUES = 16384
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    p = 1
-    while p * 2 <= cap and n % (p * 2) == 0:
-        p *= 2
-    return p
 
 
 def _chunk(d: int, interpret: bool) -> int:
@@ -74,8 +69,9 @@ def _chunks_ok(k_dim: int, shared_width: int, interpret: bool) -> bool:
     return all(_chunk(d, interpret) >= min(MIN_CHUNK, d) for d in (k_dim, shared_width) if d)
 
 
-def _glu(gate, up, activation: str, beta: float, linear_beta: float | None):
-    """fp32 in and out: k3jax.layers.glu_activation's math before its cast."""
+def glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_beta: float | None) -> jax.Array:
+    """SiTU-GLU / SwiGLU on fp32 values (k3jax.layers.glu_activation without the bf16 round trip); also the grouped
+    GLU GEMM's epilogue (moe_gemm)."""
     if activation == "silu":
         return gate * jax.nn.sigmoid(gate) * up
     act = beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
@@ -131,7 +127,7 @@ def _combine_kernel(rows_ref, ids_ref, *refs, top_k: int, k_dim: int, rows: int,
         for c0 in range(first, first + per_program, w_chunk):
             gate = shared_ref[token, pl.ds(gate_col + c0, w_chunk)].astype(jnp.float32)  # [rows, w_chunk]
             up = shared_ref[token, pl.ds(up_col + c0, w_chunk)].astype(jnp.float32)
-            h = _glu(gate, up, activation, beta, linear_beta).astype(dtype)
+            h = glu(gate, up, activation, beta, linear_beta).astype(dtype)
             out_ref[token, pl.ds(k_dim + c0, w_chunk)] = h.astype(out_dtype)
 
     if glu_programs == 0:  # not split: the combine's program does the GLU too
@@ -251,8 +247,8 @@ def moe_combine_reference(rows: jax.Array, ids: jax.Array, *, k_dim: int, dtype,
     gate_col, up_col, width = shared_columns
     gate = shared[:, gate_col:gate_col + width].astype(jnp.float32)
     up = shared[:, up_col:up_col + width].astype(jnp.float32)
-    h = _glu(gate, up, activation, situ_beta, situ_linear_beta).astype(dtype)
+    h = glu(gate, up, activation, situ_beta, situ_linear_beta).astype(dtype)
     return jnp.concatenate([y, h.astype(out_dtype)], axis=-1)
 
 
-__all__ = ["moe_combine", "moe_combine_reference", "supported", "MIN_CHUNK", "MAX_ROW_VALUES"]
+__all__ = ["moe_combine", "moe_combine_reference", "supported", "glu", "MIN_CHUNK", "MAX_ROW_VALUES"]

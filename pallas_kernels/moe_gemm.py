@@ -119,6 +119,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import moe_combine
+from pallas_kernels.moe_combine import glu as _glu  # the GLU epilogue's math (fp32)
 
 MXFP4_GROUP = 32  # inputs per E8M0 scale
 ACTIVATIONS = ("situ", "silu")
@@ -780,16 +781,6 @@ class _WeightRefs:
                 part = jnp.dot(a, w, preferred_element_type=jnp.float32)  # [block_m, block_n]
                 acc = acc + part * factor[None, :]
         return acc
-
-
-def _glu(gate: jax.Array, up: jax.Array, activation: str, beta: float, linear_beta: float | None) -> jax.Array:
-    """SiTU-GLU / SwiGLU on fp32 accumulators (k3jax.layers.glu_activation without the bf16 round trip)."""
-    if activation == "silu":
-        return gate * jax.nn.sigmoid(gate) * up
-    act = beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
-    if linear_beta is not None:
-        up = linear_beta * jnp.tanh(up / linear_beta)
-    return act * up
 
 
 # ----------------------------------------------------------------------------------------------------
