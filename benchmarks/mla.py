@@ -33,7 +33,8 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             committed kernel when benchmarks/_mla_decode_head.py exists
             (`git show HEAD:pallas_kernels/mla_decode.py > benchmarks/_mla_decode_head.py`, never committed),
             this tree's Triton kernel, the Mosaic GPU kernel in its two schedules ("mosaic kv64 x2" and
-            "... split"; --variants picks by substring).
+            "... split"), each alone per row block and "... paired" (2-CTA clusters sharing each page by multicast;
+            the GPU default where row blocks pair up); --variants picks by substring.
   --backend mosaic: the decode table with the Mosaic GPU kernel.
   --shape-sweep: only the decode tiling sweep at one model's decode shape (default k3-small's, as
             benchmarks/model_forward.py runs it: 16 heads, B64 x 8192-token histories, 64-token pages, a stacked
@@ -573,10 +574,16 @@ def run_backends(bench, pool, copy_gbps) -> list:
         ("triton 64/64/8/1", md.mla_decode, dict(block_kv=64, block_rows=64, num_warps=8, num_stages=1)),
         ("triton 64/64/8/1 vg2", md.mla_decode,
          dict(block_kv=64, block_rows=64, num_warps=8, num_stages=1, value_groups=2)),
-        ("mosaic kv64 x2", md.mla_decode, dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate")),
+        ("mosaic kv64 x2", md.mla_decode,
+         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate", mosaic_paired=False)),
         # each compute warpgroup scores half of a block's keys (no duplicated Q K^T; two exchanges per block)
         ("mosaic kv64 x2 split", md.mla_decode,
-         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split")),
+         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split", mosaic_paired=False)),
+        # a work item's two row blocks as one 2-CTA cluster, each page multicast by TMA to both (read from L2 once)
+        ("mosaic kv64 x2 paired", md.mla_decode,
+         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate", mosaic_paired=True)),
+        ("mosaic kv64 x2 split paired", md.mla_decode,
+         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split", mosaic_paired=True)),
     ]
     if bench.args.variants:
         variants = [v for v in variants if any(w in v[0] for w in bench.args.variants.split(","))]
@@ -606,7 +613,10 @@ def run_backends(bench, pool, copy_gbps) -> list:
                 ql, qp, table, positions = cases[q_len]
                 # the plan the model's call builds for this backend (a fixed 132-part plan, used until 2026-12-03,
                 # put the Mosaic kernel at 4.2 ms here against 1.6 ms with its own knobs at 96 heads)
-                parts, overhead = md.default_plan_knobs(kw.get("backend", "triton"), b, -(-q_len * heads // 64))
+                row_blocks = -(-q_len * heads // 64)
+                paired = kw.get("mosaic_paired", kw.get("backend") == "mosaic" and md.default_mgpu_paired(row_blocks,
+                                                                                                          False))
+                parts, overhead = md.default_plan_knobs(kw.get("backend", "triton"), b, row_blocks, paired=paired)
                 plan = mla_plan.plan_to_device(mla_plan.plan_balanced(lens, block_kv=kw["block_kv"], num_parts=parts,
                                                                       overhead_blocks=overhead))
                 entry[f"q{q_len}_plan_parts_overhead"] = (parts, overhead)

@@ -65,6 +65,14 @@ With 64-token pages (devscripts timing, docs/results/mla_schedules_h200_2026-12-
 (64 rows: 0.751 against 0.795 ms) and 1.04x slower at q_len 1 (16 rows padded to 64: 0.718 against 0.692 ms, where
 the MMA is a small share and the exchange is not). So default_mgpu_schedule takes "split" from one full 64-row
 block of query rows per request.
+Paired clusters (2026-12-04; mosaic_paired): a work item's row blocks run two by two as 2-CTA clusters; each CTA
+issues half of every page tile by multicast TMA into both rings (a page crosses L2 -> SM once per pair), a slot is
+refilled once both CTAs' compute warpgroups released it (cluster barriers), and each CTA prefetches its half of
+the blocks 4 ahead into L2. At 96 heads, B64 x 32k, 64-token pages (benchmarks/mla.py --backends, one H200): 1.365
+against 1.427 ms at q_len 1 (42 against 40 % of copy) and 4.124 against 4.612 ms at q_len 4; interleaved A/B rounds
+gave 1.02-1.06x at q_len 1 and 1.00-1.03x at q_len 4 (docs/results/mla_paired_h200_2026-12-04.json). So halving
+the L2 -> SM traffic barely moved the kernel: the loads were not bound by it. A 2-slot ring (all the shared memory
+the queries leave) paces a block per ~2.7 us per SM at 16 and 96 heads alike.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -278,17 +286,39 @@ def default_mgpu_schedule(rows: int) -> str:
     return "split" if rows >= MGPU_ROWS else "duplicate"
 
 
+def default_mgpu_paired(row_blocks: int, interpret: bool) -> bool:
+    """Whether the Mosaic kernel runs row blocks in 2-CTA clusters when mosaic_paired is not given: on the GPU
+    wherever the row blocks pair up (K3's 96 heads: 2 at q_len 1, 6 at 4); not under the interpreter, which runs a
+    cluster's CTAs as concurrent threads that wait on each other (as the split schedule's warpgroups do)."""
+    return not interpret and row_blocks % 2 == 0
+
+
+def default_mgpu_l2_prefetch(paired: bool) -> int:
+    """KV blocks prefetched into L2 ahead of the ring when mosaic_l2_prefetch is not given: 4 for paired clusters
+    (each CTA prefetches half of each block; 96 heads, B64 x 32k, one H200 call: q_len 1 1.396 / 1.416 ms with / without
+    at 64-token pages, 1.415 / 1.446 at 16; q_len 4 4.315 / 4.534 and 4.337 / 4.355; 8 blocks ahead no better), none
+    otherwise (both row-block programs of an item prefetch the same pages: 1.94 against 1.44 ms)."""
+    return 4 if paired else 0
+
+
 def default_mgpu_block_kv(page_size: int) -> int:
     """The Mosaic kernel's KV block when none is given: MGPU_DEFAULT_BLOCK_KV, or one page if pages are larger."""
     return max(MGPU_DEFAULT_BLOCK_KV, page_size)
 MGPU_SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
+MGPU_MAX_L2_PREFETCH = 16  # KV blocks prefetched into L2 ahead of the ring (mla_decode's mosaic_l2_prefetch)
+MGPU_PAIR_AXIS = "pair"  # the cluster axis of the paired kernels: the two row blocks of one work item
 _MGPU_INTERPRET_KW = {}
 
 
-def _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref):
+def _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref, paired: bool = False):
     """This Mosaic program's work item: (item, request b, valid (False: a padding item), its first KV block, the
-    number of KV blocks it walks (0 when padding), its 64 query rows)."""
-    row_block, item = jax.lax.axis_index("rows"), jax.lax.axis_index("items")
+    number of KV blocks it walks (0 when padding), its 64 query rows). `paired`: the program is one of a 2-CTA
+    cluster (grid axis "row_pairs", cluster axis MGPU_PAIR_AXIS) holding row blocks 2 * pair and 2 * pair + 1."""
+    if paired:
+        row_block = 2 * jax.lax.axis_index("row_pairs") + jax.lax.axis_index(MGPU_PAIR_AXIS)
+    else:
+        row_block = jax.lax.axis_index("rows")
+    item = jax.lax.axis_index("items")
     b_raw = work_request_ref[item]
     valid = b_raw >= 0
     blk_start = work_start_ref[item]
@@ -317,26 +347,47 @@ def _mgpu_softmax_start():
 
 
 def _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, *, b, blk_start,
-                    num_steps, layer, page_size, stages):
+                    num_steps, layer, page_size, stages, paired=False, l2_prefetch=0):
     """The Mosaic kernels' memory warpgroup: streams the item's KV blocks page by page into the `stages`-slot TMA
     ring (c_smem [stages, 2, block_kv, 256] latent halves, r_smem [stages, block_kv, R] rope part), refilling a
-    slot once both compute warpgroups have arrived on its consumed barrier."""
+    slot once both compute warpgroups have arrived on its consumed barrier.
+    `paired` (a 2-CTA cluster on the same work item): each CTA's copy is half of every tile, multicast into both
+    CTAs' rings, so a page crosses L2 -> SM once for both row blocks (each CTA's kv barrier still counts the whole
+    tile's bytes); consumed_barriers are then cluster barriers: a slot is refilled once the compute warpgroups of
+    both CTAs are done with it, since the refill writes the peer's ring too.
+    `l2_prefetch` > 0: issuing block s also asks TMA to bring block s + l2_prefetch into L2 (no shared memory, no
+    barrier), so the ring's refills read L2 rather than HBM; the ring holds only 2 blocks (the queries take a third
+    of shared memory), too shallow to cover HBM latency by itself."""
     plmgpu.set_max_registers(40, action="decrease")
     block_kv, c_half, r_dim = c_smem.shape[2], MGPU_VALUE_HALF, r_smem.shape[-1]
     pages_per_block = block_kv // page_size
+    pair = MGPU_PAIR_AXIS if paired else None
+    columns = [pl.ds(0, c_half), pl.ds(c_half, c_half), pl.ds(2 * c_half, r_dim)]  # the three tiles of a page
+
+    def pages(step):
+        return [page_table_ref[b, (blk_start + step) * pages_per_block + i] for i in range(pages_per_block)]
+
+    def prefetch(step):
+        @pl.when(step < num_steps)
+        def _():
+            for page in pages(step):
+                for cols in columns:
+                    plmgpu.async_prefetch(kv_ref.at[layer, page, :, cols], collective_axes=pair)
 
     def issue(step, slot):
-        for i in range(pages_per_block):
-            page = page_table_ref[b, (blk_start + step) * pages_per_block + i]
+        for i, page in enumerate(pages(step)):
             dst_rows = pl.ds(i * page_size, page_size)
-            for half in range(2):
-                plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(half * c_half, c_half)],
-                                        c_smem.at[slot, half, dst_rows], kv_barriers.at[slot])
-            plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, pl.ds(2 * c_half, r_dim)],
-                                    r_smem.at[slot, dst_rows], kv_barriers.at[slot])
+            dsts = [c_smem.at[slot, 0, dst_rows], c_smem.at[slot, 1, dst_rows], r_smem.at[slot, dst_rows]]
+            for cols, dst in zip(columns, dsts):
+                plmgpu.copy_gmem_to_smem(kv_ref.at[layer, page, :, cols], dst, kv_barriers.at[slot],
+                                        collective_axes=pair)
+        if l2_prefetch:
+            prefetch(step + l2_prefetch)
 
     for first in range(stages):
         pl.when(first < num_steps)(functools.partial(issue, first, first))
+    for ahead in range(stages, l2_prefetch):  # the blocks the first issues' prefetches skip over
+        prefetch(ahead)
 
     @pl.loop(0, jnp.maximum(num_steps - stages, 0))
     def _refill(step):
@@ -399,16 +450,20 @@ def _mgpu_decode_kernel(
     stages: int,
     softmax_scale: float,
     interpret: bool,
+    paired: bool = False,
+    l2_prefetch: int = 0,
 ):
     (c_smem, r_smem), (o_smem, lse_smem) = kv_union
-    item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref)
+    item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref,
+                                                                 paired)
     wg = jax.lax.axis_index("wg")
     layer = layer_ref[0]
 
     @pl.when(wg == 2)
     def _memory_warpgroup():
         _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, b=b,
-                        blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages)
+                        blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages,
+                        paired=paired, l2_prefetch=l2_prefetch)
 
     @pl.when(wg < 2)
     def _compute_warpgroup():
@@ -483,6 +538,8 @@ def _mgpu_split_decode_kernel(
     stages: int,
     softmax_scale: float,
     interpret: bool,
+    paired: bool = False,
+    l2_prefetch: int = 0,
 ):
     """The "split" schedule of the Mosaic kernel: each compute warpgroup scores its own half of a KV block's keys
     (no duplicated Q K^T), the two exchange row maxima and probabilities through shared memory, and each
@@ -502,7 +559,8 @@ def _mgpu_split_decode_kernel(
     wait on each other, so all three must run at once; in the "duplicate" kernel they wait only on the memory
     warpgroup, and it runs with 1 device. On the H200 it ran to the reference's results."""
     (c_smem, r_smem), (o_smem, lse_smem) = kv_union
-    item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref)
+    item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref,
+                                                                 paired)
     wg = jax.lax.axis_index("wg")
     layer = layer_ref[0]
     c_half, r_dim = MGPU_VALUE_HALF, r_smem.shape[-1]
@@ -512,7 +570,8 @@ def _mgpu_split_decode_kernel(
     @pl.when(wg == 2)
     def _memory_warpgroup():
         _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, b=b,
-                        blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages)
+                        blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages,
+                        paired=paired, l2_prefetch=l2_prefetch)
 
     @pl.when(wg < 2)
     def _compute_warpgroup():
@@ -626,9 +685,10 @@ def mgpu_supported(c_dim: int, r_dim: int, page_size: int, kv_dtype, block_kv: i
             and _is_pow2(page_size) and block_kv % page_size == 0 and block_kv % 64 == 0 and page_size % 8 == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "schedule", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "schedule", "paired",
+                                             "l2_prefetch", "interpret"))
 def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan, layer, *, kv_lora_rank, scale,
-                     block_kv, stages, schedule, interpret):
+                     block_kv, stages, schedule, paired, l2_prefetch, interpret):
     kv_pages, _, layer = stacked_pool(kv_pages, None, layer)
     mgpu = plmgpu
     b, t, h, c_dim = q_latent.shape
@@ -641,6 +701,15 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
     swizzled = lambda shape, dt=dtype: mgpu.SMEM(shape, dt, transforms=(mgpu.TilingTransform((8, 64)),
                                                                         mgpu.SwizzleTransform(128)))
     outputs = (mgpu.SMEM((2, MGPU_ROWS, MGPU_VALUE_HALF), jnp.float32), mgpu.SMEM((MGPU_ROWS,), jnp.float32))
+    row_blocks = m_pad // MGPU_ROWS
+    if paired:  # one 2-CTA cluster per (row-block pair, work item); a slot's refill waits for both CTAs
+        assert row_blocks % 2 == 0, row_blocks
+        consumed = mgpu.ClusterBarrier(collective_axes=(MGPU_PAIR_AXIS,), num_arrivals=2, num_barriers=stages)
+        launch = dict(grid=(row_blocks // 2, num_items), grid_names=("row_pairs", "items"), cluster=(2,),
+                      cluster_names=(MGPU_PAIR_AXIS,))
+    else:
+        consumed = mgpu.Barrier(num_arrivals=2, num_barriers=stages)
+        launch = dict(grid=(row_blocks, num_items), grid_names=("rows", "items"))
     scratch = dict(q_c_smem=swizzled((2, MGPU_ROWS, MGPU_VALUE_HALF)))
     if schedule == "split":
         key_half = block_kv // 2
@@ -654,7 +723,7 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
             stat_smem=mgpu.SMEM((2, MGPU_ROWS), jnp.float32),
             q_barrier=mgpu.Barrier(num_arrivals=3),
             kv_barriers=mgpu.Barrier(num_arrivals=3 * (block_kv // page_size), num_barriers=stages),
-            consumed_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            consumed_barriers=consumed,
             max_barrier=mgpu.Barrier(num_arrivals=2),
             probs_barrier=mgpu.Barrier(num_arrivals=2),
             done_barrier=mgpu.Barrier(num_arrivals=2),
@@ -671,7 +740,7 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
                 (swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)), swizzled((stages, block_kv, r_dim))), outputs),
             q_barrier=mgpu.Barrier(num_arrivals=4),
             kv_barriers=mgpu.Barrier(num_arrivals=3 * (block_kv // page_size), num_barriers=stages),
-            consumed_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            consumed_barriers=consumed,
             done_barrier=mgpu.Barrier(num_arrivals=2),
         )
         if interpret:
@@ -679,12 +748,11 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
         body = _mgpu_decode_kernel
     kernel = mgpu.kernel(
         functools.partial(body, block_kv=block_kv, page_size=page_size, stages=stages, softmax_scale=scale,
-                          interpret=interpret),
+                          interpret=interpret, paired=paired, l2_prefetch=l2_prefetch),
         out_type=(jax.ShapeDtypeStruct((num_items, m_pad, c_dim), jnp.float32),
                   jax.ShapeDtypeStruct((num_items, m_pad), jnp.float32)),
         scratch_types=list(scratch.values()),
-        grid=(m_pad // MGPU_ROWS, num_items),
-        grid_names=("rows", "items"),
+        **launch,
         num_threads=3,
         thread_name="wg",
         compiler_params=mgpu.CompilerParams(approx_math=True),
@@ -848,7 +916,8 @@ TRITON_NUM_PARTS = 132  # the Triton kernel's parts: 1-2 programs per H200 SM (1
 H200_SM_COUNT = 132
 
 
-def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT) -> tuple[int, int]:
+def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT,
+                       paired: bool = False) -> tuple[int, int]:
     """(num_parts, overhead_blocks) of the on-device balanced plan. Triton: TRITON_NUM_PARTS parts, overhead 1 block.
     Mosaic, whose programs each hold a whole SM (the shared-memory ring), by two H200 measurements (2026-11-30):
     - one row block per request (<= 64 query rows: k3-small's 16 heads): one wave, num_parts = sm_count - batch, so the
@@ -856,12 +925,16 @@ def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int 
       (128 items) 0.206 ms per layer against 0.223 / 0.260 / 0.245 ms at 264 / 132 / 528 parts;
     - more row blocks (K3's 96 heads: 2): 4 programs per SM with an overhead of 64 blocks per request. 96 heads, 32
       histories 4k-200k (benchmarks/mla.py --plan-sweep --backend mosaic, first batch): 264 parts / overhead 64 1.54 ms,
-      overhead 1 1.66 ms, 132 parts 1.83 ms, one wave (34 parts) 2.32 ms; the best uniform split 1.98 ms."""
+      overhead 1 1.66 ms, 132 parts 1.83 ms, one wave (34 parts) 2.32 ms; the best uniform split 1.98 ms;
+    - `paired` (2-CTA clusters): half as many parts (2 programs per SM). 96 heads, B64 x 32k, q_len 1 (H200,
+      2026-12-04, docs/results/mla_paired_h200_2026-12-04.json): 132 parts 1.349-1.393 ms against 1.396-1.463 at
+      264 over three calls, both page sizes; at q_len 4 (6 row blocks) 44 against 88 parts was 1.02x faster in one
+      call and 1.02x slower in the next: within the noise."""
     if backend != "mosaic":
         return TRITON_NUM_PARTS, 1
     if row_blocks == 1:
         return max(sm_count - batch, 1), 1
-    return max(4 * sm_count // row_blocks, 1), 64
+    return max((2 if paired else 4) * sm_count // row_blocks, 1), 64
 
 
 def default_block_rows(num_rows: int, cap: int) -> int:
@@ -889,6 +962,8 @@ def mla_decode(
     value_groups: int = 1,
     backend: str = "triton",
     mosaic_schedule: str | None = None,
+    mosaic_paired: bool | None = None,
+    mosaic_l2_prefetch: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed MLA decode over a paged latent cache (the cache already holds this step's tokens).
@@ -917,6 +992,11 @@ def mla_decode(
         (both score every key; no exchange) or "split" (each scores half the keys; row maxima and probabilities
         exchanged through shared memory, a third less MMA work; _mgpu_split_decode_kernel); None:
         default_mgpu_schedule(T*H) on the GPU, "duplicate" under the interpreter.
+      mosaic_paired: run each work item's row blocks in 2-CTA clusters whose KV pages are multicast by TMA (each
+        page read from L2 once per pair instead of once per row block); needs an even number of 64-row blocks
+        (96 heads x q_len 1: 2). None: default_mgpu_paired.
+      mosaic_l2_prefetch: KV blocks ahead of the TMA ring that the Mosaic kernel prefetches into L2 (0: none; None:
+        MGPU_DEFAULT_L2_PREFETCH).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -936,10 +1016,12 @@ def mla_decode(
     if value_groups < 1 or c_dim % value_groups or not _is_pow2(c_dim // value_groups) or c_dim // value_groups < 16:
         raise ValueError(f"value_groups must split kv_lora_rank {c_dim} into power-of-two groups >= 16, "
                          f"got {value_groups}")
+    row_blocks = -(-(t * h) // (MGPU_ROWS if backend == "mosaic" else block_rows))
+    if backend == "mosaic" and mosaic_paired is None:
+        mosaic_paired = default_mgpu_paired(row_blocks, interpret)
     if plan is None:
         kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
-        default_parts, overhead = default_plan_knobs(
-            backend, b, -(-(t * h) // (MGPU_ROWS if backend == "mosaic" else block_rows)))
+        default_parts, overhead = default_plan_knobs(backend, b, row_blocks, paired=bool(mosaic_paired))
         plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=default_parts if num_parts is None else num_parts,
                              overhead_blocks=overhead, xp=jnp)
     if plan.request_num_work.shape != (b,):
@@ -954,6 +1036,13 @@ def mla_decode(
             mosaic_schedule = "duplicate" if interpret else default_mgpu_schedule(t * h)
         if mosaic_schedule not in MGPU_SCHEDULES:
             raise ValueError(f"mosaic_schedule must be one of {MGPU_SCHEDULES}, got {mosaic_schedule!r}")
+        if mosaic_paired and row_blocks % 2:
+            raise ValueError(f"mosaic_paired runs row blocks in pairs; T*H = {t * h} query rows make {row_blocks} "
+                             f"64-row blocks, an odd number")
+        if mosaic_l2_prefetch is None:
+            mosaic_l2_prefetch = default_mgpu_l2_prefetch(bool(mosaic_paired))
+        if not 0 <= mosaic_l2_prefetch <= MGPU_MAX_L2_PREFETCH:
+            raise ValueError(f"mosaic_l2_prefetch must be in [0, {MGPU_MAX_L2_PREFETCH}], got {mosaic_l2_prefetch}")
         smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1], mosaic_schedule)
         if num_stages < 2:  # one slot: the Mosaic GPU interpreter never finishes (2026-11-30, not understood)
             raise ValueError(f"the Mosaic GPU kernel needs num_stages >= 2 (a TMA ring of >= 2 slots), "
@@ -963,7 +1052,8 @@ def mla_decode(
                              f"{smem} B of shared memory, over the {MGPU_SMEM_LIMIT - 1024} B it may use")
         return _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), layer,
                                 kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv,
-                                stages=num_stages, schedule=mosaic_schedule, interpret=interpret)
+                                stages=num_stages, schedule=mosaic_schedule, paired=bool(mosaic_paired),
+                                l2_prefetch=int(mosaic_l2_prefetch), interpret=interpret)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
     return _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), kv_scales, layer,

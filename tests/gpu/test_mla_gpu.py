@@ -131,14 +131,17 @@ def test_k3_small_decode_shape_through_the_model_switch(kernel, q_len, monkeypat
         assert rel(got[r], want[r]) < TOL, r
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("schedule", md.MGPU_SCHEDULES)
 @pytest.mark.parametrize("q_len", [1, 4])
-def test_mosaic_schedules_at_k3_heads(schedule, q_len):
+@pytest.mark.parametrize("page", [16, 64])
+def test_mosaic_schedules_at_k3_heads(schedule, q_len, paired, page):
     """The Mosaic kernel's two schedules at K3's 96 heads (2 / 6 row blocks of 64 at q_len 1 / 4, a causal draft at
-    4), 16-token shuffled pages, the ragged histories, the balanced plan with the model's Mosaic knobs: "split"
+    4), 16- and 64-token shuffled pages, the ragged histories, the balanced plan with the model's Mosaic knobs: "split"
     exchanges row maxima and probabilities between its compute warpgroups, which the interpreter runs but cannot
-    race-check, so it is checked here on the GPU. Tolerance as above."""
-    heads, page = 96, 16
+    race-check, so it is checked here on the GPU; so is `paired` (2-CTA clusters, each page multicast by TMA: the
+    interpreter copies whole tiles and does not model the multicast). Tolerance as above."""
+    heads = 96
     rng = np.random.default_rng(96 + q_len)
     lens = HISTORIES + q_len
     b = len(lens)
@@ -149,11 +152,11 @@ def test_mosaic_schedules_at_k3_heads(schedule, q_len):
     q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, C)), jnp.bfloat16)
     q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, R)), jnp.bfloat16)
     positions = jnp.asarray(HISTORIES[:, None] + np.arange(q_len)[None], jnp.int32)
-    parts, overhead = md.default_plan_knobs("mosaic", b, -(-q_len * heads // 64))
+    parts, overhead = md.default_plan_knobs("mosaic", b, -(-q_len * heads // 64), paired=paired)
     plan = mla_plan.plan_balanced(np.asarray(md.attended_lengths(positions, max_pages * page)), block_kv=64,
                                   num_parts=parts, overhead_blocks=overhead)
     got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=C, scale=SCALE, backend="mosaic",
-                        mosaic_schedule=schedule)
+                        mosaic_schedule=schedule, mosaic_paired=paired)
     want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=C, scale=SCALE)
     for r in range(b):
         assert rel(got[r], want[r]) < TOL, r

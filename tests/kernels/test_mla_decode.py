@@ -240,6 +240,68 @@ def test_mosaic_decode_matches_reference_in_interpret_mode(schedule):
         assert rel(got[r], want[r]) < TOL, r
 
 
+@pytest.mark.parametrize("schedule", md.MGPU_SCHEDULES)
+def test_mosaic_paired_decode_matches_reference_in_interpret_mode(schedule):
+    """mosaic_paired: a work item's two 64-row blocks run as one 2-CTA cluster, each CTA issuing half of every KV
+    tile by multicast TMA into both rings, a slot refilled only after both CTAs' compute warpgroups released it
+    (cluster barriers). 48 heads x q_len 2 = 96 query rows: the second block is half padding and holds the draft's
+    second position (causal inside the draft across the pair). Histories 1 / 63 / 300 with a balanced plan of 3
+    parts (items of 1-3 KV blocks, one wrapping the 2-slot ring, padding items). Tolerance as above. An odd number
+    of row blocks (16 heads x q_len 2) is refused."""
+    heads, c_dim, r_dim, q_len = 48, 512, 64, 2
+    rng = np.random.default_rng(23)
+    hist = np.array([1, 63, 300])
+    lens = hist + q_len
+    b = len(hist)
+    max_pages = -(-lens.max() // PAGE) + 1
+    num_pages = b * max_pages + 3
+    table = jnp.asarray(shuffled_page_tables(rng, b, max_pages, num_pages))
+    kv = jnp.asarray(rng.standard_normal((num_pages, PAGE, c_dim + r_dim)), jnp.bfloat16)
+    q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, c_dim)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, r_dim)), jnp.bfloat16)
+    positions = jnp.asarray(hist[:, None] + np.arange(q_len)[None], jnp.int32)
+    scale = 192**-0.5
+    plan = mla_plan.plan_balanced(kv_lens(positions, table), block_kv=64, num_parts=3)
+    assert (plan.work_request < 0).any() and (plan.work_block_end - plan.work_block_start).max() == 3
+    call = lambda q_l, q_r: md.mla_decode(q_l, q_r, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale,
+                                          block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule=schedule,
+                                          mosaic_paired=True, interpret=True)
+    got = call(q_latent, q_pe)
+    want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=c_dim, scale=scale)
+    assert got.shape == (b, q_len, heads, c_dim)
+    for r in range(b):
+        assert rel(got[r], want[r]) < TOL, r
+    with pytest.raises(ValueError, match="odd number"):
+        call(q_latent[:, :, :16], q_pe[:, :, :16])
+
+
+@pytest.mark.parametrize("heads,q_len,want", [(96, 1, True), (96, 4, True), (48, 2, True), (16, 4, False),
+                                               (16, 1, False)])
+def test_mosaic_paired_default_follows_the_row_blocks(heads, q_len, want, monkeypatch):
+    """Without mosaic_paired the GPU kernel pairs row blocks wherever their number is even (K3's 96 heads: 2 at
+    q_len 1, 6 at 4) and then prefetches 4 blocks into L2 and halves the plan's parts; k3-small's single row block
+    (16 heads x q_len 1) and odd counts run one CTA per row block with no prefetch. The interpreter never pairs.
+    The launch is recorded (no GPU here); out-of-range prefetch distances are refused."""
+    seen = {}
+    monkeypatch.setattr(md, "_mla_decode_mgpu", lambda *a, **kw: seen.update(kw, plan=a[5]) or "launched")
+    b, page = 2, 64
+    table = jnp.asarray(np.arange(2 * 8, dtype=np.int32).reshape(b, 8))
+    positions = jnp.asarray(np.array([[300], [40]]) + np.arange(q_len)[None], jnp.int32)
+    call = lambda interpret, **kw: md.mla_decode(
+        jnp.ones((b, q_len, heads, 512), jnp.bfloat16), jnp.ones((b, q_len, heads, 64), jnp.bfloat16),
+        jnp.ones((2 * 8, page, 576), jnp.bfloat16), table, positions, kv_lora_rank=512, scale=0.1, backend="mosaic",
+        interpret=interpret, **kw)
+    assert call(False) == "launched"
+    assert seen["paired"] is want and seen["l2_prefetch"] == (4 if want else 0)
+    row_blocks = -(-heads * q_len // 64)
+    assert len(seen["plan"][0]) == mla_plan.max_work_items(
+        b, md.default_plan_knobs("mosaic", b, row_blocks, paired=want)[0])
+    call(True)
+    assert seen["paired"] is False and seen["l2_prefetch"] == 0
+    with pytest.raises(ValueError, match="mosaic_l2_prefetch"):
+        call(False, mosaic_l2_prefetch=md.MGPU_MAX_L2_PREFETCH + 1)
+
+
 def test_mosaic_decode_at_16_heads_and_64_token_pages():
     """k3-small's decode shape under the Mosaic GPU interpreter: 16 heads x q_len 1 = 16 query rows, padded to the
     kernel's 64-row wgmma tile (the padding rows see no key and are dropped before the merge), 64-token pages, the
@@ -312,13 +374,16 @@ def test_mosaic_schedule_default_follows_the_rows(heads, q_len, want, monkeypatc
     assert call(True) == "duplicate"  # the interpreter keeps "duplicate" (split needs >= 3 host devices there)
 
 
-@pytest.mark.parametrize("schedule,page", [("duplicate", 64), ("split", 16)])
-def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, monkeypatch):
+@pytest.mark.parametrize("schedule,page,paired", [("duplicate", 64, False), ("split", 16, False), ("split", 64, True),
+                                                   ("duplicate", 16, True)])
+def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, paired, monkeypatch):
     """The Mosaic kernel lowers for sm_90 at K3's decode shape (96 heads: two 64-row blocks, 64-key blocks, a 2-slot
     ring) on a machine without a GPU: Mosaic's layout inference and the shared-memory limit are checked at lowering,
     and the interpreter checks neither. The split schedule fits only with q_pe as a register operand (with a
     shared-memory buffer for it, it was 1,088 B over the H200's 227 KiB). `_infer_arch` asks the local GPU (none
-    here); the Triton combine after the kernel needs a GPU to lower, so a stand-in replaces it."""
+    here); the Triton combine after the kernel needs a GPU to lower, so a stand-in replaces it. `paired`: the 2-CTA
+    cluster form, whose multicast copies (each CTA half of a tile: the tiled, swizzled page must split on a leading
+    dimension) the interpreter does not model -- it copies whole tiles -- so only lowering checks them here."""
     import jax
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -332,5 +397,6 @@ def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, monkeypatch):
             s((1, b * hist // page + b, page, 576), jnp.bfloat16), s((b, hist // page + 1), jnp.int32),
             s((b, 1), jnp.int32))
     fn = lambda *a: md.mla_decode(*a, plan, kv_lora_rank=512, scale=192**-0.5, layer=0, block_kv=64, num_stages=2,
-                                  backend="mosaic", mosaic_schedule=schedule)
+                                  backend="mosaic", mosaic_schedule=schedule, mosaic_paired=paired,
+                                  mosaic_l2_prefetch=4 if schedule == "split" else 0)
     assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
