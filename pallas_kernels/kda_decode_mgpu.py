@@ -95,6 +95,16 @@ inputs], which the commit rebuilds (k3jax.kda.conv_window_after), as it rebuilds
 all of the ablated stores (bound: the 0.311 ms case above). Measured: 0.315 / 1.232 ms against 0.340 / 1.293
 (1.08x / 1.05x, 2026-12-03).
 
+2026-12-04 (twenty-seventh session; docs/results/kda_verify_tiled_prep_h200_2026-12-04.json): verify at T = 4 does
+the prep warpgroup's vector work on [4, K] tiles, one position per warp (positions_layout, prep_tiled): the four
+positions' convs, SiLUs, gates and products run side by side, and the q / k L2 norms reduce within a warp (no
+shared-memory round trips and barriers). Interleaved A/B against the per-position form (devscripts/kdav.py, 3
+rounds, bf16 H96): verify B64 T4 **0.215 against 0.315 ms** (1.46x), B256 **0.812 against 1.241** (1.53x); decode
+T1 unchanged (0.238 / 0.239). benchmarks/kda.py in the same call: verify B64 / B256 T4 0.219 / 0.814 ms, 48 / 52 % of
+copy on its state reads, 2.71x / 2.74x fla's public call, 3.58x / 3.73x fla pooled. At T = 8 the same layout with
+two positions a warp gave wrong results on the H200 (the interpreter ignores layouts), so T != 4 keeps the
+per-position form.
+
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
 Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there (S unchanged), and the conv state keeps the last
@@ -114,6 +124,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda_decode import GATES, MAX_TOKENS, _check, kda_decode_reference
@@ -126,10 +137,24 @@ _COL = plgpu.Layout.WGMMA.reduce(0)  # a [K] vector as a tile's columns (broadca
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector as a tile's rows (one value per row)
 _TILE = plgpu.Layout.WGMMA
 OPERAND_COPIES_PER_ITEM = 8  # q|k|v inputs and conv windows (3 x 2); z; output gate (the state has its own barrier)
+TILED_VERIFY_PREP = True  # verify at T = 4: prep's vector work on [4, K] tiles (positions_layout, prep_tiled)
 APPROX_MATH = True  # MUFU exp / log / reciprocal / rsqrt: shorter latency chains in the prep warpgroup's vector code
 
 # kda_decode_mgpu's reference: kda_decode's (same arguments, same results, decode and verify)
 kda_decode_mgpu_reference = kda_decode_reference
+
+
+def positions_layout(width: int):
+    """[4, width] tiles of verify's prep at T = 4 positions: one position per warp, its width over the warp's 32
+    lanes, width // 32 contiguous elements a lane. A reduction along a row stays inside its warp (shuffles: no
+    shared-memory scratch, no barrier), and the 4 positions' vector work runs side by side instead of one after
+    another. (The same idea at T = 8, two rows a warp by the tiling ((8, w), (4, w), (w // 32,)), gave wrong results
+    on the H200 -- y 1.2 relative off -- where the interpreter, which ignores register layouts, passed it; so T = 8
+    keeps the per-position form.)"""
+    if width % 32:
+        raise ValueError(f"positions_layout takes width % 32 == 0, got {width}")
+    return plgpu.Layout.TILED(fa.Tiling(((4, width), (width // 32,))), warp_dims=(-3,), lane_dims=(-2,),
+                              vector_dim=-1)
 
 
 def _cols(ref):
@@ -194,7 +219,7 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
                  onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, gate,
-                 lower_bound, eps, act_dtype, all_states, packed):
+                 lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   packed = (og_col, beta_col): x_ref is the whole projection [B, T, C] and holds both at those columns
@@ -276,7 +301,58 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             for i, seg in enumerate(segs_of(h)):
                 plgpu.copy_gmem_to_smem(convw_ref.at[:, seg], cw_smem.at[buf, i], taps_bars.at[buf])
 
+        def prep_tiled(step):
+            # verify at T = 4: the same work as `prep` on [T, K] tiles, one position per warp
+            # (positions_layout): the convs of all positions at once (tap j times seq rows j .. j + T - 1, the
+            # current input's tap first, as `_conv_positions` sums), the L2 norms and later the update operands
+            # without a shared-memory reduction; no conv states (verify writes none)
+            b, h = item_of(step)
+            slot, buf = lax.rem(step, stages), lax.rem(step, 2)
+            length, fresh = lens_ref[b], fresh_ref[b] != 0
+            lay = positions_layout(dk)
+            tile_t = (num_tokens, dk)
+            position = plgpu.broadcasted_iota(jnp.int32, tile_t, 0, layout=lay)
+            valid = position < lax.broadcast(length, tile_t)
+            load = lambda ref: plgpu.load(ref, (), layout=lay, optimized=False).astype(f32)  # noqa: E731
+            load_col = lambda ref: _down_rows(  # noqa: E731
+                plgpu.load(ref, (), layout=lay.reduce(0), optimized=False).astype(f32), tile_t)
+            a = jnp.exp(alog_ref[h])
+            beta = jnp.zeros(tile_t, f32)
+            for t in range(num_tokens):
+                beta_t = jnp.where(t < length, jax.nn.sigmoid(beta_logit(b, t, h).astype(f32)), 0.0)
+                beta = jnp.where(position == t, lax.broadcast(beta_t, tile_t), beta)
+            plgpu.barrier_wait(taps_bars.at[buf])
+            plgpu.barrier_wait(bars.at[slot])
+            acts = []
+            for i in range(3):
+                def tap_times_rows(j, i=i):
+                    x = load(seq_smem.at[slot, i, pl.ds(j, num_tokens)])
+                    if j < width - 1:  # rows t + j < W - 1 are the conv window: zeros for a fresh row
+                        in_window = (position + j < width - 1) & lax.broadcast(fresh, tile_t)
+                        x = jnp.where(in_window, jnp.zeros_like(x), x)
+                    return load_col(cw_smem.at[buf, i, j]) * x
+                acc = tap_times_rows(width - 1)
+                for j in range(width - 1):
+                    acc = acc + tap_times_rows(j)
+                acts.append(jax.nn.silu(acc).astype(act_dtype).astype(f32))
+            q, k, v = acts
+            q = q * _across_cols(lax.rsqrt(jnp.sum(q * q, axis=1) + _L2_EPS), tile_t) * dk ** -0.5
+            k = k * _across_cols(lax.rsqrt(jnp.sum(k * k, axis=1) + _L2_EPS), tile_t)
+            g = _gate(load(z_smem.at[slot]), a, load_col(dtb_ref.at[h]), gate, lower_bound)
+            prep_smem.at[buf, 0][...] = q
+            prep_smem.at[buf, 1][...] = k
+            prep_smem.at[buf, 2][...] = beta * k
+            prep_smem.at[buf, 3][...] = jnp.exp(jnp.where(valid, g, jnp.zeros_like(g)))
+            vb_smem.at[buf][...] = beta * v
+            plgpu.commit_smem()
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # as in `prep`: last item's stores read these buffers
+            plgpu.barrier_arrive(prep_bars.at[slot])
+            plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
+            plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
+
         def prep(step):
+            if tiled_prep:
+                return prep_tiled(step)
             # [K] vectors in the strided layout (K / 128 elements a thread; loads and stores vectorised): the
             # update warpgroups' WGMMA column form holds 32 replicated values a thread, 32x the work for this code.
             # Two passes through shared memory: (1) per channel segment, the short conv + SiLU of every position
@@ -455,10 +531,10 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
-                                             "all_states", "packed"))
+                                             "all_states", "packed", "tiled_prep"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                     o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
-                    packed=None, interpret=False, num_ctas=None, stages=None):
+                    packed=None, interpret=False, num_ctas=None, stages=None, tiled_prep=None):
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
@@ -472,6 +548,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
 
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
+    tiled_prep: verify's vector work on [4, K] tiles (verify at T = 4 only; None: TILED_VERIFY_PREP there).
     Sizes: V a multiple of 64 up to 256, K of 128; conv_state in the activation dtype.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
@@ -482,6 +559,10 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     reason = _unsupported(qkv, conv_state, conv_weight, state, packed)
     if reason is not None:
         raise ValueError(reason)
+    tiles_fit = all_states and t == 4
+    if tiled_prep and not tiles_fit:
+        raise ValueError(f"tiled_prep is for verify (all_states) at T = 4, got T={t}, all_states={all_states}")
+    tiled_prep = (TILED_VERIFY_PREP if tiled_prep is None else tiled_prep) and tiles_fit
     sizes = _ring_sizes(qkv, conv_state, conv_weight, state)
     stages = default_stages(**sizes) if stages is None else stages
     if not isinstance(stages, int) or stages < 2 or smem_bytes(stages=stages, **sizes) > SMEM_LIMIT:
@@ -510,7 +591,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     y_type = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
-                          lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed),
+                          lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
+                          tiled_prep=tiled_prep),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,

@@ -40,11 +40,15 @@ def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
     assert rel(state[4], pools["state"][4]) > 1e-3  # and the live rows did move
 
 
-@pytest.mark.parametrize("t,gate,stages,num_ctas", [(3, "lower_bound", 2, 3), (2, "softplus", None, 1)])
-def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas):
+@pytest.mark.parametrize("t,gate,stages,num_ctas,tiled", [
+    (3, "lower_bound", 2, 3, None), (2, "softplus", None, 1, None), (4, "softplus", 2, 3, True),
+    (4, "lower_bound", None, 1, True), (4, "lower_bound", 2, 2, False)])
+def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, tiled):
     """Verify mode (all_states): every position's recurrent state (no conv states) against the reference, on the
     same kind of batch as the decode test (shuffled slots in a larger pool, a padded row, an idle row, a fresh row
-    over NaN / inf garbage); padded positions carry the state unchanged; the pools are not written."""
+    over NaN / inf garbage); padded positions carry the state unchanged; the pools are not written. T = 4 runs
+    the prep warpgroup's tiled form (positions on warps: the fresh row's window zeros and the padded position's
+    g = beta = 0 as tile masks), and once the per-position form it replaces."""
     step, pools, params = decode_inputs(4, bsz=4, t=t, h=2, dk=128, pool=7)
     pools["state"] = pools["state"].at[6, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
     pools["conv_state"] = pools["conv_state"].at[6, 0, :2].set(jnp.asarray([np.nan, np.inf]))
@@ -52,7 +56,7 @@ def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas):
     fresh = jnp.asarray([0, 0, 1, 0], jnp.int32)
     kw = dict(gate=gate, fresh=fresh, all_states=True)
     y, states = call(kda_decode_mgpu, step, pools, params, slots, lengths, interpret=True, stages=stages,
-                           num_ctas=num_ctas, **kw)
+                     num_ctas=num_ctas, tiled_prep=tiled, **kw)
     ry, rstates = call(kda_decode_mgpu_reference, step, pools, params, slots, lengths, **kw)
     assert states.shape == (4, t, 2, 128, 128)
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
@@ -109,6 +113,8 @@ def test_defaults_and_argument_errors():
     step16, pools16, params16 = decode_inputs(3, bsz=2, t=1, h=2, dk=64, pool=3)
     with pytest.raises(ValueError, match="K % 128"):
         call(kda_decode_mgpu, step16, pools16, params16, [0, 1], [1, 1], interpret=True)
+    with pytest.raises(ValueError, match="tiled_prep"):  # decode, and verify at T != 4, have no tiled form
+        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, tiled_prep=True)
 
 
 def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
