@@ -244,21 +244,18 @@ def moe(params: dict, x: jax.Array, cfg: ModelConfig, *, backend_name: str = "re
     ids, weights = route(params["router"], params["router_bias"], xf, cfg, backend_name=backend_name)
     matmul = backend.get("dense", backend_name)
     z, shared_gate, shared_up = _x_projections(params, xf, cfg, matmul)
-    if FUSED_OUT in params:  # latent + shared experts, fused (z is FUSED_IN's whole output)
+    if FUSED_OUT in params:  # latent + shared experts, fused: z is FUSED_IN's whole output, whose shared gate and
+        # up columns moe_out_input reads itself (the slices above go unused here and vanish under jit)
         norm = params["latent_norm"] if cfg.moe_latent_norm else None
         hidden = backend.get("moe_out_input", backend_name)(z, ids, weights, params["experts"], norm, cfg)
         return matmul(hidden, params[FUSED_OUT]).reshape(shape)
     y = backend.get("moe_experts", backend_name)(z, ids, weights, params["experts"], cfg)
     if cfg.moe_latent_size and cfg.moe_latent_norm:
         y = rms_norm(y, params["latent_norm"], cfg.rms_norm_eps)
-    h_shared = glu_activation(shared_gate, shared_up, cfg) if cfg.num_shared_experts else None
-    if FUSED_OUT in params:
-        y = matmul(jnp.concatenate([y, h_shared], axis=-1), params[FUSED_OUT])
-    else:
-        if cfg.moe_latent_size:
-            y = matmul(y, params["latent_up"])
-        if cfg.num_shared_experts:
-            y = y + matmul(h_shared, params["shared"]["down"])
+    if cfg.moe_latent_size:
+        y = matmul(y, params["latent_up"])
+    if cfg.num_shared_experts:
+        y = y + matmul(glu_activation(shared_gate, shared_up, cfg), params["shared"]["down"])
     return y.reshape(shape)
 
 
