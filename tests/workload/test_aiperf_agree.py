@@ -40,9 +40,9 @@ def test_aiperf_agentx_scenario_runs_on_our_trace_and_server(server, tmp_path):
     Both clients send the same prompts (AIPerfWekaLayout; the trace in AIPerf's 64-token weka blocks): equal
     server-reported prompt tokens for every (conversation, turn) both sent, AIPerf's raw export rendered with
     the server's template agrees, and the server's prefix cache serves both alike (hit rates within 0.06;
-    measured 0.251 / 0.257 in this short run. Both are low: AIPerf drops the previous turn's partial-block
-    tail at every turn, so a prompt leaves the previous one before the server's last checkpoint of it and
-    resumes at the shared system prompt, serving/workload/aiperf_agree.py).
+    0.841 / 0.849 in this short run on 2026-12-04, against 0.251 / 0.257 when this docstring was first written
+    and 0.25-0.31 in the 2026-11-30 benchmark run serving/workload/aiperf_agree.py records; what raised them
+    has not been traced).
 
     Not asserted: the 10% agreement of the two runs' throughput and P90 ITL (issue 9). Pooled over 4 pairs on
     the agreement trace throughput agrees within 10% at concurrency 1 and 2 and P90 ITL at 2, not at 1 (set
