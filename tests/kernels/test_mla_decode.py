@@ -207,17 +207,12 @@ def test_decode_rejects_bad_inputs():
         call(q_latent=q_latent[..., :24], kv_pages=kv[..., 8:], kv_lora_rank=24)
 
 
-@pytest.mark.parametrize("schedule", md.MGPU_SCHEDULES)
-def test_mosaic_decode_matches_reference_in_interpret_mode(schedule):
-    """The experimental Mosaic GPU kernel (backend="mosaic") under the Mosaic GPU interpreter: its only sizes
-    are K3's (C = 512 in two 256-column halves, R = 64, 64-key blocks), so heads stay few (8: one 64-row block
-    at q_len 4) and histories short. Histories 1 / 63 / 300 (+ a 4-token draft, causal inside it) with a
-    balanced plan of 3 parts: the 305-token request is split into 2 and 3 KV blocks, the 3-block item
-    wraps the 2-slot TMA ring, and padding items write nothing. Tolerance as the Triton kernel's (bf16
-    probabilities before P @ C). Both schedules: "duplicate" (each compute warpgroup scores every key) and "split"
-    (each scores half the keys; maxima and probabilities exchanged through shared memory)."""
-    heads, c_dim, r_dim, q_len = 8, 512, 64, 4
-    rng = np.random.default_rng(11)
+def _mosaic_case(seed: int, heads: int, q_len: int):
+    """The Mosaic kernel's interpreter cases (its only sizes are K3's: C = 512, R = 64, 64-key blocks): histories
+    1 / 63 / 300 (+ a q_len-token draft) over shuffled 16-token pages, bf16, with a balanced plan of 3 parts:
+    (q_latent, q_pe, kv pages, page table, positions, plan)."""
+    c_dim, r_dim = 512, 64
+    rng = np.random.default_rng(seed)
     hist = np.array([1, 63, 300])
     lens = hist + q_len
     b = len(hist)
@@ -228,8 +223,22 @@ def test_mosaic_decode_matches_reference_in_interpret_mode(schedule):
     q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, c_dim)), jnp.bfloat16)
     q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, r_dim)), jnp.bfloat16)
     positions = jnp.asarray(hist[:, None] + np.arange(q_len)[None], jnp.int32)
-    scale = 192**-0.5
     plan = mla_plan.plan_balanced(kv_lens(positions, table), block_kv=64, num_parts=3)
+    return q_latent, q_pe, kv, table, positions, plan
+
+
+@pytest.mark.parametrize("schedule", md.MGPU_SCHEDULES)
+def test_mosaic_decode_matches_reference_in_interpret_mode(schedule):
+    """The experimental Mosaic GPU kernel (backend="mosaic") under the Mosaic GPU interpreter: its only sizes
+    are K3's (C = 512 in two 256-column halves, R = 64, 64-key blocks), so heads stay few (8: one 64-row block
+    at q_len 4) and histories short. Histories 1 / 63 / 300 (+ a 4-token draft, causal inside it) with a
+    balanced plan of 3 parts: the 305-token request is split into 2 and 3 KV blocks, the 3-block item
+    wraps the 2-slot TMA ring, and padding items write nothing. Tolerance as the Triton kernel's (bf16
+    probabilities before P @ C). Both schedules: "duplicate" (each compute warpgroup scores every key) and "split"
+    (each scores half the keys; maxima and probabilities exchanged through shared memory)."""
+    heads, c_dim, q_len = 8, 512, 4
+    q_latent, q_pe, kv, table, positions, plan = _mosaic_case(11, heads, q_len)
+    b, scale = len(table), 192**-0.5
     assert list(plan.request_num_work) == [1, 1, 2] and (plan.work_request < 0).any()
     assert (plan.work_block_end - plan.work_block_start).max() == 3
     got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale, block_kv=64,
@@ -248,20 +257,9 @@ def test_mosaic_paired_decode_matches_reference_in_interpret_mode(schedule):
     second position (causal inside the draft across the pair). Histories 1 / 63 / 300 with a balanced plan of 3
     parts (items of 1-3 KV blocks, one wrapping the 2-slot ring, padding items). Tolerance as above. An odd number
     of row blocks (16 heads x q_len 2) is refused."""
-    heads, c_dim, r_dim, q_len = 48, 512, 64, 2
-    rng = np.random.default_rng(23)
-    hist = np.array([1, 63, 300])
-    lens = hist + q_len
-    b = len(hist)
-    max_pages = -(-lens.max() // PAGE) + 1
-    num_pages = b * max_pages + 3
-    table = jnp.asarray(shuffled_page_tables(rng, b, max_pages, num_pages))
-    kv = jnp.asarray(rng.standard_normal((num_pages, PAGE, c_dim + r_dim)), jnp.bfloat16)
-    q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, c_dim)), jnp.bfloat16)
-    q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, r_dim)), jnp.bfloat16)
-    positions = jnp.asarray(hist[:, None] + np.arange(q_len)[None], jnp.int32)
-    scale = 192**-0.5
-    plan = mla_plan.plan_balanced(kv_lens(positions, table), block_kv=64, num_parts=3)
+    heads, c_dim, q_len = 48, 512, 2
+    q_latent, q_pe, kv, table, positions, plan = _mosaic_case(23, heads, q_len)
+    b, scale = len(table), 192**-0.5
     assert (plan.work_request < 0).any() and (plan.work_block_end - plan.work_block_start).max() == 3
     call = lambda q_l, q_r: md.mla_decode(q_l, q_r, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale,
                                           block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule=schedule,
