@@ -993,7 +993,9 @@ def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict
                              uniform_same_items=max(1, -(-num_parts // batch))))
 
     # the model's plan: mla_decode's defaults for this kernel (num_parts=None)
-    model_parts, model_overhead = md.default_plan_knobs(getattr(args, "backend", "triton"), batch, row_blocks, sm_count)
+    kernel = getattr(args, "backend", "triton")
+    paired = kernel == "mosaic" and md.default_mgpu_paired(row_blocks, False)  # as the model's GPU call pairs
+    model_parts, model_overhead = md.default_plan_knobs(kernel, batch, row_blocks, sm_count, paired=paired)
     balanced(model_parts, model_overhead, mla_plan.DEFAULT_MIN_CHUNK_BLOCKS, model_parts * row_blocks / sm_count,
              today=True)
     for pps in args.programs_per_sm:
