@@ -613,10 +613,7 @@ def run_backends(bench, pool, copy_gbps) -> list:
                 ql, qp, table, positions = cases[q_len]
                 # the plan the model's call builds for this backend (a fixed 132-part plan, used until 2026-12-03,
                 # put the Mosaic kernel at 4.2 ms here against 1.6 ms with its own knobs at 96 heads)
-                row_blocks = -(-q_len * heads // 64)
-                paired = kw.get("mosaic_paired", kw.get("backend") == "mosaic" and md.default_mgpu_paired(row_blocks,
-                                                                                                          False))
-                parts, overhead = md.default_plan_knobs(kw.get("backend", "triton"), b, row_blocks, paired=paired)
+                parts, overhead = md.default_plan_knobs(kw.get("backend", "triton"), b, -(-q_len * heads // 64))
                 plan = mla_plan.plan_to_device(mla_plan.plan_balanced(lens, block_kv=kw["block_kv"], num_parts=parts,
                                                                       overhead_blocks=overhead))
                 entry[f"q{q_len}_plan_parts_overhead"] = (parts, overhead)
@@ -993,9 +990,7 @@ def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict
                              uniform_same_items=max(1, -(-num_parts // batch))))
 
     # the model's plan: mla_decode's defaults for this kernel (num_parts=None)
-    kernel = getattr(args, "backend", "triton")
-    paired = kernel == "mosaic" and md.default_mgpu_paired(row_blocks, False)  # as the model's GPU call pairs
-    model_parts, model_overhead = md.default_plan_knobs(kernel, batch, row_blocks, sm_count, paired=paired)
+    model_parts, model_overhead = md.default_plan_knobs(getattr(args, "backend", "triton"), batch, row_blocks, sm_count)
     balanced(model_parts, model_overhead, mla_plan.DEFAULT_MIN_CHUNK_BLOCKS, model_parts * row_blocks / sm_count,
              today=True)
     for pps in args.programs_per_sm:

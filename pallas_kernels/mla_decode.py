@@ -68,11 +68,13 @@ block of query rows per request.
 Paired clusters (2026-12-04; mosaic_paired): a work item's row blocks run two by two as 2-CTA clusters; each CTA
 issues half of every page tile by multicast TMA into both rings (a page crosses L2 -> SM once per pair), a slot is
 refilled once both CTAs' compute warpgroups released it (cluster barriers), and each CTA prefetches its half of
-the blocks 4 ahead into L2. At 96 heads, B64 x 32k, 64-token pages (benchmarks/mla.py --backends, one H200): 1.365
-against 1.427 ms at q_len 1 (42 against 40 % of copy) and 4.124 against 4.612 ms at q_len 4; interleaved A/B rounds
-gave 1.02-1.06x at q_len 1 and 1.00-1.03x at q_len 4 (docs/results/mla_paired_h200_2026-12-04.json). So halving
-the L2 -> SM traffic barely moved the kernel: the loads were not bound by it. A 2-slot ring (all the shared memory
-the queries leave) paces a block per ~2.7 us per SM at 16 and 96 heads alike.
+the blocks 4 ahead into L2. At 96 heads, B64 x 32k (one H200, docs/results/mla_paired_h200_2026-12-04.json): with
+the same plan, 1.00-1.08x over the unpaired kernel in 8 comparisons over two calls (q_len 1 and 4, 16- and 64-token
+pages; median 1.03x; e.g. 1.396 against 1.441 ms at q_len 1, 64-token pages, 40 % -> 41 % of copy). Half the plan's
+parts gave more on these equal histories (1.365 against 1.427 ms, 4.124 against 4.612 at q_len 4; benchmarks/mla.py
+--backends) but is not the default: see default_plan_knobs. So halving the L2 -> SM traffic barely moved the
+kernel: the loads were not bound by it. A 2-slot ring (all the shared memory the queries leave) paces a block per
+~2.7 us per SM at 16 and 96 heads alike.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -916,8 +918,7 @@ TRITON_NUM_PARTS = 132  # the Triton kernel's parts: 1-2 programs per H200 SM (1
 H200_SM_COUNT = 132
 
 
-def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT,
-                       paired: bool = False) -> tuple[int, int]:
+def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT) -> tuple[int, int]:
     """(num_parts, overhead_blocks) of the on-device balanced plan. Triton: TRITON_NUM_PARTS parts, overhead 1 block.
     Mosaic, whose programs each hold a whole SM (the shared-memory ring), by two H200 measurements (2026-11-30):
     - one row block per request (<= 64 query rows: k3-small's 16 heads): one wave, num_parts = sm_count - batch, so the
@@ -925,16 +926,17 @@ def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int 
       (128 items) 0.206 ms per layer against 0.223 / 0.260 / 0.245 ms at 264 / 132 / 528 parts;
     - more row blocks (K3's 96 heads: 2): 4 programs per SM with an overhead of 64 blocks per request. 96 heads, 32
       histories 4k-200k (benchmarks/mla.py --plan-sweep --backend mosaic, first batch): 264 parts / overhead 64 1.54 ms,
-      overhead 1 1.66 ms, 132 parts 1.83 ms, one wave (34 parts) 2.32 ms; the best uniform split 1.98 ms;
-    - `paired` (2-CTA clusters): half as many parts (2 programs per SM). 96 heads, B64 x 32k, q_len 1 (H200,
-      2026-12-04, docs/results/mla_paired_h200_2026-12-04.json): 132 parts 1.349-1.393 ms against 1.396-1.463 at
-      264 over three calls, both page sizes; at q_len 4 (6 row blocks) 44 against 88 parts was 1.02x faster in one
-      call and 1.02x slower in the next: within the noise."""
+      overhead 1 1.66 ms, 132 parts 1.83 ms, one wave (34 parts) 2.32 ms; the best uniform split 1.98 ms.
+    The same for paired 2-CTA clusters (mosaic_paired; a work item still runs row_blocks CTAs). On equal-length
+    B64 x 32k they ran 1.02-1.04x faster with half the parts at q_len 1 and 0.98-1.02x at q_len 4
+    (docs/results/mla_paired_h200_2026-12-04.json), but
+    mixed histories balance worse on fewer parts (132 parts were 1.19x slower above), and the mixed batches were
+    not re-measured, so the plan stays."""
     if backend != "mosaic":
         return TRITON_NUM_PARTS, 1
     if row_blocks == 1:
         return max(sm_count - batch, 1), 1
-    return max((2 if paired else 4) * sm_count // row_blocks, 1), 64
+    return max(4 * sm_count // row_blocks, 1), 64
 
 
 def default_block_rows(num_rows: int, cap: int) -> int:
@@ -1021,7 +1023,7 @@ def mla_decode(
         mosaic_paired = default_mgpu_paired(row_blocks, interpret)
     if plan is None:
         kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
-        default_parts, overhead = default_plan_knobs(backend, b, row_blocks, paired=bool(mosaic_paired))
+        default_parts, overhead = default_plan_knobs(backend, b, row_blocks)
         plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=default_parts if num_parts is None else num_parts,
                              overhead_blocks=overhead, xp=jnp)
     if plan.request_num_work.shape != (b,):

@@ -24,8 +24,8 @@ Knobs (explicit parameters of plan_balanced; benchmarks/mla.py --plan-sweep time
                    query rows in row blocks), so parts are better counted in programs per SM:
                    parts_for_programs_per_sm(programs_per_sm, sm_count, row_blocks). mla_decode's defaults
                    (`default_plan_knobs`): the Triton kernel 132 parts (1 program per SM at 16 heads, 2 at K3's 96);
-                   the Mosaic kernel one wave at one row block, else 4 programs per SM with overhead 64 (2 when
-                   its row blocks run as paired 2-CTA clusters, the GPU default where they pair up).
+                   the Mosaic kernel one wave at one row block, else 4 programs per SM with overhead 64 (paired
+                   2-CTA clusters included).
   overhead_blocks  FlashMLA's fixed per-request cost, in KV blocks, added to the total before it is cut (more
                    overhead -> larger chunks -> fewer splits of short requests). Today's: 1.
   min_chunk_blocks the smallest chunk a split produces (a floor on the payload): a split costs a partial write and

@@ -152,7 +152,7 @@ def test_mosaic_schedules_at_k3_heads(schedule, q_len, paired, page):
     q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, C)), jnp.bfloat16)
     q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, R)), jnp.bfloat16)
     positions = jnp.asarray(HISTORIES[:, None] + np.arange(q_len)[None], jnp.int32)
-    parts, overhead = md.default_plan_knobs("mosaic", b, -(-q_len * heads // 64), paired=paired)
+    parts, overhead = md.default_plan_knobs("mosaic", b, -(-q_len * heads // 64))
     plan = mla_plan.plan_balanced(np.asarray(md.attended_lengths(positions, max_pages * page)), block_kv=64,
                                   num_parts=parts, overhead_blocks=overhead)
     got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=C, scale=SCALE, backend="mosaic",

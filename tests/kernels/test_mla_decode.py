@@ -277,9 +277,9 @@ def test_mosaic_paired_decode_matches_reference_in_interpret_mode(schedule):
                                                (16, 1, False)])
 def test_mosaic_paired_default_follows_the_row_blocks(heads, q_len, want, monkeypatch):
     """Without mosaic_paired the GPU kernel pairs row blocks wherever their number is even (K3's 96 heads: 2 at
-    q_len 1, 6 at 4) and then prefetches 4 blocks into L2 and halves the plan's parts; k3-small's single row block
-    (16 heads x q_len 1) and odd counts run one CTA per row block with no prefetch. The interpreter never pairs.
-    The launch is recorded (no GPU here); out-of-range prefetch distances are refused."""
+    q_len 1, 6 at 4) and then prefetches 4 blocks into L2, with the plan it would use unpaired; k3-small's single
+    row block (16 heads x q_len 1) and odd counts run one CTA per row block with no prefetch. The interpreter never
+    pairs. The launch is recorded (no GPU here); out-of-range prefetch distances are refused."""
     seen = {}
     monkeypatch.setattr(md, "_mla_decode_mgpu", lambda *a, **kw: seen.update(kw, plan=a[5]) or "launched")
     b, page = 2, 64
@@ -293,7 +293,7 @@ def test_mosaic_paired_default_follows_the_row_blocks(heads, q_len, want, monkey
     assert seen["paired"] is want and seen["l2_prefetch"] == (4 if want else 0)
     row_blocks = -(-heads * q_len // 64)
     assert len(seen["plan"][0]) == mla_plan.max_work_items(
-        b, md.default_plan_knobs("mosaic", b, row_blocks, paired=want)[0])
+        b, md.default_plan_knobs("mosaic", b, row_blocks)[0])
     call(True)
     assert seen["paired"] is False and seen["l2_prefetch"] == 0
     with pytest.raises(ValueError, match="mosaic_l2_prefetch"):

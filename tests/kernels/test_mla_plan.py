@@ -115,8 +115,7 @@ def test_parts_for_programs_per_sm_and_bad_knobs():
 
 def test_default_plan_knobs():
     """Mosaic with one row block: a balanced plan's items (<= parts + batch) fit the 132 SMs in one wave, and one more
-    part would not; with more row blocks 4 programs per SM and 64 blocks of overhead, 2 when the row blocks run as
-    paired 2-CTA clusters; Triton keeps 132 parts."""
+    part would not; with more row blocks 4 programs per SM and 64 blocks of overhead; Triton keeps 132 parts."""
     from pallas_kernels import mla_decode as md
 
     for batch in (64, 5, 3):
@@ -125,6 +124,4 @@ def test_default_plan_knobs():
         assert mla_plan.max_work_items(batch, parts + 1) > md.H200_SM_COUNT
     assert md.default_plan_knobs("mosaic", 200, 1) == (1, 1)  # more requests than SMs: one item each
     assert md.default_plan_knobs("mosaic", 32, 2) == (264, 64)
-    assert md.default_plan_knobs("mosaic", 32, 2, paired=True) == (132, 64)
-    assert md.default_plan_knobs("mosaic", 32, 6, paired=True) == (44, 64)
     assert md.default_plan_knobs("triton", 64, 2) == (md.TRITON_NUM_PARTS, 1) == (132, 1)
