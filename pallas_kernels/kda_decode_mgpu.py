@@ -301,6 +301,18 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             for i, seg in enumerate(segs_of(h)):
                 plgpu.copy_gmem_to_smem(convw_ref.at[:, seg], cw_smem.at[buf, i], taps_bars.at[buf])
 
+        def publish(b, h, slot, buf):
+            # the item's prepared operands to the update warpgroups (and, in verify, its k^ and e^g to GMEM)
+            plgpu.commit_smem()
+            if all_states:
+                # the update rows' buffer (e_smem) and this buffer parity's operands are rewritten for the item
+                # after next: their stores (issued an item ago) must have read them before the updates start
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(prep_bars.at[slot])
+            if all_states:  # the item's k^ and e^g for every position, [T, K] each
+                plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
+                plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
+
         def prep_tiled(step):
             # verify at T = 4: the same work as `prep` on [T, K] tiles, one position per warp
             # (positions_layout): the convs of all positions at once (tap j times seq rows j .. j + T - 1, the
@@ -344,11 +356,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             prep_smem.at[buf, 2][...] = beta * k
             prep_smem.at[buf, 3][...] = jnp.exp(jnp.where(valid, g, jnp.zeros_like(g)))
             vb_smem.at[buf][...] = beta * v
-            plgpu.commit_smem()
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # as in `prep`: last item's stores read these buffers
-            plgpu.barrier_arrive(prep_bars.at[slot])
-            plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
-            plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
+            publish(b, h, slot, buf)
 
         def prep(step):
             if tiled_prep:
@@ -396,15 +404,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 op(2)[...] = betas[t] * k
                 op(3)[...] = jnp.exp(_select(valids[t], g, jnp.zeros_like(g)))
                 vb_smem.at[buf, t][...] = betas[t] * _vec(vb_smem.at[buf, t])
-            plgpu.commit_smem()
-            if all_states:
-                # the update rows' buffer (e_smem) and this buffer parity's operands are rewritten for the item
-                # after next: their stores (issued an item ago) must have read them before the updates start
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.barrier_arrive(prep_bars.at[slot])
-            if all_states:  # the item's k^ and e^g for every position, [T, K] each
-                plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
-                plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
+            publish(b, h, slot, buf)
 
         for first in range(stages):
             pl.when(first < num_steps)(functools.partial(issue, first))
