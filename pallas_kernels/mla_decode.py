@@ -998,7 +998,7 @@ def mla_decode(
         page read from L2 once per pair instead of once per row block); needs an even number of 64-row blocks
         (96 heads x q_len 1: 2). None: default_mgpu_paired.
       mosaic_l2_prefetch: KV blocks ahead of the TMA ring that the Mosaic kernel prefetches into L2 (0: none; None:
-        MGPU_DEFAULT_L2_PREFETCH).
+        default_mgpu_l2_prefetch).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -1019,8 +1019,6 @@ def mla_decode(
         raise ValueError(f"value_groups must split kv_lora_rank {c_dim} into power-of-two groups >= 16, "
                          f"got {value_groups}")
     row_blocks = -(-(t * h) // (MGPU_ROWS if backend == "mosaic" else block_rows))
-    if backend == "mosaic" and mosaic_paired is None:
-        mosaic_paired = default_mgpu_paired(row_blocks, interpret)
     if plan is None:
         kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
         default_parts, overhead = default_plan_knobs(backend, b, row_blocks)
@@ -1038,6 +1036,8 @@ def mla_decode(
             mosaic_schedule = "duplicate" if interpret else default_mgpu_schedule(t * h)
         if mosaic_schedule not in MGPU_SCHEDULES:
             raise ValueError(f"mosaic_schedule must be one of {MGPU_SCHEDULES}, got {mosaic_schedule!r}")
+        if mosaic_paired is None:
+            mosaic_paired = default_mgpu_paired(row_blocks, interpret)
         if mosaic_paired and row_blocks % 2:
             raise ValueError(f"mosaic_paired runs row blocks in pairs; T*H = {t * h} query rows make {row_blocks} "
                              f"64-row blocks, an odd number")
