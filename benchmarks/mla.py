@@ -175,6 +175,9 @@ def parse_args(argv=None):
     g.add_argument("--uniform-splits", default=None,
                    help="uniform plans timed besides each balanced setting's same-items one (default 4,8,16; "
                         "--smoke 2)")
+    g.add_argument("--mosaic-paired", choices=("auto", "on", "off"), default="auto",
+                   help="--backend mosaic: mla_decode's mosaic_paired (auto: its default, 2-CTA clusters where the "
+                        "row blocks pair up)")
     g.add_argument("--mixed-batches", type=int, default=None, help="mixed batches (default 12; --smoke 2)")
     g.add_argument("--mixed-batch-size", type=int, default=None, help="requests per batch (default 32; --smoke 3)")
     g.add_argument("--mixed-range", default=None,
@@ -710,7 +713,8 @@ def _relative_errors(got, want):
 
 def tiling_label(cfg: dict) -> str:
     if cfg.get("backend") == "mosaic":
-        return f"mosaic/kv{cfg['block_kv']}/s{cfg['num_stages']}/p{cfg['num_parts']}"
+        paired = f"/paired-{cfg['mosaic_paired']}" if "mosaic_paired" in cfg else ""
+        return f"mosaic/kv{cfg['block_kv']}/s{cfg['num_stages']}/p{cfg['num_parts']}{paired}"
     return (f"rows{cfg['block_rows']}/kv{cfg['block_kv']}/w{cfg['num_warps']}/s{cfg['num_stages']}"
             f"/vg{cfg['value_groups']}/p{cfg['num_parts']}")
 
@@ -1051,7 +1055,9 @@ def run_plan_sweep(bench: Bench, pool: Pool, copy_gbps: float) -> dict:
               num_warps=tiling["num_warps"], num_stages=tiling["num_stages"], interpret=bench.interpret)
     if a.backend == "mosaic":
         kw = dict(kv_lora_rank=C, scale=SCALE, block_kv=tiling["block_kv"], num_stages=tiling["num_stages"],
-                  backend="mosaic", interpret=bench.interpret)
+                  backend="mosaic", interpret=bench.interpret,
+                  mosaic_paired={"auto": None, "on": True, "off": False}[a.mosaic_paired])
+        tiling["mosaic_paired"] = a.mosaic_paired
     decode = jax.jit(functools.partial(md.mla_decode, **kw))
     reference = jax.jit(functools.partial(md.mla_decode_reference, kv_lora_rank=C, scale=SCALE))
     if not bench.interpret:

@@ -131,7 +131,12 @@ from pallas_kernels.kda_decode import GATES, MAX_TOKENS, _check, kda_decode_refe
 
 ROWS = 64  # a WGMMA-layout register tile has 64 rows: each item's state is updated in [64, K] tiles
 H200_SM_COUNT = 132
-SMEM_LIMIT = 227 * 1024 - 4096  # Hopper's shared memory per block, less slack: barriers, alignment, reduction scratch
+SMEM_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block (Mosaic GPU checks it when it lowers)
+SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every scratch buffer on a 1 KiB boundary
+# Mosaic GPU's scratch for cross-warp reductions (only prep's full reductions use it), set rather than left to the
+# installed jax's default: the H200's jax reserved 4 KB more than this one, which put verify at T = 8 (bf16) 80 bytes
+# over the limit there while it fit here (2026-12-04)
+REDUCTION_SCRATCH_BYTES = 2048
 _L2_EPS = 1e-6
 _COL = plgpu.Layout.WGMMA.reduce(0)  # a [K] vector as a tile's columns (broadcast down the rows)
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector as a tile's rows (one value per row)
@@ -478,13 +483,17 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
 
 def smem_bytes(dv: int, dk: int, stages: int, num_tokens: int, width: int, act_bytes: int, conv_bytes: int,
-               taps_bytes: int) -> int:
-    """Shared memory of the kernel (barriers and Mosaic's reduction scratch not counted): per ring slot the fp32
-    state, the item's operands and its prepared vectors; the output rows' exchange buffer."""
-    operands = (3 * num_tokens * dk * act_bytes + 3 * (width - 1) * dk * conv_bytes + num_tokens * dk * act_bytes
-                + num_tokens * dv * act_bytes)
-    prepared = 2 * (3 * width * dk * taps_bytes + num_tokens * (4 * dk + dv) * 4)
-    return stages * (dv * dk * 4 + operands) + prepared + 2 * 2 * num_tokens * dv * 4  # o rows; (verify) err rows
+               taps_bytes: int, all_states: bool = True) -> int:
+    """Shared memory of the kernel as Mosaic GPU allocates it: each buffer of the scratch list (`kda_decode_mgpu`)
+    rounded up to SMEM_ALIGNMENT, 8 bytes a barrier, the reduction scratch. Per ring slot the fp32 state and the
+    item's operands (the conv window in conv_bytes, the rest in the activation dtype); two buffers (item parity) of
+    the conv taps, the prepared vectors, the o rows and (verify) the err rows."""
+    t = num_tokens
+    ring = [dv * dk * 4, 3 * (width - 1 + t) * dk * max(act_bytes, conv_bytes), t * dk * act_bytes, t * dv * act_bytes]
+    pairs = [3 * width * dk * taps_bytes, 4 * t * dk * 4, t * dv * 4, t * dv * 4] + ([t * dv * 4] if all_states else [])
+    buffers = [stages * n for n in ring] + [2 * n for n in pairs]
+    barriers = 8 * (4 * stages + 2)
+    return sum(-(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for n in buffers) + barriers + REDUCTION_SCRATCH_BYTES
 
 
 def default_stages(**sizes) -> int:
@@ -563,7 +572,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     if tiled_prep and not tiles_fit:
         raise ValueError(f"tiled_prep is for verify (all_states) at T = 4, got T={t}, all_states={all_states}")
     tiled_prep = (TILED_VERIFY_PREP if tiled_prep is None else tiled_prep) and tiles_fit
-    sizes = _ring_sizes(qkv, conv_state, conv_weight, state)
+    sizes = dict(_ring_sizes(qkv, conv_state, conv_weight, state), all_states=all_states)
     stages = default_stages(**sizes) if stages is None else stages
     if not isinstance(stages, int) or stages < 2 or smem_bytes(stages=stages, **sizes) > SMEM_LIMIT:
         raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(stages=2, **sizes)} bytes per 2 slots) "
@@ -602,7 +611,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         num_threads=dv // ROWS + 1,  # the update warpgroups and the prep warpgroup
         thread_name="wg",
         kernel_name="kda_decode_verify_mgpu" if all_states else "kda_decode_mgpu",  # (profiles group by "kda_decode")
-        compiler_params=plgpu.CompilerParams(approx_math=APPROX_MATH),
+        compiler_params=plgpu.CompilerParams(approx_math=APPROX_MATH, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     if packed is not None:  # beta and the output gate are qkv's columns: qkv again in their places (never read)

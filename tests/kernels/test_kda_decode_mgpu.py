@@ -171,11 +171,19 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     """The kernel lowers to Mosaic GPU for sm_90 at the benchmark's shape (B64 H96 D128, bf16, fp32 taps) on a
     machine without a GPU: layouts, TMA shapes and the shared-memory budget (its limit is checked at lowering),
     which the interpreter does not check. (`_infer_arch` asks the local GPU; here there is none.) `packed`: the
-    serving layout's whole K3 input projection, q|k|v, the gate's low-rank input (128), beta (96), the gate."""
+    serving layout's whole K3 input projection, q|k|v, the gate's low-rank input (128), beta (96), the gate.
+    smem_bytes, which picks the ring's depth and says what fits, must equal what Mosaic GPU allocates (read where
+    Mosaic sizes it): an estimate that ran 80 bytes short on the H200 broke verify at T = 8 there."""
     import jax
+    from jax.experimental.mosaic.gpu import core as mgpu_core
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+    from pallas_kernels.kda_decode_mgpu import SMEM_LIMIT, smem_bytes
+
     monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (9, 0))
+    allocated = []
+    tree_size = mgpu_core._smem_tree_size
+    monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: allocated.append(tree_size(tree)) or allocated[-1])
     b, h, d, pool = 64, 96, 128, 80
     s = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
@@ -191,3 +199,7 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     fn = lambda *a, **k: kda_decode_mgpu(*a, **k, gate=gate, all_states=all_states, packed=columns)
     text = jax.jit(fn).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    stages = 3 if t == 1 else 2  # bf16, K = V = 128: what default_stages picks (test_defaults_and_argument_errors)
+    want = smem_bytes(dv=d, dk=d, stages=stages, num_tokens=t, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4,
+                      all_states=all_states)
+    assert allocated == [want] and want <= SMEM_LIMIT
