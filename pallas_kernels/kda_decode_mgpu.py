@@ -134,8 +134,7 @@ H200_SM_COUNT = 132
 SMEM_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block (Mosaic GPU checks it when it lowers)
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every scratch buffer on a 1 KiB boundary
 # Mosaic GPU's scratch for cross-warp reductions (only prep's full reductions use it), set rather than left to the
-# installed jax's default: the H200's jax reserved 4 KB more than this one, which put verify at T = 8 (bf16) 80 bytes
-# over the limit there while it fit here (2026-12-04)
+# installed jax's default, so that smem_bytes can count it
 REDUCTION_SCRATCH_BYTES = 2048
 _L2_EPS = 1e-6
 _COL = plgpu.Layout.WGMMA.reduce(0)  # a [K] vector as a tile's columns (broadcast down the rows)
@@ -483,13 +482,16 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
 
 def smem_bytes(dv: int, dk: int, stages: int, num_tokens: int, width: int, act_bytes: int, conv_bytes: int,
-               taps_bytes: int, all_states: bool = True) -> int:
+               taps_bytes: int, all_states: bool = True, z_bytes: int | None = None,
+               gate_bytes: int | None = None) -> int:
     """Shared memory of the kernel as Mosaic GPU allocates it: each buffer of the scratch list (`kda_decode_mgpu`)
     rounded up to SMEM_ALIGNMENT, 8 bytes a barrier, the reduction scratch. Per ring slot the fp32 state and the
-    item's operands (the conv window in conv_bytes, the rest in the activation dtype); two buffers (item parity) of
-    the conv taps, the prepared vectors, the o rows and (verify) the err rows."""
+    item's operands (q|k|v and the conv window in the activation dtype, z in z_bytes and the output gate in
+    gate_bytes, both act_bytes unless given); two buffers (item parity) of the conv taps, the prepared vectors, the
+    o rows and (verify) the err rows."""
     t = num_tokens
-    ring = [dv * dk * 4, 3 * (width - 1 + t) * dk * max(act_bytes, conv_bytes), t * dk * act_bytes, t * dv * act_bytes]
+    z_bytes, gate_bytes = z_bytes or act_bytes, gate_bytes or act_bytes
+    ring = [dv * dk * 4, 3 * (width - 1 + t) * dk * max(act_bytes, conv_bytes), t * dk * z_bytes, t * dv * gate_bytes]
     pairs = [3 * width * dk * taps_bytes, 4 * t * dk * 4, t * dv * 4, t * dv * 4] + ([t * dv * 4] if all_states else [])
     buffers = [stages * n for n in ring] + [2 * n for n in pairs]
     barriers = 8 * (4 * stages + 2)
@@ -502,14 +504,16 @@ def default_stages(**sizes) -> int:
     return fitting[0] if fitting else 2
 
 
-def _ring_sizes(qkv, conv_state, conv_weight, state) -> dict:
+def _ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed) -> dict:
     """`smem_bytes`' size arguments for these operands."""
     dv, dk = state.shape[2:]
+    gate = qkv if packed is not None else out_gate  # packed: the output gate is qkv's columns
     return dict(dv=dv, dk=dk, num_tokens=qkv.shape[1], width=conv_weight.shape[0], act_bytes=qkv.dtype.itemsize,
-                conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize)
+                conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize, z_bytes=z.dtype.itemsize,
+                gate_bytes=gate.dtype.itemsize)
 
 
-def _unsupported(qkv, conv_state, conv_weight, state, packed=None) -> str | None:
+def _unsupported(qkv, conv_state, conv_weight, z, out_gate, state, packed=None) -> str | None:
     """Why kda_decode_mgpu cannot take these (kda_decode-valid) operands, or None; the ring's depth apart."""
     dv, dk = state.shape[2:]
     if packed is not None:
@@ -525,7 +529,7 @@ def _unsupported(qkv, conv_state, conv_weight, state, packed=None) -> str | None
         return f"the state pool must be fp32; got {state.dtype}"
     if conv_state.dtype != qkv.dtype:
         return f"conv_state must be in the activation dtype {qkv.dtype}; got {conv_state.dtype}"
-    if smem_bytes(stages=2, **_ring_sizes(qkv, conv_state, conv_weight, state)) > SMEM_LIMIT:
+    if smem_bytes(stages=2, **_ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed)) > SMEM_LIMIT:
         return f"a ring of 2 slots exceeds {SMEM_LIMIT} bytes of shared memory at T={qkv.shape[1]}"
     return None
 
@@ -536,7 +540,7 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed
     with `packed` a projection whose rows and output-gate column TMA can address."""
     if state.ndim != 4 or qkv.ndim != 3:
         return False
-    return _unsupported(qkv, conv_state, conv_weight, state, packed) is None
+    return _unsupported(qkv, conv_state, conv_weight, z, out_gate, state, packed) is None
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
@@ -565,14 +569,14 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
     width = conv_weight.shape[0]
-    reason = _unsupported(qkv, conv_state, conv_weight, state, packed)
+    reason = _unsupported(qkv, conv_state, conv_weight, z, out_gate, state, packed)
     if reason is not None:
         raise ValueError(reason)
     tiles_fit = all_states and t == 4
     if tiled_prep and not tiles_fit:
         raise ValueError(f"tiled_prep is for verify (all_states) at T = 4, got T={t}, all_states={all_states}")
     tiled_prep = (TILED_VERIFY_PREP if tiled_prep is None else tiled_prep) and tiles_fit
-    sizes = dict(_ring_sizes(qkv, conv_state, conv_weight, state), all_states=all_states)
+    sizes = dict(_ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed), all_states=all_states)
     stages = default_stages(**sizes) if stages is None else stages
     if not isinstance(stages, int) or stages < 2 or smem_bytes(stages=stages, **sizes) > SMEM_LIMIT:
         raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(stages=2, **sizes)} bytes per 2 slots) "

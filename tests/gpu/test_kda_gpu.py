@@ -440,7 +440,7 @@ def test_mgpu_packed_projection_equals_the_sliced_operands(t, all_states, dtype)
     # q|k|v [1536], 6 unrelated, beta [4], 14 unrelated (the gate at column 1560: 16-byte aligned in both dtypes)
     whole = jnp.concatenate([qkv, extra(6), beta, extra(14), out_gate.reshape(b, t, h * d), extra(8)], axis=-1)
     beta_col = 3 * h * d + 6
-    rest = (arr(pool, 3, 3 * h * d).astype(dtype), arr(4, 3 * h * d) * 0.5, arr(b, t, h, d))
+    rest = (arr(pool, 3, 3 * h * d).astype(dtype), arr(4, 3 * h * d) * 0.5, arr(b, t, h, d).astype(dtype))
     pools = (arr(pool, h, d, d), jnp.asarray([7, 0, 3, 8, 1], jnp.int32), jnp.asarray([t, t, 0, 1, t], jnp.int32))
     kw = dict(a_log=arr(h) * 0.5, dt_bias=arr(h * d), o_norm_weight=1 + 0.1 * arr(d), all_states=all_states)
     sliced = jax.device_get(kda_decode_mgpu(qkv, *rest, beta, out_gate, *pools, **kw))

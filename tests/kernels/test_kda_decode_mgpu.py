@@ -7,11 +7,12 @@ and slots the step must not touch are compared exactly. Few CTAs, so every CTA w
 ring of slots (the refill / store-drain order is what can go wrong).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda_decode_mgpu import default_stages, kda_decode_mgpu, kda_decode_mgpu_reference
+from pallas_kernels.kda_decode_mgpu import default_stages, kda_decode_mgpu, kda_decode_mgpu_reference, supported
 from test_kda_decode import call, decode_inputs, rel  # same inputs (tests/kernels is on sys.path under pytest)
 
 
@@ -115,6 +116,13 @@ def test_defaults_and_argument_errors():
         call(kda_decode_mgpu, step16, pools16, params16, [0, 1], [1, 1], interpret=True)
     with pytest.raises(ValueError, match="tiled_prep"):  # decode, and verify at T != 4, have no tiled form
         call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, tiled_prep=True)
+    # bf16 at T = 8 fits a 2-slot ring with z in bf16 (the model's) and not with z in fp32, 4 KB more (smem_bytes
+    # once counted z in the activation dtype, and the H200 refused the kernel that `supported` had accepted)
+    sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    ops = lambda z_dtype: (sd((2, 8, 3 * 2 * 128), bf), sd((3, 3, 3 * 2 * 128), bf), sd((4, 3 * 2 * 128), f32),  # noqa: E731
+                           sd((2, 8, 2, 128), z_dtype), sd((2, 8, 2), bf), sd((2, 8, 2, 128), bf),
+                           sd((3, 2, 128, 128), f32))
+    assert supported(*ops(bf)) and not supported(*ops(f32))
 
 
 def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
