@@ -105,6 +105,20 @@ copy on its state reads, 2.71x / 2.74x fla's public call, 3.58x / 3.73x fla pool
 two positions a warp gave wrong results on the H200 (the interpreter ignores layouts), so T != 4 keeps the
 per-position form.
 
+2026-12-04 (twenty-eighth session; docs/results/kda_verify_chunk_norm_h200_2026-12-04.json). Ablated copies of the
+kernel as it then stood (tiled prep, the chunk form below, a slot's state refilled ahead of the norm), verify B64 /
+B256 T4: whole 0.220 / 0.834 ms; without the gated norm 0.179 / 0.644; without the update warpgroups' math 0.203 /
+0.762; without prep's vector work 0.164 / 0.609. Two changes at T = 4 verify:
+(1) the gated RMSNorm on [4, V] tiles, one position a warp, as the tiled prep (TILED_VERIFY_NORM: no shared-memory
+reductions); (2) the chunk form (CHUNK_VERIFY, `chunk_operands`): the update warpgroups take S_0's rows times 2T
+prepared vectors (cumulatively decayed keys and queries), independent products, then T x T scalar corrections per
+row, instead of carrying S through the positions; prep computes the vectors and the T x T coefficients after one
+barrier of its own (its warps exchange g and k^ rows). Interleaved A/B, 3 rounds: both 0.180 / 0.669 ms against
+0.215 / 0.808 with neither (1.20x / 1.21x); the norm alone 0.190 / 0.738; the chunk form alone 0.213 / 0.802 (it pays
+only once the norm is out of the way). Outputs equal the position-by-position form's to 3e-5 (y; err, k^, e^g to
+fp32 rounding). Refilling a verify slot's state ahead of the gated norm (no state store to wait for) was slower
+(0.834 against 0.794 ms at B256) and was not kept.
+
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
 Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there (S unchanged), and the conv state keeps the last
@@ -142,6 +156,8 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector as a tile's rows (one value
 _TILE = plgpu.Layout.WGMMA
 OPERAND_COPIES_PER_ITEM = 8  # q|k|v inputs and conv windows (3 x 2); z; output gate (the state has its own barrier)
 TILED_VERIFY_PREP = True  # verify at T = 4: prep's vector work on [4, K] tiles (positions_layout, prep_tiled)
+TILED_VERIFY_NORM = True  # with the tiled prep: the gated RMSNorm on [4, V] tiles too (gated_norm)
+CHUNK_VERIFY = True  # with the tiled prep: the update warpgroups apply the state once, in the chunk form (see there)
 APPROX_MATH = True  # MUFU exp / log / reciprocal / rsqrt: shorter latency chains in the prep warpgroup's vector code
 
 # kda_decode_mgpu's reference: kda_decode's (same arguments, same results, decode and verify)
@@ -223,7 +239,7 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
                  onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, gate,
-                 lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False):
+                 lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False, chunk=False):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   packed = (og_col, beta_col): x_ref is the whole projection [B, T, C] and holds both at those columns
@@ -246,6 +262,9 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     #   (beta v); prep_bars [S]: item's written
     # o_smem [2, T, V] fp32: the update warpgroups' o rows, for the prep warpgroup's RMSNorm (item parity)
     # verify only, e_smem [2, T, V] fp32: the update warpgroups' err rows, stored by the prep warpgroup (item parity)
+    # chunk form only (item parity): xg_smem [2, T, K] fp32 each position's g, for the other warps of prep;
+    #   ab_smem [2, T, K] fp32, row t: columns i < T the solve's beta_t (Gamma_t / Gamma_i k_i) . k_t, columns T + i
+    #   the output's (Gamma_t / Gamma_i k_i) . q_t; sync_bar [1]: the prep warpgroup's own barrier (all 128 threads)
     # done_bars [S]: every update warpgroup is done with the slot (V / 64 arrivals) before it is stored and refilled
     # Warpgroups: wg < V / 64 update state rows [64 wg, 64 wg + 64) of every item (the delta rule is row-separable
     # over V); the last one ("prep") issues the TMA ring, runs the vector work of item j + 1 (short convs, SiLU, L2
@@ -257,6 +276,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     (st_smem, seq_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
      done_bars, state_bars) = scratch[:13]
     e_smem = scratch[13] if all_states else None
+    xg_smem, ab_smem, sync_bar = scratch[14:17] if chunk else (None,) * 3
     f32 = jnp.float32
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
     wg = lax.axis_index("wg")
@@ -355,12 +375,48 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             q = q * _across_cols(lax.rsqrt(jnp.sum(q * q, axis=1) + _L2_EPS), tile_t) * dk ** -0.5
             k = k * _across_cols(lax.rsqrt(jnp.sum(k * k, axis=1) + _L2_EPS), tile_t)
             g = _gate(load(z_smem.at[slot]), a, load_col(dtb_ref.at[h]), gate, lower_bound)
-            prep_smem.at[buf, 0][...] = q
+            g = jnp.where(valid, g, jnp.zeros_like(g))  # a padded position leaves the state as it is
             prep_smem.at[buf, 1][...] = k
-            prep_smem.at[buf, 2][...] = beta * k
-            prep_smem.at[buf, 3][...] = jnp.exp(jnp.where(valid, g, jnp.zeros_like(g)))
+            prep_smem.at[buf, 3][...] = jnp.exp(g)
             vb_smem.at[buf][...] = beta * v
+            if chunk:
+                chunk_operands(buf, position, q, k, g, beta, load_col)
+            else:
+                prep_smem.at[buf, 0][...] = q
+                prep_smem.at[buf, 2][...] = beta * k
             publish(b, h, slot, buf)
+
+        def chunk_operands(buf, position, q, k, g, beta, load_col):
+            # The chunk form's operands (one warp a position t, as prep_tiled). With Gamma_t = exp(G_t),
+            # G_t = g_1 + .. + g_t (per channel), the state after t positions is S_0 Gamma_t + sum_{i <= t} err_i
+            # (Gamma_t / Gamma_i k_i)^T, so
+            #   err_t = beta_t v_t - S_0 (beta_t Gamma_t k_t) - sum_{i < t} A[t, i] err_i,
+            #   A[t, i] = beta_t (Gamma_t / Gamma_i k_i) . k_t;
+            #   o_t = S_0 (Gamma_t q_t) + sum_{i <= t} B[t, i] err_i,   B[t, i] = (Gamma_t / Gamma_i k_i) . q_t.
+            # The update warpgroups then read the state once for 2T independent products (no chain through S).
+            # Gamma_t / Gamma_i is exp(G_t - G_i) <= 1, never a quotient: no overflow however fast the decay.
+            tile_t = q.shape
+            xg_smem.at[buf][...] = g
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(sync_bar.at[0])  # every warp's g and k^ rows are in shared memory
+            plgpu.barrier_wait(sync_bar.at[0])
+            g_rows = [load_col(xg_smem.at[buf, j]) for j in range(num_tokens)]  # g_j, down every row
+            zeros = jnp.zeros(tile_t, jnp.float32)
+            cum_g, cum_g_rows = zeros, []  # G (row t: G_t); G_i down every row
+            for j, g_j in enumerate(g_rows):
+                cum_g = cum_g + jnp.where(position >= j, g_j, zeros)
+                cum_g_rows.append(g_j if j == 0 else cum_g_rows[-1] + g_j)
+            decay = jnp.exp(cum_g)
+            prep_smem.at[buf, 0][...] = decay * q
+            prep_smem.at[buf, 2][...] = beta * decay * k
+            column = plgpu.broadcasted_iota(jnp.int32, tile_t, 1, layout=positions_layout(tile_t[1]))
+            ab = zeros
+            for i in range(num_tokens):
+                key_i = load_col(prep_smem.at[buf, 1, i]) * jnp.exp(
+                    jnp.where(position >= i, cum_g - cum_g_rows[i], zeros))  # row t: Gamma_t / Gamma_i k_i
+                ab = jnp.where(column == i, _across_cols(jnp.sum(beta * k * key_i, axis=1), tile_t), ab)
+                ab = jnp.where(column == num_tokens + i, _across_cols(jnp.sum(q * key_i, axis=1), tile_t), ab)
+            ab_smem.at[buf][...] = ab
 
         def prep(step):
             if tiled_prep:
@@ -414,16 +470,27 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             pl.when(first < num_steps)(functools.partial(issue, first))
         issue_taps(0)
 
-        norm_w = _vec(onw_ref)  # the same for every item
+        tiled_norm = tiled_prep and TILED_VERIFY_NORM
+        if tiled_norm:  # the same for every item
+            norm_w = plgpu.load(onw_ref, (), layout=positions_layout(dv).reduce(0), optimized=False).astype(f32)
+        else:
+            norm_w = _vec(onw_ref)
 
         def gated_norm(step):
             # the item's gated RMSNorm over all V, once every update warpgroup has written its o rows (after
-            # `store`'s wait), before its slot (the output gate) is refilled. Here, in the one warpgroup whose
-            # vectors are strided: Mosaic's full reductions share one shared-memory scratch, so they must not run
-            # in two warpgroups at once (only this one does them; the update warpgroups reduce within warps).
+            # `store`'s wait), before its slot (the output gate) is refilled. Here, in the prep warpgroup: Mosaic's
+            # full reductions share one shared-memory scratch, so they must not run in two warpgroups at once (only
+            # this one does them; the update warpgroups, and the tiled form's warps, reduce within warps).
             b, h = item_of(step)
             slot, buf = lax.rem(step, stages), lax.rem(step, 2)
-            for t in range(num_tokens):
+            if tiled_norm:  # verify at T = 4: the positions side by side, one a warp, each reduced within its warp
+                lay = positions_layout(dv)
+                o = plgpu.load(o_smem.at[buf], (), layout=lay, optimized=False)
+                og = plgpu.load(og_smem.at[slot], (), layout=lay, optimized=False).astype(f32)
+                inv_rms = _across_cols(lax.rsqrt(jnp.sum(o * o, axis=1) / dv + eps), o.shape)
+                y = o * inv_rms * _down_rows(norm_w, o.shape) * jax.nn.sigmoid(og)
+                y_ref.at[b, :, h][...] = y.astype(y_ref.dtype)
+            for t in range(0 if tiled_norm else num_tokens):  # position by position, [V] strided vectors
                 o = _vec(o_smem.at[buf, t])
                 y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[slot, t]))
                 y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
@@ -451,6 +518,22 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     def _update_warpgroup():
         blk = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's state rows / v channels / o rows
 
+        def chunk_rows(s, buf):
+            # verify in the chunk form (chunk_operands has the algebra): S_0's rows times the 2T prepared vectors,
+            # independent products with no chain through the state, then T x T scalar corrections per row
+            errs = []
+            for t in range(num_tokens):
+                op = lambda j, t=t: prep_smem.at[buf, j, t]  # noqa: E731
+                err = _rows(vb_smem.at[buf, t, blk]) - jnp.sum(s * _down_rows(_cols(op(2)), tile), axis=1)
+                for i, err_i in enumerate(errs):
+                    err = err - ab_smem[buf, t, i] * err_i
+                errs.append(err)
+                e_smem.at[buf, t, blk][...] = err
+                o = jnp.sum(s * _down_rows(_cols(op(0)), tile), axis=1)
+                for i, err_i in enumerate(errs):
+                    o = o + ab_smem[buf, t, num_tokens + i] * err_i
+                o_smem.at[buf, t, blk][...] = o.astype(act_dtype).astype(f32)
+
         @pl.loop(0, num_steps)
         def _update_step(step):
             b, h = item_of(step)
@@ -464,7 +547,9 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 rows[...] = plgpu.layout_cast(jnp.zeros(tile, f32), _TILE)
 
             s = plgpu.load(rows, layout=_TILE) if all_states else None
-            for t in range(num_tokens):
+            if chunk:
+                chunk_rows(s, buf)
+            for t in range(0 if chunk else num_tokens):  # position by position
                 op = lambda j, t=t: prep_smem.at[buf, j, t]  # noqa: E731
                 if not all_states:  # decode: the state lives in its slot between positions (fewer registers)
                     s = plgpu.load(rows, layout=_TILE)
@@ -482,19 +567,21 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
 
 def smem_bytes(dv: int, dk: int, stages: int, num_tokens: int, width: int, act_bytes: int, conv_bytes: int,
-               taps_bytes: int, all_states: bool = True, z_bytes: int | None = None,
+               taps_bytes: int, all_states: bool = True, chunk: bool = False, z_bytes: int | None = None,
                gate_bytes: int | None = None) -> int:
     """Shared memory of the kernel as Mosaic GPU allocates it: each buffer of the scratch list (`kda_decode_mgpu`)
     rounded up to SMEM_ALIGNMENT, 8 bytes a barrier, the reduction scratch. Per ring slot the fp32 state and the
     item's operands (q|k|v and the conv window in the activation dtype, z in z_bytes and the output gate in
     gate_bytes, both act_bytes unless given); two buffers (item parity) of the conv taps, the prepared vectors, the
-    o rows and (verify) the err rows."""
+    o rows, (verify) the err rows and (chunk form) prep's g rows and its A | B coefficients."""
     t = num_tokens
     z_bytes, gate_bytes = z_bytes or act_bytes, gate_bytes or act_bytes
-    ring = [dv * dk * 4, 3 * (width - 1 + t) * dk * max(act_bytes, conv_bytes), t * dk * z_bytes, t * dv * gate_bytes]
-    pairs = [3 * width * dk * taps_bytes, 4 * t * dk * 4, t * dv * 4, t * dv * 4] + ([t * dv * 4] if all_states else [])
+    ring = [dv * dk * 4, 3 * (width - 1 + t) * dk * max(act_bytes, conv_bytes), t * dk * z_bytes,
+            t * dv * gate_bytes]
+    pairs = [3 * width * dk * taps_bytes, 4 * t * dk * 4, t * dv * 4, t * dv * 4]
+    pairs += ([t * dv * 4] if all_states else []) + ([t * dk * 4] * 2 if chunk else [])
     buffers = [stages * n for n in ring] + [2 * n for n in pairs]
-    barriers = 8 * (4 * stages + 2)
+    barriers = 8 * (4 * stages + 2 + chunk)
     return sum(-(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for n in buffers) + barriers + REDUCTION_SCRATCH_BYTES
 
 
@@ -544,10 +631,10 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
-                                             "all_states", "packed", "tiled_prep"))
+                                             "all_states", "packed", "tiled_prep", "chunk_verify"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                     o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
-                    packed=None, interpret=False, num_ctas=None, stages=None, tiled_prep=None):
+                    packed=None, interpret=False, num_ctas=None, stages=None, tiled_prep=None, chunk_verify=None):
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
@@ -562,6 +649,8 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
     tiled_prep: verify's vector work on [4, K] tiles (verify at T = 4 only; None: TILED_VERIFY_PREP there).
+    chunk_verify: with the tiled prep, the state applied once in the chunk form (`chunk_operands`) instead of
+    position by position (None: CHUNK_VERIFY).
     Sizes: V a multiple of 64 up to 256, K of 128; conv_state in the activation dtype.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
@@ -576,7 +665,11 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     if tiled_prep and not tiles_fit:
         raise ValueError(f"tiled_prep is for verify (all_states) at T = 4, got T={t}, all_states={all_states}")
     tiled_prep = (TILED_VERIFY_PREP if tiled_prep is None else tiled_prep) and tiles_fit
-    sizes = dict(_ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed), all_states=all_states)
+    if chunk_verify and not tiled_prep:
+        raise ValueError("chunk_verify needs the tiled prep (verify at T = 4, tiled_prep not False)")
+    chunk = (CHUNK_VERIFY if chunk_verify is None else chunk_verify) and tiled_prep
+    sizes = dict(_ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed), all_states=all_states,
+                 chunk=chunk)
     stages = default_stages(**sizes) if stages is None else stages
     if not isinstance(stages, int) or stages < 2 or smem_bytes(stages=stages, **sizes) > SMEM_LIMIT:
         raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(stages=2, **sizes)} bytes per 2 slots) "
@@ -600,12 +693,14 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=dv // ROWS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-    ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else [])
+    ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else []) + ([
+        plgpu.SMEM((2, t, dk), jnp.float32), plgpu.SMEM((2, t, dk), jnp.float32),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1)] if chunk else [])
     y_type = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
-                          tiled_prep=tiled_prep),
+                          tiled_prep=tiled_prep, chunk=chunk),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,

@@ -41,15 +41,17 @@ def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
     assert rel(state[4], pools["state"][4]) > 1e-3  # and the live rows did move
 
 
-@pytest.mark.parametrize("t,gate,stages,num_ctas,tiled", [
-    (3, "lower_bound", 2, 3, None), (2, "softplus", None, 1, None), (4, "softplus", 2, 3, True),
-    (4, "lower_bound", None, 1, True), (4, "lower_bound", 2, 2, False)])
-def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, tiled):
+@pytest.mark.parametrize("t,gate,stages,num_ctas,tiled,chunk", [
+    (3, "lower_bound", 2, 3, None, None), (2, "softplus", None, 1, None, None), (4, "softplus", 2, 3, True, None),
+    (4, "lower_bound", None, 1, True, None), (4, "lower_bound", 2, 2, False, None), (4, "softplus", 2, 2, None, False)])
+def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, tiled, chunk):
     """Verify mode (all_states): every position's recurrent state (no conv states) against the reference, on the
     same kind of batch as the decode test (shuffled slots in a larger pool, a padded row, an idle row, a fresh row
     over NaN / inf garbage); padded positions carry the state unchanged; the pools are not written. T = 4 runs
     the prep warpgroup's tiled form (positions on warps: the fresh row's window zeros and the padded position's
-    g = beta = 0 as tile masks), and once the per-position form it replaces."""
+    g = beta = 0 as tile masks) and by default the chunk form (the state applied once: S_0 times cumulatively decayed
+    keys and queries, T x T corrections), once the per-position form both replace and once the tiled prep with
+    position-by-position updates."""
     step, pools, params = decode_inputs(4, bsz=4, t=t, h=2, dk=128, pool=7)
     pools["state"] = pools["state"].at[6, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
     pools["conv_state"] = pools["conv_state"].at[6, 0, :2].set(jnp.asarray([np.nan, np.inf]))
@@ -57,7 +59,7 @@ def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, tiled
     fresh = jnp.asarray([0, 0, 1, 0], jnp.int32)
     kw = dict(gate=gate, fresh=fresh, all_states=True)
     y, states = call(kda_decode_mgpu, step, pools, params, slots, lengths, interpret=True, stages=stages,
-                     num_ctas=num_ctas, tiled_prep=tiled, **kw)
+                     num_ctas=num_ctas, tiled_prep=tiled, chunk_verify=chunk, **kw)
     ry, rstates = call(kda_decode_mgpu_reference, step, pools, params, slots, lengths, **kw)
     assert states.shape == (4, t, 2, 128, 128)
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
@@ -116,12 +118,14 @@ def test_defaults_and_argument_errors():
         call(kda_decode_mgpu, step16, pools16, params16, [0, 1], [1, 1], interpret=True)
     with pytest.raises(ValueError, match="tiled_prep"):  # decode, and verify at T != 4, have no tiled form
         call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, tiled_prep=True)
+    with pytest.raises(ValueError, match="chunk_verify"):  # the chunk form takes the tiled prep's operands
+        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, chunk_verify=True)
     # bf16 at T = 8 fits a 2-slot ring with z in bf16 (the model's) and not with z in fp32, 4 KB more (smem_bytes
     # once counted z in the activation dtype, and the H200 refused the kernel that `supported` had accepted)
     sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    ops = lambda z_dtype: (sd((2, 8, 3 * 2 * 128), bf), sd((3, 3, 3 * 2 * 128), bf), sd((4, 3 * 2 * 128), f32),  # noqa: E731
-                           sd((2, 8, 2, 128), z_dtype), sd((2, 8, 2), bf), sd((2, 8, 2, 128), bf),
-                           sd((3, 2, 128, 128), f32))
+    def ops(z_dtype):
+        return (sd((2, 8, 3 * 2 * 128), bf), sd((3, 3, 3 * 2 * 128), bf), sd((4, 3 * 2 * 128), f32),
+                sd((2, 8, 2, 128), z_dtype), sd((2, 8, 2), bf), sd((2, 8, 2, 128), bf), sd((3, 2, 128, 128), f32))
     assert supported(*ops(bf)) and not supported(*ops(f32))
 
 
@@ -209,5 +213,5 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     assert "mosaic_gpu" in text
     stages = 3 if t == 1 else 2  # bf16, K = V = 128: what default_stages picks (test_defaults_and_argument_errors)
     want = smem_bytes(dv=d, dk=d, stages=stages, num_tokens=t, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4,
-                      all_states=all_states)
+                      all_states=all_states, chunk=all_states and t == 4)
     assert allocated == [want] and want <= SMEM_LIMIT
