@@ -929,9 +929,10 @@ def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int 
       overhead 1 1.66 ms, 132 parts 1.83 ms, one wave (34 parts) 2.32 ms; the best uniform split 1.98 ms.
     The same for paired 2-CTA clusters (mosaic_paired; a work item still runs row_blocks CTAs). On equal-length
     B64 x 32k they ran 1.02-1.04x faster with half the parts at q_len 1 and 0.98-1.02x at q_len 4
-    (docs/results/mla_paired_h200_2026-12-04.json), but
-    mixed histories balance worse on fewer parts (132 parts were 1.19x slower above), and the mixed batches were
-    not re-measured, so the plan stays."""
+    (docs/results/mla_paired_h200_2026-12-04.json), but mixed histories balance worse on fewer parts (132 parts were
+    1.19x slower above). On the 12 mixed batches, paired (docs/results/mla_plan_paired_h200_2026-12-04.json): this
+    plan 17.43 ms against 17.48 for uniform 16 splits in one call; 198 parts with overhead 128 17.32 against 17.46 ms
+    for this plan in another (0.9 %), too little to move the default."""
     if backend != "mosaic":
         return TRITON_NUM_PARTS, 1
     if row_blocks == 1:
