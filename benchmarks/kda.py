@@ -37,9 +37,10 @@ sigmoid / q-k L2 norm fused on both sides:
            whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
            decode step's optimized HLO (0 = the q|k conv-state scatter stays in place in the donated pool).
-           --decode-variants mgpu[_s<stages>][_c<ctas>] adds the Mosaic GPU kernel (kda_decode_mgpu, decode
-           and verify): ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and
-           its pool copies (hlo_pool_copies_mgpu*); it competes for ours_best like any tiling.
+           --decode-variants mgpu[_s<stages>][_c<ctas>][_perpos][_pnorm][_seq] adds the Mosaic GPU kernel
+           (kda_decode_mgpu, decode and verify; the flags turn verify's T = 4 forms off, MGPU_FORM_FLAGS):
+           ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and its pool copies
+           (hlo_pool_copies_mgpu*); it competes for ours_best like any tiling.
            --decode-profile: each variant's step also traced under jax.profiler (10 calls; needs --no-fla,
            torch's CUPTI takes the device trace away): profile_<variant> holds the kernels' device time per
            step against the step's span (what the 2026-12-03 fix was found with: 3 broadcast kernels per step).
@@ -651,24 +652,34 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
 
 
 MGPU_KNOB_TAGS = {"stages": "s", "num_ctas": "c"}  # decode variant mgpu_s<stages>_c<ctas>
+# verify at T = 4, the forms a variant turns off (kda_decode_mgpu's defaults otherwise): mgpu_perpos (prep position
+# by position, and with it the norm and the updates), mgpu_pnorm (the gated norm position by position), mgpu_seq
+# (the updates position by position instead of the chunk form); other cases run the same kernel either way
+MGPU_FORM_FLAGS = {"perpos": "tiled_prep", "pnorm": "tiled_norm", "seq": "chunk_verify"}
 
 
 def mgpu_tag(knobs: dict) -> str:
     """The Mosaic decode variant's name from its kda_decode_mgpu knobs (decode_variant's inverse)."""
-    return "mgpu" + "".join(f"_{MGPU_KNOB_TAGS[k]}{v}" for k, v in knobs.items())
+    forms = {knob: flag for flag, knob in MGPU_FORM_FLAGS.items()}
+    return "mgpu" + "".join(f"_{MGPU_KNOB_TAGS[k]}{v}" if k in MGPU_KNOB_TAGS else f"_{forms[k]}"
+                            for k, v in knobs.items())
 
 
 def decode_variant(name):
     """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold]",
     e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True);
-    or the Mosaic GPU kernel from "mgpu[_s<stages>][_c<ctas>]" (kda_decode_mgpu, decode only; key ours_mgpu_s<n>..)."""
-    m = re.fullmatch(r"mgpu((?:_s\d+)?)((?:_c\d+)?)", name)
+    or the Mosaic GPU kernel from "mgpu[_s<stages>][_c<ctas>][_perpos][_pnorm][_seq]" (kda_decode_mgpu; the flags
+    turn verify forms off, MGPU_FORM_FLAGS; key ours_mgpu_s<n>..)."""
+    m = re.fullmatch(r"mgpu((?:_s\d+)?)((?:_c\d+)?)((?:_perpos)?)((?:_pnorm)?)((?:_seq)?)", name)
     if m is not None:
         knobs = {}
         if m.group(1):
             knobs["stages"] = int(m.group(1)[2:])
         if m.group(2):
             knobs["num_ctas"] = int(m.group(2)[2:])
+        for flag in m.groups()[2:]:
+            if flag:
+                knobs[MGPU_FORM_FLAGS[flag[1:]]] = False
         return 0, 0, False, {"mgpu": knobs}
     m = re.fullmatch(r"(loop|bv)(\d+)_w(\d+)((?:_pf\d+)?)((?:_fold)?)", name)
     if m is None:
@@ -862,7 +873,7 @@ def main(argv=None):
                         " crossed with --decode-warps after the --decode-block-v tilings")
     p.add_argument("--decode-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold], or the Mosaic GPU "
-                        "kernel mgpu[_s<stages>][_c<ctas>] (see decode_variant)")
+                        "kernel mgpu[_s<stages>][_c<ctas>][_perpos][_pnorm][_seq] (see decode_variant)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],

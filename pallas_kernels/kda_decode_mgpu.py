@@ -239,7 +239,7 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
                  onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, gate,
-                 lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False, chunk=False):
+                 lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False, tiled_norm=False, chunk=False):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   packed = (og_col, beta_col): x_ref is the whole projection [B, T, C] and holds both at those columns
@@ -470,7 +470,6 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             pl.when(first < num_steps)(functools.partial(issue, first))
         issue_taps(0)
 
-        tiled_norm = tiled_prep and TILED_VERIFY_NORM
         if tiled_norm:  # the same for every item
             norm_w = plgpu.load(onw_ref, (), layout=positions_layout(dv).reduce(0), optimized=False).astype(f32)
         else:
@@ -631,10 +630,11 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
-                                             "all_states", "packed", "tiled_prep", "chunk_verify"))
+                                             "all_states", "packed", "tiled_prep", "tiled_norm", "chunk_verify"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                     o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
-                    packed=None, interpret=False, num_ctas=None, stages=None, tiled_prep=None, chunk_verify=None):
+                    packed=None, interpret=False, num_ctas=None, stages=None, tiled_prep=None, tiled_norm=None,
+                    chunk_verify=None):
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
@@ -649,8 +649,9 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
     ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
     tiled_prep: verify's vector work on [4, K] tiles (verify at T = 4 only; None: TILED_VERIFY_PREP there).
-    chunk_verify: with the tiled prep, the state applied once in the chunk form (`chunk_operands`) instead of
-    position by position (None: CHUNK_VERIFY).
+    tiled_norm, chunk_verify: with the tiled prep, the gated RMSNorm on [4, V] tiles too (None: TILED_VERIFY_NORM),
+    and the state applied once in the chunk form (`chunk_operands`) instead of position by position (None:
+    CHUNK_VERIFY).
     Sizes: V a multiple of 64 up to 256, K of 128; conv_state in the activation dtype.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
@@ -665,8 +666,10 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     if tiled_prep and not tiles_fit:
         raise ValueError(f"tiled_prep is for verify (all_states) at T = 4, got T={t}, all_states={all_states}")
     tiled_prep = (TILED_VERIFY_PREP if tiled_prep is None else tiled_prep) and tiles_fit
-    if chunk_verify and not tiled_prep:
-        raise ValueError("chunk_verify needs the tiled prep (verify at T = 4, tiled_prep not False)")
+    for knob, value in (("tiled_norm", tiled_norm), ("chunk_verify", chunk_verify)):
+        if value and not tiled_prep:
+            raise ValueError(f"{knob} needs the tiled prep (verify at T = 4, tiled_prep not False)")
+    tiled_norm = (TILED_VERIFY_NORM if tiled_norm is None else tiled_norm) and tiled_prep
     chunk = (CHUNK_VERIFY if chunk_verify is None else chunk_verify) and tiled_prep
     sizes = dict(_ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed), all_states=all_states,
                  chunk=chunk)
@@ -700,7 +703,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
-                          tiled_prep=tiled_prep, chunk=chunk),
+                          tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,

@@ -456,15 +456,17 @@ def test_mgpu_packed_projection_equals_the_sliced_operands(t, all_states, dtype)
         assert rel(np.asarray(got, np.float32), np.asarray(w, np.float32)) < tol
 
 
-@pytest.mark.parametrize("t,gate,stages,num_ctas,tiled", [
-    (4, "lower_bound", None, None, None), (3, "softplus", 2, 3, None), (6, "lower_bound", None, 7, None),
-    (4, "softplus", 2, 3, False), (4, "softplus", None, 2, True)])
-def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas, tiled):
+@pytest.mark.parametrize("t,gate,stages,num_ctas,forms", [
+    (4, "lower_bound", None, None, {}), (3, "softplus", 2, 3, {}), (6, "lower_bound", None, 7, {}),
+    (4, "softplus", 2, 3, {"tiled_prep": False}), (4, "softplus", None, 2, {"tiled_prep": True}),
+    (4, "lower_bound", 2, 3, {"chunk_verify": False}), (4, "softplus", None, 3, {"tiled_norm": False})])
+def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas, forms):
     """The Mosaic GPU kernel in verify mode (all_states: every position's state update written, no conv state) on the
     H200, same rows as the decode test: shuffled slots, padded, idle and fresh rows over NaN / inf garbage; the
     pools are read only. fp32 activations fit a 2-slot ring up to T6 (T8 needs bf16: `supported` says no). T = 4
-    runs the prep warpgroup's tiled form by default (positions on warps, custom register layout: the interpreter
-    ignores layouts, so this is where it is checked) and the per-position form once."""
+    runs the prep warpgroup's tiled form by default, with the tiled gated norm and the chunk form (positions on
+    warps, custom register layouts: the interpreter ignores layouts, so this is where they are checked), and once
+    each without one of the three."""
     from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu, kda_decode_mgpu_reference
 
     rng = np.random.default_rng(6)
@@ -480,7 +482,7 @@ def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas, tiled):
             jnp.asarray(state_pool), jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32))
     kw = dict(a_log=jnp.asarray(arr(h) * 0.5), dt_bias=jnp.asarray(arr(h * d)),
               o_norm_weight=jnp.asarray(1 + 0.1 * arr(d)), gate=gate, fresh=fresh, all_states=True)
-    got = jax.device_get(kda_decode_mgpu(*args, **kw, stages=stages, num_ctas=num_ctas, tiled_prep=tiled))
+    got = jax.device_get(kda_decode_mgpu(*args, **kw, stages=stages, num_ctas=num_ctas, **forms))
     want = jax.device_get(kda_decode_mgpu_reference(*args, **kw))
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert len(got) == 2 and [u.shape for u in got[1]] == [(b, t, h, d)] * 3

@@ -41,17 +41,17 @@ def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
     assert rel(state[4], pools["state"][4]) > 1e-3  # and the live rows did move
 
 
-@pytest.mark.parametrize("t,gate,stages,num_ctas,tiled,chunk", [
-    (3, "lower_bound", 2, 3, None, None), (2, "softplus", None, 1, None, None), (4, "softplus", 2, 3, True, None),
-    (4, "lower_bound", None, 1, True, None), (4, "lower_bound", 2, 2, False, None), (4, "softplus", 2, 2, None, False)])
-def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, tiled, chunk):
+@pytest.mark.parametrize("t,gate,stages,num_ctas,forms", [
+    (3, "lower_bound", 2, 3, {}), (2, "softplus", None, 1, {}), (4, "softplus", 2, 3, {"tiled_prep": True}),
+    (4, "lower_bound", None, 1, {}), (4, "lower_bound", 2, 2, {"tiled_prep": False}),
+    (4, "softplus", 2, 2, {"chunk_verify": False}), (4, "lower_bound", 2, 3, {"tiled_norm": False})])
+def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, forms):
     """Verify mode (all_states): every position's recurrent state (no conv states) against the reference, on the
     same kind of batch as the decode test (shuffled slots in a larger pool, a padded row, an idle row, a fresh row
     over NaN / inf garbage); padded positions carry the state unchanged; the pools are not written. T = 4 runs
     the prep warpgroup's tiled form (positions on warps: the fresh row's window zeros and the padded position's
-    g = beta = 0 as tile masks) and by default the chunk form (the state applied once: S_0 times cumulatively decayed
-    keys and queries, T x T corrections), once the per-position form both replace and once the tiled prep with
-    position-by-position updates."""
+    g = beta = 0 as tile masks), by default with the tiled gated norm and the chunk form (the state applied once: S_0
+    times cumulatively decayed keys and queries, T x T corrections); and once each without one of the three."""
     step, pools, params = decode_inputs(4, bsz=4, t=t, h=2, dk=128, pool=7)
     pools["state"] = pools["state"].at[6, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
     pools["conv_state"] = pools["conv_state"].at[6, 0, :2].set(jnp.asarray([np.nan, np.inf]))
@@ -59,7 +59,7 @@ def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, tiled
     fresh = jnp.asarray([0, 0, 1, 0], jnp.int32)
     kw = dict(gate=gate, fresh=fresh, all_states=True)
     y, states = call(kda_decode_mgpu, step, pools, params, slots, lengths, interpret=True, stages=stages,
-                     num_ctas=num_ctas, tiled_prep=tiled, chunk_verify=chunk, **kw)
+                     num_ctas=num_ctas, **forms, **kw)
     ry, rstates = call(kda_decode_mgpu_reference, step, pools, params, slots, lengths, **kw)
     assert states.shape == (4, t, 2, 128, 128)
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
@@ -118,11 +118,13 @@ def test_defaults_and_argument_errors():
         call(kda_decode_mgpu, step16, pools16, params16, [0, 1], [1, 1], interpret=True)
     with pytest.raises(ValueError, match="tiled_prep"):  # decode, and verify at T != 4, have no tiled form
         call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, tiled_prep=True)
-    with pytest.raises(ValueError, match="chunk_verify"):  # the chunk form takes the tiled prep's operands
-        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, chunk_verify=True)
+    for knob in ("chunk_verify", "tiled_norm"):  # both go with the tiled prep
+        with pytest.raises(ValueError, match=knob):
+            call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, **{knob: True})
     # bf16 at T = 8 fits a 2-slot ring with z in bf16 (the model's) and not with z in fp32, 4 KB more (smem_bytes
     # once counted z in the activation dtype, and the H200 refused the kernel that `supported` had accepted)
     sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+
     def ops(z_dtype):
         return (sd((2, 8, 3 * 2 * 128), bf), sd((3, 3, 3 * 2 * 128), bf), sd((4, 3 * 2 * 128), f32),
                 sd((2, 8, 2, 128), z_dtype), sd((2, 8, 2), bf), sd((2, 8, 2, 128), bf), sd((3, 2, 128, 128), f32))
@@ -138,8 +140,14 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
     from benchmarks import kda as bench
 
     assert bench.decode_variant("mgpu_s2_c3") == (0, 0, False, {"mgpu": {"stages": 2, "num_ctas": 3}})
-    with pytest.raises(ValueError):
-        bench.decode_variant("mgpu_x2")
+    # verify's T = 4 forms, each turned off by a flag; the tag names the variant back
+    knobs = bench.decode_variant("mgpu_c7_pnorm_seq")[3]["mgpu"]
+    assert knobs == {"num_ctas": 7, "tiled_norm": False, "chunk_verify": False}
+    assert bench.mgpu_tag(knobs) == "mgpu_c7_pnorm_seq"
+    assert bench.decode_variant("mgpu_perpos")[3]["mgpu"] == {"tiled_prep": False}
+    for bad in ("mgpu_x2", "mgpu_seq_pnorm"):
+        with pytest.raises(ValueError):
+            bench.decode_variant(bad)
     out = tmp_path / "kda.json"
     bench.main(["--order", "decode", "--decode", "2x1x2,2x2x2", "--decode-block-v", "64", "--decode-warps", "4",
                 "--decode-loop-v", "64", "--decode-variants", "mgpu_s2_c3", "--trials", "1", "--interpret",
