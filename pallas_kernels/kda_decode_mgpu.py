@@ -133,6 +133,7 @@ TMA, barriers and layouts included.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -489,10 +490,11 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 inv_rms = _across_cols(lax.rsqrt(jnp.sum(o * o, axis=1) / dv + eps), o.shape)
                 y = o * inv_rms * _down_rows(norm_w, o.shape) * jax.nn.sigmoid(og)
                 y_ref.at[b, :, h][...] = y.astype(y_ref.dtype)
-            for t in range(0 if tiled_norm else num_tokens):  # position by position, [V] strided vectors
-                o = _vec(o_smem.at[buf, t])
-                y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[slot, t]))
-                y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
+            else:  # position by position, [V] strided vectors
+                for t in range(num_tokens):
+                    o = _vec(o_smem.at[buf, t])
+                    y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[slot, t]))
+                    y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
             if all_states:  # the update warpgroups' err rows (committed before they arrived on done_bars)
                 plgpu.copy_smem_to_gmem(e_smem.at[buf], err_ref.at[b, :, h, :])
 
@@ -533,6 +535,22 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                     o = o + ab_smem[buf, t, num_tokens + i] * err_i
                 o_smem.at[buf, t, blk][...] = o.astype(act_dtype).astype(f32)
 
+        def sequential_rows(s, rows, buf):
+            # decode, and verify outside the chunk form: the delta rule position by position
+            for t in range(num_tokens):
+                op = lambda j, t=t: prep_smem.at[buf, j, t]  # noqa: E731
+                if not all_states:  # decode: the state lives in its slot between positions (fewer registers)
+                    s = plgpu.load(rows, layout=_TILE)
+                s = s * _down_rows(_cols(op(3)), tile)
+                err = _rows(vb_smem.at[buf, t, blk]) - jnp.sum(s * _down_rows(_cols(op(2)), tile), axis=1)
+                s = s + _across_cols(err, tile) * _down_rows(_cols(op(1)), tile)
+                if all_states:  # verify writes no state: err is this position's update of these rows
+                    e_smem.at[buf, t, blk][...] = err
+                else:
+                    rows[...] = s
+                o_smem.at[buf, t, blk][...] = jnp.sum(s * _down_rows(_cols(op(0)), tile), axis=1).astype(
+                    act_dtype).astype(f32)
+
         @pl.loop(0, num_steps)
         def _update_step(step):
             b, h = item_of(step)
@@ -548,55 +566,61 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             s = plgpu.load(rows, layout=_TILE) if all_states else None
             if chunk:
                 chunk_rows(s, buf)
-            for t in range(0 if chunk else num_tokens):  # position by position
-                op = lambda j, t=t: prep_smem.at[buf, j, t]  # noqa: E731
-                if not all_states:  # decode: the state lives in its slot between positions (fewer registers)
-                    s = plgpu.load(rows, layout=_TILE)
-                s = s * _down_rows(_cols(op(3)), tile)
-                err = _rows(vb_smem.at[buf, t, blk]) - jnp.sum(s * _down_rows(_cols(op(2)), tile), axis=1)
-                s = s + _across_cols(err, tile) * _down_rows(_cols(op(1)), tile)
-                if all_states:  # verify writes no state: err is this position's update of these rows
-                    e_smem.at[buf, t, blk][...] = err
-                else:
-                    rows[...] = s
-                o_smem.at[buf, t, blk][...] = jnp.sum(s * _down_rows(_cols(op(0)), tile), axis=1).astype(
-                    act_dtype).astype(f32)
+            else:
+                sequential_rows(s, rows, buf)
             plgpu.commit_smem()  # the new state rows, o (and err) are visible to the TMA engine and the prep warpgroup
             plgpu.barrier_arrive(done_bars.at[slot])
 
 
-def smem_bytes(dv: int, dk: int, stages: int, num_tokens: int, width: int, act_bytes: int, conv_bytes: int,
-               taps_bytes: int, all_states: bool = True, chunk: bool = False, z_bytes: int | None = None,
-               gate_bytes: int | None = None) -> int:
-    """Shared memory of the kernel as Mosaic GPU allocates it: each buffer of the scratch list (`kda_decode_mgpu`)
-    rounded up to SMEM_ALIGNMENT, 8 bytes a barrier, the reduction scratch. Per ring slot the fp32 state and the
-    item's operands (q|k|v and the conv window in the activation dtype, z in z_bytes and the output gate in
-    gate_bytes, both act_bytes unless given); two buffers (item parity) of the conv taps, the prepared vectors, the
-    o rows, (verify) the err rows and (chunk form) prep's g rows and its A | B coefficients."""
+def scratch_types(dv: int, dk: int, stages: int, num_tokens: int, width: int, act, taps_dtype, all_states: bool = True,
+                  chunk: bool = False, z_dtype=None, gate_dtype=None) -> list:
+    """The kernel's scratch, in `_item_kernel`'s order (its comment says what each holds): per ring slot the fp32
+    state and the item's operands (q|k|v and the conv window in the activation dtype `act`, z in z_dtype and the
+    output gate in gate_dtype, both act unless given); two buffers (item parity) of the conv taps, the prepared
+    vectors, the o rows, (verify) the err rows and (chunk form) prep's g rows and its A | B coefficients; barriers."""
     t = num_tokens
-    z_bytes, gate_bytes = z_bytes or act_bytes, gate_bytes or act_bytes
-    ring = [dv * dk * 4, 3 * (width - 1 + t) * dk * max(act_bytes, conv_bytes), t * dk * z_bytes,
-            t * dv * gate_bytes]
-    pairs = [3 * width * dk * taps_bytes, 4 * t * dk * 4, t * dv * 4, t * dv * 4]
-    pairs += ([t * dv * 4] if all_states else []) + ([t * dk * 4] * 2 if chunk else [])
-    buffers = [stages * n for n in ring] + [2 * n for n in pairs]
-    barriers = 8 * (4 * stages + 2 + chunk)
-    return sum(-(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for n in buffers) + barriers + REDUCTION_SCRATCH_BYTES
+    ring = lambda *shape, dtype=act, **kw: plgpu.SMEM((stages, *shape), dtype, **kw)  # noqa: E731
+    return [
+        ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        ring(3, width - 1 + t, dk), ring(t, dk, dtype=z_dtype or act), ring(t, dv, dtype=gate_dtype or act),
+        plgpu.SMEM((2, 3, width, dk), taps_dtype),
+        plgpu.SMEM((2, 4, t, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
+        plgpu.SMEM((2, t, dv), jnp.float32),
+        plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=3, num_barriers=2),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=dv // ROWS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else []) + ([
+        plgpu.SMEM((2, t, dk), jnp.float32), plgpu.SMEM((2, t, dk), jnp.float32),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1)] if chunk else [])
 
 
-def default_stages(**sizes) -> int:
-    """The most slots (<= 3) whose ring fits the shared memory (3 at T = 1, K = V = 128; 2 for long verify-size T)."""
-    fitting = [s for s in (3, 2) if smem_bytes(stages=s, **sizes) <= SMEM_LIMIT]
+def smem_bytes(scratch: list) -> int:
+    """Shared memory of a scratch list as Mosaic GPU allocates it: each buffer rounded up to SMEM_ALIGNMENT, 8 bytes
+    a barrier, the reduction scratch."""
+    total = REDUCTION_SCRATCH_BYTES
+    for ref in scratch:
+        if isinstance(ref, plgpu.Barrier):
+            total += 8 * math.prod(ref.num_barriers)
+        else:
+            total += -(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+    return total
+
+
+def default_stages(**args) -> int:
+    """The most slots (<= 3) whose ring fits the shared memory (3 at T = 1, K = V = 128; 2 for long verify-size T);
+    args: `scratch_types`' but stages."""
+    fitting = [s for s in (3, 2) if smem_bytes(scratch_types(stages=s, **args)) <= SMEM_LIMIT]
     return fitting[0] if fitting else 2
 
 
-def _ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed) -> dict:
-    """`smem_bytes`' size arguments for these operands."""
+def _scratch_args(qkv, conv_weight, z, out_gate, state, packed) -> dict:
+    """`scratch_types`' size and dtype arguments for these operands (the conv pool is in the activation dtype)."""
     dv, dk = state.shape[2:]
     gate = qkv if packed is not None else out_gate  # packed: the output gate is qkv's columns
-    return dict(dv=dv, dk=dk, num_tokens=qkv.shape[1], width=conv_weight.shape[0], act_bytes=qkv.dtype.itemsize,
-                conv_bytes=conv_state.dtype.itemsize, taps_bytes=conv_weight.dtype.itemsize, z_bytes=z.dtype.itemsize,
-                gate_bytes=gate.dtype.itemsize)
+    return dict(dv=dv, dk=dk, num_tokens=qkv.shape[1], width=conv_weight.shape[0], act=qkv.dtype,
+                taps_dtype=conv_weight.dtype, z_dtype=z.dtype, gate_dtype=gate.dtype)
 
 
 def _unsupported(qkv, conv_state, conv_weight, z, out_gate, state, packed=None) -> str | None:
@@ -615,7 +639,7 @@ def _unsupported(qkv, conv_state, conv_weight, z, out_gate, state, packed=None) 
         return f"the state pool must be fp32; got {state.dtype}"
     if conv_state.dtype != qkv.dtype:
         return f"conv_state must be in the activation dtype {qkv.dtype}; got {conv_state.dtype}"
-    if smem_bytes(stages=2, **_ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed)) > SMEM_LIMIT:
+    if smem_bytes(scratch_types(stages=2, **_scratch_args(qkv, conv_weight, z, out_gate, state, packed))) > SMEM_LIMIT:
         return f"a ring of 2 slots exceeds {SMEM_LIMIT} bytes of shared memory at T={qkv.shape[1]}"
     return None
 
@@ -658,7 +682,6 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
            o_norm_weight, gate, packed)
     bsz, t, c = qkv.shape
     p, h, dv, dk = state.shape
-    width = conv_weight.shape[0]
     reason = _unsupported(qkv, conv_state, conv_weight, z, out_gate, state, packed)
     if reason is not None:
         raise ValueError(reason)
@@ -671,34 +694,17 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
             raise ValueError(f"{knob} needs the tiled prep (verify at T = 4, tiled_prep not False)")
     tiled_norm = (TILED_VERIFY_NORM if tiled_norm is None else tiled_norm) and tiled_prep
     chunk = (CHUNK_VERIFY if chunk_verify is None else chunk_verify) and tiled_prep
-    sizes = dict(_ring_sizes(qkv, conv_state, conv_weight, z, out_gate, state, packed), all_states=all_states,
-                 chunk=chunk)
-    stages = default_stages(**sizes) if stages is None else stages
-    if not isinstance(stages, int) or stages < 2 or smem_bytes(stages=stages, **sizes) > SMEM_LIMIT:
-        raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(stages=2, **sizes)} bytes per 2 slots) "
-                         f"within {SMEM_LIMIT} bytes of shared memory; got {stages!r}")
+    args = dict(_scratch_args(qkv, conv_weight, z, out_gate, state, packed), all_states=all_states, chunk=chunk)
+    stages = default_stages(**args) if stages is None else stages
+    if not isinstance(stages, int) or stages < 2 or smem_bytes(scratch_types(stages=stages, **args)) > SMEM_LIMIT:
+        raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(scratch_types(stages=2, **args))} bytes per "
+                         f"2 slots) within {SMEM_LIMIT} bytes of shared memory; got {stages!r}")
     num_items = bsz * h
     num_ctas = min(H200_SM_COUNT, num_items) if num_ctas is None else num_ctas
     if not isinstance(num_ctas, int) or not 1 <= num_ctas <= num_items:
         raise ValueError(f"num_ctas must be in 1..B*H = {num_items}; got {num_ctas!r}")
     fresh = jnp.zeros((bsz,), jnp.int32) if fresh is None else fresh.astype(jnp.int32)
     act = qkv.dtype
-    ring = lambda *shape, dtype=act, **kw: plgpu.SMEM((stages, *shape), dtype, **kw)
-    scratch = [
-        ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-        ring(3, width - 1 + t, dk), ring(t, dk, dtype=z.dtype),
-        ring(t, dv, dtype=act if packed is not None else out_gate.dtype),
-        plgpu.SMEM((2, 3, width, dk), conv_weight.dtype),
-        plgpu.SMEM((2, 4, t, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
-        plgpu.SMEM((2, t, dv), jnp.float32),
-        plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=3, num_barriers=2),
-        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=dv // ROWS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-    ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else []) + ([
-        plgpu.SMEM((2, t, dk), jnp.float32), plgpu.SMEM((2, t, dk), jnp.float32),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1)] if chunk else [])
     y_type = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     kernel = plgpu.kernel(
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
@@ -707,7 +713,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
-        scratch_types=scratch,
+        scratch_types=scratch_types(stages=stages, **args),
         grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=dv // ROWS + 1,  # the update warpgroups and the prep warpgroup

@@ -103,7 +103,7 @@ def test_packed_projection_equals_the_sliced_operands(verify):
 
 def test_defaults_and_argument_errors():
     """Ring depth from shared memory (3 slots at T1 D128, 2 at T8); bad sizes / knobs raise ValueError."""
-    sizes = dict(dv=128, dk=128, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4)
+    sizes = dict(dv=128, dk=128, width=4, act=jnp.bfloat16, taps_dtype=jnp.float32)
     assert default_stages(num_tokens=1, **sizes) == 3 and default_stages(num_tokens=8, **sizes) == 2
     step, pools, params = decode_inputs(3, bsz=2, t=1, h=2, dk=128, pool=3)
     with pytest.raises(ValueError, match="num_ctas"):
@@ -192,13 +192,14 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     machine without a GPU: layouts, TMA shapes and the shared-memory budget (its limit is checked at lowering),
     which the interpreter does not check. (`_infer_arch` asks the local GPU; here there is none.) `packed`: the
     serving layout's whole K3 input projection, q|k|v, the gate's low-rank input (128), beta (96), the gate.
-    smem_bytes, which picks the ring's depth and says what fits, must equal what Mosaic GPU allocates (read where
-    Mosaic sizes it): an estimate that ran 80 bytes short on the H200 broke verify at T = 8 there."""
+    smem_bytes of the kernel's scratch list, which picks the ring's depth and says what fits, must equal what Mosaic
+    GPU allocates (read where Mosaic sizes it): an estimate that ran 80 bytes short on the H200 broke verify at T = 8
+    there."""
     import jax
     from jax.experimental.mosaic.gpu import core as mgpu_core
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    from pallas_kernels.kda_decode_mgpu import SMEM_LIMIT, smem_bytes
+    from pallas_kernels.kda_decode_mgpu import SMEM_LIMIT, scratch_types, smem_bytes
 
     monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (9, 0))
     allocated = []
@@ -220,6 +221,6 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     text = jax.jit(fn).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     stages = 3 if t == 1 else 2  # bf16, K = V = 128: what default_stages picks (test_defaults_and_argument_errors)
-    want = smem_bytes(dv=d, dk=d, stages=stages, num_tokens=t, width=4, act_bytes=2, conv_bytes=2, taps_bytes=4,
-                      all_states=all_states, chunk=all_states and t == 4)
+    want = smem_bytes(scratch_types(dv=d, dk=d, stages=stages, num_tokens=t, width=4, act=bf, taps_dtype=jnp.float32,
+                                    all_states=all_states, chunk=all_states and t == 4))
     assert allocated == [want] and want <= SMEM_LIMIT
