@@ -37,8 +37,9 @@ sigmoid / q-k L2 norm fused on both sides:
            whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
            decode step's optimized HLO (0 = the q|k conv-state scatter stays in place in the donated pool).
-           --decode-variants mgpu[_s<stages>][_c<ctas>][_perpos][_pnorm][_seq] adds the Mosaic GPU kernel
-           (kda_decode_mgpu, decode and verify; the flags turn verify's T = 4 forms off, MGPU_FORM_FLAGS):
+           --decode-variants mgpu[_s<stages>][_o<operand stages>][_c<ctas>][_perpos][_pnorm][_seq] adds the
+           Mosaic GPU kernel (kda_decode_mgpu, decode and verify; _o sets verify's operand ring, the flags turn
+           verify's T = 4 forms off, MGPU_FORM_FLAGS):
            ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and its pool copies
            (hlo_pool_copies_mgpu*); it competes for ours_best like any tiling.
            --decode-profile: each variant's step also traced under jax.profiler (10 calls; needs --no-fla,
@@ -559,13 +560,14 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
     def time_ours(name, block_v, num_warps, loop_v=False, **extra):
         tiling = dict(block_v=block_v, num_warps=num_warps, loop_v=loop_v, **extra)
         if "mgpu" in extra:  # the Mosaic GPU kernel; checked against the Triton default first
-            knobs = extra["mgpu"]
+            # (decode has one ring: a variant's operand ring depth is verify's alone)
+            knobs = {k: v for k, v in extra["mgpu"].items() if verify or k != "operand_stages"}
             call = lambda cv, st, r: kda_decode_mgpu(qkv, cv, conv_w, z, beta, og, st, r[0], r[1], fresh=r[2],
                                                      o_norm_weight=r[3], all_states=verify, **kw, **knobs)
             ref = kda_decode(qkv, conv, conv_w, z, beta, og, state, slots, lens, o_norm_weight=onw,
                              all_states=verify, **kw)
             got = jax.jit(call)(jnp.copy(conv), jnp.copy(state), rows)
-            tag = mgpu_tag(knobs)
+            tag = mgpu_tag(extra["mgpu"])
             names, flat = (("y", "err", "key", "decay"), lambda o: (o[0], *o[1])) if verify else (
                 ("y", "conv", "state"), tuple)
             for out_name, a, r in zip(names, flat(got), flat(ref)):
@@ -651,7 +653,8 @@ def decode_case(row, b, t, h, args, fla, copy_tbps, deadline, save):
         print(f"decode B{b} T{t} H{h}: best tiling {row['ours_best']} ({row['ours_ms']:.3f} ms)", file=sys.stderr)
 
 
-MGPU_KNOB_TAGS = {"stages": "s", "num_ctas": "c"}  # decode variant mgpu_s<stages>_c<ctas>
+# decode variant mgpu_s<stages>_o<operand_stages>_c<ctas> (operand_stages: verify's operand ring; decode ignores it)
+MGPU_KNOB_TAGS = {"stages": "s", "operand_stages": "o", "num_ctas": "c"}
 # verify at T = 4, the forms a variant turns off (kda_decode_mgpu's defaults otherwise): mgpu_perpos (prep position
 # by position, and with it the norm and the updates), mgpu_pnorm (the gated norm position by position), mgpu_seq
 # (the updates position by position instead of the chunk form); other cases run the same kernel either way
@@ -668,16 +671,15 @@ def mgpu_tag(knobs: dict) -> str:
 def decode_variant(name):
     """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold]",
     e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True);
-    or the Mosaic GPU kernel from "mgpu[_s<stages>][_c<ctas>][_perpos][_pnorm][_seq]" (kda_decode_mgpu; the flags
-    turn verify forms off, MGPU_FORM_FLAGS; key ours_mgpu_s<n>..)."""
-    m = re.fullmatch(r"mgpu((?:_s\d+)?)((?:_c\d+)?)((?:_perpos)?)((?:_pnorm)?)((?:_seq)?)", name)
+    or the Mosaic GPU kernel from "mgpu[_s<stages>][_o<operand stages>][_c<ctas>][_perpos][_pnorm][_seq]"
+    (kda_decode_mgpu; the flags turn verify forms off, MGPU_FORM_FLAGS; key ours_mgpu_s<n>..)."""
+    m = re.fullmatch(r"mgpu((?:_s\d+)?)((?:_o\d+)?)((?:_c\d+)?)((?:_perpos)?)((?:_pnorm)?)((?:_seq)?)", name)
     if m is not None:
         knobs = {}
-        if m.group(1):
-            knobs["stages"] = int(m.group(1)[2:])
-        if m.group(2):
-            knobs["num_ctas"] = int(m.group(2)[2:])
-        for flag in m.groups()[2:]:
+        for knob, group in zip(("stages", "operand_stages", "num_ctas"), m.groups()[:3]):
+            if group:
+                knobs[knob] = int(group[2:])
+        for flag in m.groups()[3:]:
             if flag:
                 knobs[MGPU_FORM_FLAGS[flag[1:]]] = False
         return 0, 0, False, {"mgpu": knobs}

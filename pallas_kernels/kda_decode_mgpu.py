@@ -21,6 +21,8 @@ ring of `stages` shared-memory slots, issued ahead. The CTA's warpgroups are spe
   SiLU, q / k L2 norms, gate, beta; vectors in the strided layout, K / 128 elements a thread) into two-deep operand
   buffers (q^, k^, beta k^, e^g, beta v), then, once the updates are done, stores the state back with one TMA copy,
   applies the gated RMSNorm and refills the slot (only after the store has read it).
+(In verify, which only reads the state, the update warpgroups load and refill their own rows of each state, and the
+operands have a deeper ring of their own: see the twenty-ninth session's entry below.)
 The update warpgroups read K-vectors in the WGMMA layout's column form (`reduce(0)`: broadcast down a tile's rows)
 and V-rows in its row form (`reduce(1)`).
 Hazard kept out by design: Mosaic GPU lowers a full reduction (jnp.sum to a scalar) through one shared-memory
@@ -119,6 +121,16 @@ only once the norm is out of the way). Outputs equal the position-by-position fo
 fp32 rounding). Refilling a verify slot's state ahead of the gated norm (no state store to wait for) was slower
 (0.834 against 0.794 ms at B256) and was not kept.
 
+2026-12-04 (twenty-ninth session; docs/results/kda_verify_rings_h200_2026-12-04.json). Verify has two rings: the
+update warpgroups load their own rows of each state (it is only read) and refill them once their math is done,
+while the operands (a few KB an item) run in a deeper ring of their own (VERIFY_OPERAND_STAGES, 4 in bf16 at T = 4).
+Interleaved A/B, 3 rounds, verify B64 / B256 T4: 0.1728 / 0.6426 ms against 0.1754 / 0.6576 with one ring refilled
+by prep after the item's norm (1.5 / 2.3 %); 3 operand slots 0.1743 / 0.6514; the rows refilled right after they
+are loaded into registers (a warpgroup barrier before the math) 0.1845 / 0.6893, slower; prep refilling the state
+as before beside the deeper operand ring 0.1757 / 0.6523. What is left to gain by streaming: the kernel with prep's
+vector work, the update math and the norm all cut out (the TMA ring and barriers alone) takes 0.121 / 0.472 ms, while
+XLA reads the same bytes (a reduction) in 0.094 / 0.355 ms (4.30 / 4.53 TB/s) and copies them at 4.10-4.17 TB/s.
+
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
 Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there (S unchanged), and the conv state keeps the last
@@ -159,6 +171,9 @@ OPERAND_COPIES_PER_ITEM = 8  # q|k|v inputs and conv windows (3 x 2); z; output 
 TILED_VERIFY_PREP = True  # verify at T = 4: prep's vector work on [4, K] tiles (positions_layout, prep_tiled)
 TILED_VERIFY_NORM = True  # with the tiled prep: the gated RMSNorm on [4, V] tiles too (gated_norm)
 CHUNK_VERIFY = True  # with the tiled prep: the update warpgroups apply the state once, in the chunk form (see there)
+# verify: operand slots beside its state slots (2 at T = 4; bf16 has room for 4, fp32 activations for 3): the prep
+# warpgroup finds an item's few KB of operands landed well ahead (the docstring's twenty-ninth session entry)
+VERIFY_OPERAND_STAGES = 4
 APPROX_MATH = True  # MUFU exp / log / reciprocal / rsqrt: shorter latency chains in the prep warpgroup's vector code
 
 # kda_decode_mgpu's reference: kda_decode's (same arguments, same results, decode and verify)
@@ -239,8 +254,9 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 
 
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
-                 onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, gate,
-                 lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False, tiled_norm=False, chunk=False):
+                 onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, operand_stages,
+                 gate, lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False, tiled_norm=False,
+                 chunk=False):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   packed = (og_col, beta_col): x_ref is the whole projection [B, T, C] and holds both at those columns
@@ -252,11 +268,15 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     #   verify only (all_states), refs[:3]: err_ref [B, T, H, V], key_ref / decay_ref [B, T, H, K] fp32, each
     #   position's rank-one state update
     #   (S_t = S_{t-1} * decay_t + err_t key_t^T; k3jax.kda.apply_verify_updates). The pools are only read.
-    # SMEM ring, one slot per item in flight: st_smem [S, V, K] fp32 (tiled 8 x 32, 128-byte swizzle) the state;
-    #   seq_smem [S, 3, W-1+T, K] per q|k|v segment its conv window (rows < W-1) then the item's T inputs;
-    #   z_smem [S, T, K];
-    #   og_smem [S, T, V]; bars [S]: the slot's OPERAND_COPIES_PER_ITEM copies (see `issue`) have landed;
-    #   state_bars [S]: its state has (the prep warpgroup needs only the operands, so it never waits for the state)
+    # SMEM, two rings, one slot per item in flight. The state ring (S = stages slots): st_smem [S, V, K] fp32 (tiled
+    #   8 x 32, 128-byte swizzle); state_bars: its state has landed ([S]; verify: [S * V / 64], one per slot and
+    #   update warpgroup, each of which loads its own rows). The operand ring (O = operand_stages slots; decode: O = S,
+    #   the same slot numbers): seq_smem [O, 3, W-1+T, K] per q|k|v segment its conv window (rows < W-1) then the
+    #   item's T inputs; z_smem [O, T, K]; og_smem [O, T, V]; bars [O]: the slot's OPERAND_COPIES_PER_ITEM copies
+    #   (see `issue`) have landed (the prep warpgroup needs only the operands, so it never waits for the state).
+    #   Verify reads the state once into the update warpgroups' registers, and each of them refills its rows of
+    #   the slot once its math is done (not after prep's norm of the item); so its operand ring can run deeper
+    #   than its state ring (the operands are a few KB, the state 64 KB)
     # SMEM, the head's conv taps for prep, two buffers (item parity): cw_smem [2, 3, W, K]; taps_bars [2] (3 copies)
     # SMEM, the prepared operands, two buffers (item parity: prep runs one item ahead of the update): prep_smem
     #   [2, 4, T, K] fp32 (q^, k^, beta k^, e^g; verify stores k^ and e^g from here by TMA); vb_smem [2, T, V] fp32
@@ -266,7 +286,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     # chunk form only (item parity): xg_smem [2, T, K] fp32 each position's g, for the other warps of prep;
     #   ab_smem [2, T, K] fp32, row t: columns i < T the solve's beta_t (Gamma_t / Gamma_i k_i) . k_t, columns T + i
     #   the output's (Gamma_t / Gamma_i k_i) . q_t; sync_bar [1]: the prep warpgroup's own barrier (all 128 threads)
-    # done_bars [S]: every update warpgroup is done with the slot (V / 64 arrivals) before it is stored and refilled
+    # prep_bars [S]: the item's prepared operands are written; done_bars [S]: every update warpgroup is done with the
+    #   item (V / 64 arrivals): its state can be stored (decode) and its slot refilled, its o (and err) rows are in
     # Warpgroups: wg < V / 64 update state rows [64 wg, 64 wg + 64) of every item (the delta rule is row-separable
     # over V); the last one ("prep") issues the TMA ring, runs the vector work of item j + 1 (short convs, SiLU, L2
     # norms, gate, beta) while the others update item j's state, then stores item j's state back and applies its
@@ -302,16 +323,18 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
     @pl.when(wg == num_update)
     def _prep_warpgroup():
-        def issue(step):
+        def issue(step):  # the item's operands (decode: and its state; verify's update warpgroups load their own)
             b, h = item_of(step)
-            slot, sl = lax.rem(step, stages), slots_ref[b]
-            bar = bars.at[slot]
+            oslot, sl = lax.rem(step, operand_stages), slots_ref[b]
+            bar = bars.at[oslot]
             for i, seg in enumerate(segs_of(h)):
-                plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], seq_smem.at[slot, i, pl.ds(width - 1, num_tokens)], bar)
-                plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], seq_smem.at[slot, i, pl.ds(0, width - 1)], bar)
-            plgpu.copy_gmem_to_smem(z_ref.at[b, :, h, :], z_smem.at[slot], bar)
-            plgpu.copy_gmem_to_smem(out_gate_rows(b, h), og_smem.at[slot], bar)
-            plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], state_bars.at[slot])
+                plgpu.copy_gmem_to_smem(x_ref.at[b, :, seg], seq_smem.at[oslot, i, pl.ds(width - 1, num_tokens)], bar)
+                plgpu.copy_gmem_to_smem(conv_ref.at[sl, :, seg], seq_smem.at[oslot, i, pl.ds(0, width - 1)], bar)
+            plgpu.copy_gmem_to_smem(z_ref.at[b, :, h, :], z_smem.at[oslot], bar)
+            plgpu.copy_gmem_to_smem(out_gate_rows(b, h), og_smem.at[oslot], bar)
+            if not all_states:
+                slot = lax.rem(step, stages)
+                plgpu.copy_gmem_to_smem(state_ref.at[sl, h], st_smem.at[slot], state_bars.at[slot])
 
         def store(step):  # item `step`'s state back to the pool once every update warpgroup is done with it
             b, h = item_of(step)
@@ -344,7 +367,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             # current input's tap first, as `_conv_positions` sums), the L2 norms and later the update operands
             # without a shared-memory reduction; no conv states (verify writes none)
             b, h = item_of(step)
-            slot, buf = lax.rem(step, stages), lax.rem(step, 2)
+            slot, oslot, buf = lax.rem(step, stages), lax.rem(step, operand_stages), lax.rem(step, 2)
             length, fresh = lens_ref[b], fresh_ref[b] != 0
             lay = positions_layout(dk)
             tile_t = (num_tokens, dk)
@@ -359,11 +382,11 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 beta_t = jnp.where(t < length, jax.nn.sigmoid(beta_logit(b, t, h).astype(f32)), 0.0)
                 beta = jnp.where(position == t, lax.broadcast(beta_t, tile_t), beta)
             plgpu.barrier_wait(taps_bars.at[buf])
-            plgpu.barrier_wait(bars.at[slot])
+            plgpu.barrier_wait(bars.at[oslot])
             acts = []
             for i in range(3):
                 def tap_times_rows(j, i=i):
-                    x = load(seq_smem.at[slot, i, pl.ds(j, num_tokens)])
+                    x = load(seq_smem.at[oslot, i, pl.ds(j, num_tokens)])
                     if j < width - 1:  # rows t + j < W - 1 are the conv window: zeros for a fresh row
                         in_window = (position + j < width - 1) & lax.broadcast(fresh, tile_t)
                         x = jnp.where(in_window, jnp.zeros_like(x), x)
@@ -375,7 +398,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             q, k, v = acts
             q = q * _across_cols(lax.rsqrt(jnp.sum(q * q, axis=1) + _L2_EPS), tile_t) * dk ** -0.5
             k = k * _across_cols(lax.rsqrt(jnp.sum(k * k, axis=1) + _L2_EPS), tile_t)
-            g = _gate(load(z_smem.at[slot]), a, load_col(dtb_ref.at[h]), gate, lower_bound)
+            g = _gate(load(z_smem.at[oslot]), a, load_col(dtb_ref.at[h]), gate, lower_bound)
             g = jnp.where(valid, g, jnp.zeros_like(g))  # a padded position leaves the state as it is
             prep_smem.at[buf, 1][...] = k
             prep_smem.at[buf, 3][...] = jnp.exp(g)
@@ -428,7 +451,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             # into the operand buffers, the new conv state to the pool; (2) per position, the norms, gate and beta
             # applied in place
             b, h = item_of(step)
-            slot, buf = lax.rem(step, stages), lax.rem(step, 2)
+            slot, oslot, buf = lax.rem(step, stages), lax.rem(step, operand_stages), lax.rem(step, 2)
             sl, length = slots_ref[b], lens_ref[b]
             fresh = fresh_ref[b] != 0
             valids = [t < length for t in range(num_tokens)]
@@ -436,7 +459,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             betas = [jnp.where(valids[t], jax.nn.sigmoid(beta_logit(b, t, h).astype(f32)), 0.0)
                      for t in range(num_tokens)]
             plgpu.barrier_wait(taps_bars.at[buf])
-            plgpu.barrier_wait(bars.at[slot])
+            plgpu.barrier_wait(bars.at[oslot])
             acts_out = [lambda t: prep_smem.at[buf, 0, t], lambda t: prep_smem.at[buf, 1, t],
                         lambda t: vb_smem.at[buf, t]]  # where each segment's raw activations go (q, k, v)
 
@@ -444,10 +467,10 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 ref[...] = value
 
             for i, seg in enumerate(segs_of(h)):
-                window = [_vec(seq_smem.at[slot, i, r]).astype(act_dtype) for r in range(width - 1)]
+                window = [_vec(seq_smem.at[oslot, i, r]).astype(act_dtype) for r in range(width - 1)]
                 window = [_select(fresh, jnp.zeros_like(w), w) for w in window]  # zeros, not a fresh slot's bytes
                 kept = _conv_positions(lambda j, i=i: _vec(cw_smem.at[buf, i, j]), window,
-                                       lambda t, i=i: _vec(seq_smem.at[slot, i, width - 1 + t]), valids, act_dtype,
+                                       lambda t, i=i: _vec(seq_smem.at[oslot, i, width - 1 + t]), valids, act_dtype,
                                        store=lambda t, act, i=i: put(acts_out[i](t), act))
                 if not all_states:
                     for r in range(width - 1):
@@ -459,7 +482,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 q, k = _vec(op(0)), _vec(op(1))
                 q = q * lax.rsqrt(jnp.sum(q * q) + _L2_EPS) * dk ** -0.5
                 k = k * lax.rsqrt(jnp.sum(k * k) + _L2_EPS)
-                g = _gate(_vec(z_smem.at[slot, t]), a, dtb, gate, lower_bound)
+                g = _gate(_vec(z_smem.at[oslot, t]), a, dtb, gate, lower_bound)
                 op(0)[...] = q
                 op(1)[...] = k
                 op(2)[...] = betas[t] * k
@@ -467,7 +490,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 vb_smem.at[buf, t][...] = betas[t] * _vec(vb_smem.at[buf, t])
             publish(b, h, slot, buf)
 
-        for first in range(stages):
+        for first in range(operand_stages):
             pl.when(first < num_steps)(functools.partial(issue, first))
         issue_taps(0)
 
@@ -482,18 +505,18 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             # full reductions share one shared-memory scratch, so they must not run in two warpgroups at once (only
             # this one does them; the update warpgroups, and the tiled form's warps, reduce within warps).
             b, h = item_of(step)
-            slot, buf = lax.rem(step, stages), lax.rem(step, 2)
+            oslot, buf = lax.rem(step, operand_stages), lax.rem(step, 2)
             if tiled_norm:  # verify at T = 4: the positions side by side, one a warp, each reduced within its warp
                 lay = positions_layout(dv)
                 o = plgpu.load(o_smem.at[buf], (), layout=lay, optimized=False)
-                og = plgpu.load(og_smem.at[slot], (), layout=lay, optimized=False).astype(f32)
+                og = plgpu.load(og_smem.at[oslot], (), layout=lay, optimized=False).astype(f32)
                 inv_rms = _across_cols(lax.rsqrt(jnp.sum(o * o, axis=1) / dv + eps), o.shape)
                 y = o * inv_rms * _down_rows(norm_w, o.shape) * jax.nn.sigmoid(og)
                 y_ref.at[b, :, h][...] = y.astype(y_ref.dtype)
             else:  # position by position, [V] strided vectors
                 for t in range(num_tokens):
                     o = _vec(o_smem.at[buf, t])
-                    y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[slot, t]))
+                    y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[oslot, t]))
                     y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
             if all_states:  # the update warpgroups' err rows (committed before they arrived on done_bars)
                 plgpu.copy_smem_to_gmem(e_smem.at[buf], err_ref.at[b, :, h, :])
@@ -504,12 +527,12 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             prep(step)
 
             @pl.when(step >= 1)
-            def _():  # the previous item's state goes back, and its slot is refilled once the store has read it
+            def _():  # the previous item's state goes back, and its slots are refilled once the store has read it
                 store(step - 1)
                 gated_norm(step - 1)
                 if not all_states:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                pl.when(step - 1 + stages < num_steps)(lambda: issue(step - 1 + stages))
+                pl.when(step - 1 + operand_stages < num_steps)(lambda: issue(step - 1 + operand_stages))
 
         store(num_steps - 1)
         gated_norm(num_steps - 1)
@@ -551,12 +574,24 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 o_smem.at[buf, t, blk][...] = jnp.sum(s * _down_rows(_cols(op(0)), tile), axis=1).astype(
                     act_dtype).astype(f32)
 
+        def state_bar(slot):
+            return state_bars.at[slot * num_update + wg] if all_states else state_bars.at[slot]
+
+        def issue_rows(step):  # verify: this warpgroup's rows of the item's state into its state slot
+            b, h = item_of(step)
+            slot = lax.rem(step, stages)
+            plgpu.copy_gmem_to_smem(state_ref.at[slots_ref[b], h, blk], st_smem.at[slot, blk], state_bar(slot))
+
+        if all_states:
+            for first in range(stages):
+                pl.when(first < num_steps)(functools.partial(issue_rows, first))
+
         @pl.loop(0, num_steps)
         def _update_step(step):
             b, h = item_of(step)
             slot, buf = lax.rem(step, stages), lax.rem(step, 2)
             rows = st_smem.at[slot, blk]
-            plgpu.barrier_wait(state_bars.at[slot])
+            plgpu.barrier_wait(state_bar(slot))
             plgpu.barrier_wait(prep_bars.at[slot])
 
             @pl.when(fresh_ref[b] != 0)
@@ -568,29 +603,35 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 chunk_rows(s, buf)
             else:
                 sequential_rows(s, rows, buf)
-            plgpu.commit_smem()  # the new state rows, o (and err) are visible to the TMA engine and the prep warpgroup
+            # the new state rows, o (and err) are visible to the TMA engine and the prep warpgroup; in verify every
+            # thread's reads of the rows are done, so the slot takes the item after next
+            plgpu.commit_smem()
+            if all_states:
+                pl.when(step + stages < num_steps)(lambda: issue_rows(step + stages))
             plgpu.barrier_arrive(done_bars.at[slot])
 
 
 def scratch_types(dv: int, dk: int, stages: int, num_tokens: int, width: int, act, taps_dtype, all_states: bool = True,
-                  chunk: bool = False, z_dtype=None, gate_dtype=None) -> list:
-    """The kernel's scratch, in `_item_kernel`'s order (its comment says what each holds): per ring slot the fp32
-    state and the item's operands (q|k|v and the conv window in the activation dtype `act`, z in z_dtype and the
-    output gate in gate_dtype, both act unless given); two buffers (item parity) of the conv taps, the prepared
-    vectors, the o rows, (verify) the err rows and (chunk form) prep's g rows and its A | B coefficients; barriers."""
-    t = num_tokens
-    ring = lambda *shape, dtype=act, **kw: plgpu.SMEM((stages, *shape), dtype, **kw)  # noqa: E731
+                  chunk: bool = False, z_dtype=None, gate_dtype=None, operand_stages: int | None = None) -> list:
+    """The kernel's scratch, in `_item_kernel`'s order (its comment says what each holds): `stages` slots of the fp32
+    state, `operand_stages` (default: stages) of the item's operands (q|k|v and the conv window in the activation
+    dtype `act`, z in z_dtype and the output gate in gate_dtype, both act unless given); two buffers (item parity)
+    of the conv taps, the prepared vectors, the o rows, (verify) the err rows and (chunk form) prep's g rows and its
+    A | B coefficients; barriers."""
+    t, ops = num_tokens, operand_stages or stages
+    ring = lambda *shape, dtype=act: plgpu.SMEM((ops, *shape), dtype)  # noqa: E731
+    state_swizzle = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     return [
-        ring(dv, dk, dtype=jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        plgpu.SMEM((stages, dv, dk), jnp.float32, transforms=state_swizzle),
         ring(3, width - 1 + t, dk), ring(t, dk, dtype=z_dtype or act), ring(t, dv, dtype=gate_dtype or act),
         plgpu.SMEM((2, 3, width, dk), taps_dtype),
         plgpu.SMEM((2, 4, t, dk), jnp.float32), plgpu.SMEM((2, t, dv), jnp.float32),
         plgpu.SMEM((2, t, dv), jnp.float32),
-        plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=OPERAND_COPIES_PER_ITEM, num_barriers=ops),
         plgpu.Barrier(num_arrivals=3, num_barriers=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=dv // ROWS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages * (dv // ROWS if all_states else 1)),
     ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else []) + ([
         plgpu.SMEM((2, t, dk), jnp.float32), plgpu.SMEM((2, t, dk), jnp.float32),
         plgpu.Barrier(num_arrivals=1, num_barriers=1)] if chunk else [])
@@ -609,10 +650,20 @@ def smem_bytes(scratch: list) -> int:
 
 
 def default_stages(**args) -> int:
-    """The most slots (<= 3) whose ring fits the shared memory (3 at T = 1, K = V = 128; 2 for long verify-size T);
-    args: `scratch_types`' but stages."""
+    """The most state slots (<= 3) whose ring fits the shared memory with as many operand slots (3 at T = 1, K = V =
+    128; 2 for long verify-size T); args: `scratch_types`' but the two depths."""
     fitting = [s for s in (3, 2) if smem_bytes(scratch_types(stages=s, **args)) <= SMEM_LIMIT]
     return fitting[0] if fitting else 2
+
+
+def default_operand_stages(stages: int, **args) -> int:
+    """Decode: `stages` (one ring). Verify: the most operand slots up to VERIFY_OPERAND_STAGES (and no fewer than
+    `stages`) that fit beside `stages` state slots; args: `scratch_types`' but the two depths."""
+    if not args.get("all_states", True):
+        return stages
+    fitting = [o for o in range(max(VERIFY_OPERAND_STAGES, stages), stages, -1)
+               if smem_bytes(scratch_types(stages=stages, operand_stages=o, **args)) <= SMEM_LIMIT]
+    return fitting[0] if fitting else stages
 
 
 def _scratch_args(qkv, conv_weight, z, out_gate, state, packed) -> dict:
@@ -654,11 +705,12 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed
 
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
-                                             "all_states", "packed", "tiled_prep", "tiled_norm", "chunk_verify"))
+                                             "operand_stages", "all_states", "packed", "tiled_prep", "tiled_norm",
+                                             "chunk_verify"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                     o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
-                    packed=None, interpret=False, num_ctas=None, stages=None, tiled_prep=None, tiled_norm=None,
-                    chunk_verify=None):
+                    packed=None, interpret=False, num_ctas=None, stages=None, operand_stages=None, tiled_prep=None,
+                    tiled_norm=None, chunk_verify=None):
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
@@ -671,7 +723,9 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     (the serving layout's fused GEMM output; no slices per step). C and the out-gate column must fall on 16 bytes.
 
     Extra knobs: num_ctas, the persistent grid (None: min(132, B * H), one CTA per H200 SM); stages, the number of
-    ring slots, each an item's [V, K] fp32 state and operands (None: `default_stages`, 3 at T = 1 and K = V = 128).
+    state slots, each an item's [V, K] fp32 state (None: `default_stages`, 3 at T = 1 and K = V = 128);
+    operand_stages, the number of slots for the items' operands (decode: stages, one ring; verify, None:
+    `default_operand_stages`, 4 beside 2 state slots at T = 4 in bf16).
     tiled_prep: verify's vector work on [4, K] tiles (verify at T = 4 only; None: TILED_VERIFY_PREP there).
     tiled_norm, chunk_verify: with the tiled prep, the gated RMSNorm on [4, V] tiles too (None: TILED_VERIFY_NORM),
     and the state applied once in the chunk form (`chunk_operands`) instead of position by position (None:
@@ -699,6 +753,15 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     if not isinstance(stages, int) or stages < 2 or smem_bytes(scratch_types(stages=stages, **args)) > SMEM_LIMIT:
         raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(scratch_types(stages=2, **args))} bytes per "
                          f"2 slots) within {SMEM_LIMIT} bytes of shared memory; got {stages!r}")
+    if operand_stages is None:
+        operand_stages = default_operand_stages(stages, **args)
+    elif not all_states and operand_stages != stages:
+        raise ValueError(f"decode has one ring: operand_stages must be None or stages ({stages}); got "
+                         f"{operand_stages!r}")
+    elif (not isinstance(operand_stages, int) or operand_stages < stages
+          or smem_bytes(scratch_types(stages=stages, operand_stages=operand_stages, **args)) > SMEM_LIMIT):
+        raise ValueError(f"operand_stages must be an int >= stages ({stages}) whose slots fit beside the state's in "
+                         f"{SMEM_LIMIT} bytes of shared memory; got {operand_stages!r}")
     num_items = bsz * h
     num_ctas = min(H200_SM_COUNT, num_items) if num_ctas is None else num_ctas
     if not isinstance(num_ctas, int) or not 1 <= num_ctas <= num_items:
@@ -707,13 +770,14 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     act = qkv.dtype
     y_type = jax.ShapeDtypeStruct((bsz, t, h, dv), act)
     kernel = plgpu.kernel(
-        functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages, gate=gate,
+        functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages,
+                          operand_stages=operand_stages, gate=gate,
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
                           tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
-        scratch_types=scratch_types(stages=stages, **args),
+        scratch_types=scratch_types(stages=stages, operand_stages=operand_stages, **args),
         grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=dv // ROWS + 1,  # the update warpgroups and the prep warpgroup

@@ -44,14 +44,18 @@ def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
 @pytest.mark.parametrize("t,gate,stages,num_ctas,forms", [
     (3, "lower_bound", 2, 3, {}), (2, "softplus", None, 1, {}), (4, "softplus", 2, 3, {"tiled_prep": True}),
     (4, "lower_bound", None, 1, {}), (4, "lower_bound", 2, 2, {"tiled_prep": False}),
-    (4, "softplus", 2, 2, {"chunk_verify": False}), (4, "lower_bound", 2, 3, {"tiled_norm": False})])
+    (4, "softplus", 2, 2, {"chunk_verify": False}), (4, "lower_bound", 2, 3, {"tiled_norm": False}),
+    (3, "softplus", 2, 1, {"operand_stages": 4}), (4, "lower_bound", 2, 1, {"operand_stages": 2})])
 def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, forms):
     """Verify mode (all_states): every position's recurrent state (no conv states) against the reference, on the
     same kind of batch as the decode test (shuffled slots in a larger pool, a padded row, an idle row, a fresh row
     over NaN / inf garbage); padded positions carry the state unchanged; the pools are not written. T = 4 runs
     the prep warpgroup's tiled form (positions on warps: the fresh row's window zeros and the padded position's
     g = beta = 0 as tile masks), by default with the tiled gated norm and the chunk form (the state applied once: S_0
-    times cumulatively decayed keys and queries, T x T corrections); and once each without one of the three."""
+    times cumulatively decayed keys and queries, T x T corrections); and once each without one of the three. The
+    update warpgroups load their own state rows and refill a slot after their math, while the operands run in a ring
+    of their own (3 slots at these fp32 sizes): one CTA walking 8 items wraps both rings several times, with 4
+    operand slots and with 2 (the rings in step)."""
     step, pools, params = decode_inputs(4, bsz=4, t=t, h=2, dk=128, pool=7)
     pools["state"] = pools["state"].at[6, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
     pools["conv_state"] = pools["conv_state"].at[6, 0, :2].set(jnp.asarray([np.nan, np.inf]))
@@ -110,6 +114,11 @@ def test_defaults_and_argument_errors():
         call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, num_ctas=5)
     with pytest.raises(ValueError, match="stages"):
         call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, stages=1)
+    with pytest.raises(ValueError, match="one ring"):  # decode's operands share their slots with the states
+        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, stages=2, operand_stages=3)
+    with pytest.raises(ValueError, match="operand_stages"):
+        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, all_states=True, stages=2,
+             operand_stages=1)
     bad = dict(pools, conv_state=pools["conv_state"].astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="activation dtype"):
         call(kda_decode_mgpu, step, bad, params, [0, 1], [1, 1], interpret=True)
@@ -132,14 +141,16 @@ def test_defaults_and_argument_errors():
 
 
 def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
-    """benchmarks/kda.py --decode-variants mgpu_s2_c3 on a tiny decode (B2 T1 H2, D128) and verify (B2 T2 H2),
-    interpreted: the variant is parsed, checked against the Triton kernel (equal in interpret mode: both run the
-    same jnp ops; verify compares every position's update) and timed; verify rounds also time keeping the prefix."""
+    """benchmarks/kda.py --decode-variants mgpu_s2_o3_c3 on a tiny decode (B2 T1 H2, D128) and verify (B2 T2 H2),
+    interpreted (the operand ring's depth is verify's; decode runs without it): the variant is parsed, checked
+    against the Triton kernel (equal in interpret mode: both run the same jnp ops; verify compares every position's
+    update) and timed; verify rounds also time keeping the prefix."""
     import json
 
     from benchmarks import kda as bench
 
-    assert bench.decode_variant("mgpu_s2_c3") == (0, 0, False, {"mgpu": {"stages": 2, "num_ctas": 3}})
+    assert bench.decode_variant("mgpu_s2_o3_c3") == (0, 0, False, {"mgpu": {"stages": 2, "operand_stages": 3,
+                                                                               "num_ctas": 3}})
     # verify's T = 4 forms, each turned off by a flag; the tag names the variant back
     knobs = bench.decode_variant("mgpu_c7_pnorm_seq")[3]["mgpu"]
     assert knobs == {"num_ctas": 7, "tiled_norm": False, "chunk_verify": False}
@@ -150,15 +161,15 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
             bench.decode_variant(bad)
     out = tmp_path / "kda.json"
     bench.main(["--order", "decode", "--decode", "2x1x2,2x2x2", "--decode-block-v", "64", "--decode-warps", "4",
-                "--decode-loop-v", "64", "--decode-variants", "mgpu_s2_c3", "--trials", "1", "--interpret",
+                "--decode-loop-v", "64", "--decode-variants", "mgpu_s2_o3_c3", "--trials", "1", "--interpret",
                 "--no-fla", "--case-limit", "600", "--out", str(out)])
     decode, verify = json.loads(out.read_text())["rows"]
     assert decode["kind"] == "decode" and verify["kind"] == "verify"
     for row in (decode, verify):
-        assert row["ours_mgpu_s2_c3_ms"] > 0 and row["ours_bv64_w4_ms"] > 0
+        assert row["ours_mgpu_s2_o3_c3_ms"] > 0 and row["ours_bv64_w4_ms"] > 0
     for row, names in ((decode, ("y", "conv", "state")), (verify, ("y", "err", "key", "decay"))):
         for name in names:
-            assert row[f"rel_{name}_mgpu_s2_c3_vs_triton"] < 1e-6
+            assert row[f"rel_{name}_mgpu_s2_o3_c3_vs_triton"] < 1e-6
     assert decode["ours_loop64_w4_ms"] > 0
     # a verify round also keeps its prefix in the pool: both jobs' commits are timed, and ours is in the round
     assert verify["commit_ms"] > 0 and verify["commit_xla_ms"] > 0 and verify["commit_states_ms"] > 0
@@ -221,6 +232,8 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     text = jax.jit(fn).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     stages = 3 if t == 1 else 2  # bf16, K = V = 128: what default_stages picks (test_defaults_and_argument_errors)
+    # verify's deeper operand ring (VERIFY_OPERAND_STAGES) at T = 4 in bf16; T = 8 has no room for a third slot
+    operand_stages = 4 if all_states and t == 4 else stages
     want = smem_bytes(scratch_types(dv=d, dk=d, stages=stages, num_tokens=t, width=4, act=bf, taps_dtype=jnp.float32,
-                                    all_states=all_states, chunk=all_states and t == 4))
+                                    all_states=all_states, chunk=all_states and t == 4, operand_stages=operand_stages))
     assert allocated == [want] and want <= SMEM_LIMIT
