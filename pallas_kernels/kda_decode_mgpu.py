@@ -21,8 +21,9 @@ ring of `stages` shared-memory slots, issued ahead. The CTA's warpgroups are spe
   SiLU, q / k L2 norms, gate, beta; vectors in the strided layout, K / 128 elements a thread) into two-deep operand
   buffers (q^, k^, beta k^, e^g, beta v), then, once the updates are done, stores the state back with one TMA copy,
   applies the gated RMSNorm and refills the slot (only after the store has read it).
-(In verify, which only reads the state, the update warpgroups load and refill their own rows of each state, and the
-operands have a deeper ring of their own: see the twenty-ninth session's entry below.)
+(In verify, which only reads the state, the update warpgroups load and refill their own rows of each state, the
+operands have a deeper ring of their own, and at T = 4 a fourth warpgroup applies the gated norm: see the
+twenty-ninth session's entry below.)
 The update warpgroups read K-vectors in the WGMMA layout's column form (`reduce(0)`: broadcast down a tile's rows)
 and V-rows in its row form (`reduce(1)`).
 Hazard kept out by design: Mosaic GPU lowers a full reduction (jnp.sum to a scalar) through one shared-memory
@@ -130,6 +131,13 @@ are loaded into registers (a warpgroup barrier before the math) 0.1845 / 0.6893,
 as before beside the deeper operand ring 0.1757 / 0.6523. What is left to gain by streaming: the kernel with prep's
 vector work, the update math and the norm all cut out (the TMA ring and barriers alone) takes 0.121 / 0.472 ms, while
 XLA reads the same bytes (a reduction) in 0.094 / 0.355 ms (4.30 / 4.53 TB/s) and copies them at 4.10-4.17 TB/s.
+Then the tiled gated norm and the err stores moved out of prep into a warpgroup of their own (norm_warpgroup; no
+cross-warp reductions, so no clash over Mosaic's reduction scratch): prep's loop is its vector work alone, and an
+item's operand slot is refilled once the norm of the item two back is done (so it needs 3 operand slots or more).
+Interleaved A/B (devscripts/kdav5.py, docs/results/kda_verify_normwg_h200_2026-12-04.json): 0.1700 / 0.6253 ms
+against 0.1726 / 0.6412 (1.5 / 2.5 %), outputs bit-identical; with 3 operand slots 0.1729 / 0.643; setmaxnreg caps
+(update / other warpgroups 160 / 96, 176 / 80 registers) 0.1702 / 0.6365 and 0.1712 / 0.6335, so the launch's
+even split (128 each) stays.
 
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
@@ -174,6 +182,9 @@ CHUNK_VERIFY = True  # with the tiled prep: the update warpgroups apply the stat
 # verify: operand slots beside its state slots (2 at T = 4; bf16 has room for 4, fp32 activations for 3): the prep
 # warpgroup finds an item's few KB of operands landed well ahead (the docstring's twenty-ninth session entry)
 VERIFY_OPERAND_STAGES = 4
+# verify with the tiled norm: the gated norm and the err stores in a warpgroup of their own, beside prep (needs 3
+# operand slots or more)
+NORM_WARPGROUP = True
 APPROX_MATH = True  # MUFU exp / log / reciprocal / rsqrt: shorter latency chains in the prep warpgroup's vector code
 
 # kda_decode_mgpu's reference: kda_decode's (same arguments, same results, decode and verify)
@@ -256,7 +267,7 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
                  onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, operand_stages,
                  gate, lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False, tiled_norm=False,
-                 chunk=False):
+                 chunk=False, norm_warpgroup=False):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   packed = (og_col, beta_col): x_ref is the whole projection [B, T, C] and holds both at those columns
@@ -299,6 +310,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
      done_bars, state_bars) = scratch[:13]
     e_smem = scratch[13] if all_states else None
     xg_smem, ab_smem, sync_bar = scratch[14:17] if chunk else (None,) * 3
+    norm_bars = scratch[-1] if norm_warpgroup else None
     f32 = jnp.float32
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
     wg = lax.axis_index("wg")
@@ -320,6 +332,34 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
     def out_gate_rows(b, h):  # [T, V]
         return og_ref.at[b, :, h, :] if packed is None else x_ref.at[b, :, pl.ds(packed[0] + h * dv, dv)]
+
+    def norm_weight():  # the same for every item
+        if tiled_norm:
+            return plgpu.load(onw_ref, (), layout=positions_layout(dv).reduce(0), optimized=False).astype(f32)
+        return _vec(onw_ref)
+
+    def gated_norm(step, norm_w):
+        # the item's gated RMSNorm over all V, once every update warpgroup has written its o rows (after
+        # `store`'s wait), before its slot (the output gate) is refilled. In the prep warpgroup, or with the tiled
+        # norm in a warpgroup of its own (norm_warpgroup): Mosaic's full reductions share one shared-memory scratch,
+        # so they must not run in two warpgroups at once (only prep does them; the update warpgroups, and the tiled
+        # forms' warps, reduce within warps).
+        b, h = item_of(step)
+        oslot, buf = lax.rem(step, operand_stages), lax.rem(step, 2)
+        if tiled_norm:  # verify at T = 4: the positions side by side, one a warp, each reduced within its warp
+            lay = positions_layout(dv)
+            o = plgpu.load(o_smem.at[buf], (), layout=lay, optimized=False)
+            og = plgpu.load(og_smem.at[oslot], (), layout=lay, optimized=False).astype(f32)
+            inv_rms = _across_cols(lax.rsqrt(jnp.sum(o * o, axis=1) / dv + eps), o.shape)
+            y = o * inv_rms * _down_rows(norm_w, o.shape) * jax.nn.sigmoid(og)
+            y_ref.at[b, :, h][...] = y.astype(y_ref.dtype)
+        else:  # position by position, [V] strided vectors
+            for t in range(num_tokens):
+                o = _vec(o_smem.at[buf, t])
+                y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[oslot, t]))
+                y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
+        if all_states:  # the update warpgroups' err rows (committed before they arrived on done_bars)
+            plgpu.copy_smem_to_gmem(e_smem.at[buf], err_ref.at[b, :, h, :])
 
     @pl.when(wg == num_update)
     def _prep_warpgroup():
@@ -349,17 +389,22 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             for i, seg in enumerate(segs_of(h)):
                 plgpu.copy_gmem_to_smem(convw_ref.at[:, seg], cw_smem.at[buf, i], taps_bars.at[buf])
 
-        def publish(b, h, slot, buf):
+        def publish(step, b, h, slot, buf):
             # the item's prepared operands to the update warpgroups (and, in verify, its k^ and e^g to GMEM)
             plgpu.commit_smem()
             if all_states:
                 # the update rows' buffer (e_smem) and this buffer parity's operands are rewritten for the item
                 # after next: their stores (issued an item ago) must have read them before the updates start
+                if norm_warpgroup:  # (that of e_smem, and the norm's reads of o_smem, in the norm warpgroup)
+                    pl.when(step >= 2)(lambda: plgpu.barrier_wait(norm_bars.at[buf]))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(prep_bars.at[slot])
             if all_states:  # the item's k^ and e^g for every position, [T, K] each
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
+            if norm_warpgroup:  # the item before last is normed: its operand slot takes a new item
+                refill = step - 2 + operand_stages
+                pl.when((step >= 2) & (refill < num_steps))(lambda: issue(refill))
 
         def prep_tiled(step):
             # verify at T = 4: the same work as `prep` on [T, K] tiles, one position per warp
@@ -408,7 +453,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             else:
                 prep_smem.at[buf, 0][...] = q
                 prep_smem.at[buf, 2][...] = beta * k
-            publish(b, h, slot, buf)
+            publish(step, b, h, slot, buf)
 
         def chunk_operands(buf, position, q, k, g, beta, load_col):
             # The chunk form's operands (one warp a position t, as prep_tiled). With Gamma_t = exp(G_t),
@@ -488,38 +533,13 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 op(2)[...] = betas[t] * k
                 op(3)[...] = jnp.exp(_select(valids[t], g, jnp.zeros_like(g)))
                 vb_smem.at[buf, t][...] = betas[t] * _vec(vb_smem.at[buf, t])
-            publish(b, h, slot, buf)
+            publish(step, b, h, slot, buf)
 
         for first in range(operand_stages):
             pl.when(first < num_steps)(functools.partial(issue, first))
         issue_taps(0)
 
-        if tiled_norm:  # the same for every item
-            norm_w = plgpu.load(onw_ref, (), layout=positions_layout(dv).reduce(0), optimized=False).astype(f32)
-        else:
-            norm_w = _vec(onw_ref)
-
-        def gated_norm(step):
-            # the item's gated RMSNorm over all V, once every update warpgroup has written its o rows (after
-            # `store`'s wait), before its slot (the output gate) is refilled. Here, in the prep warpgroup: Mosaic's
-            # full reductions share one shared-memory scratch, so they must not run in two warpgroups at once (only
-            # this one does them; the update warpgroups, and the tiled form's warps, reduce within warps).
-            b, h = item_of(step)
-            oslot, buf = lax.rem(step, operand_stages), lax.rem(step, 2)
-            if tiled_norm:  # verify at T = 4: the positions side by side, one a warp, each reduced within its warp
-                lay = positions_layout(dv)
-                o = plgpu.load(o_smem.at[buf], (), layout=lay, optimized=False)
-                og = plgpu.load(og_smem.at[oslot], (), layout=lay, optimized=False).astype(f32)
-                inv_rms = _across_cols(lax.rsqrt(jnp.sum(o * o, axis=1) / dv + eps), o.shape)
-                y = o * inv_rms * _down_rows(norm_w, o.shape) * jax.nn.sigmoid(og)
-                y_ref.at[b, :, h][...] = y.astype(y_ref.dtype)
-            else:  # position by position, [V] strided vectors
-                for t in range(num_tokens):
-                    o = _vec(o_smem.at[buf, t])
-                    y = o * lax.rsqrt(jnp.sum(o * o) / dv + eps) * norm_w * jax.nn.sigmoid(_vec(og_smem.at[oslot, t]))
-                    y_ref.at[b, t, h][...] = y.astype(y_ref.dtype)
-            if all_states:  # the update warpgroups' err rows (committed before they arrived on done_bars)
-                plgpu.copy_smem_to_gmem(e_smem.at[buf], err_ref.at[b, :, h, :])
+        norm_w = None if norm_warpgroup else norm_weight()
 
         @pl.loop(0, num_steps)
         def _prep_step(step):
@@ -529,14 +549,38 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             @pl.when(step >= 1)
             def _():  # the previous item's state goes back, and its slots are refilled once the store has read it
                 store(step - 1)
-                gated_norm(step - 1)
-                if not all_states:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                pl.when(step - 1 + operand_stages < num_steps)(lambda: issue(step - 1 + operand_stages))
+                if not norm_warpgroup:
+                    gated_norm(step - 1, norm_w)
+                    if not all_states:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    pl.when(step - 1 + operand_stages < num_steps)(lambda: issue(step - 1 + operand_stages))
 
         store(num_steps - 1)
-        gated_norm(num_steps - 1)
+        if not norm_warpgroup:
+            gated_norm(num_steps - 1, norm_w)
+        else:  # the last two items' norms, which no publish waited for (every phase is observed before exit)
+            for back in (2, 1):
+                pl.when(num_steps >= back)(
+                    lambda back=back: plgpu.barrier_wait(norm_bars.at[lax.rem(num_steps - back, 2)]))
         plgpu.wait_smem_to_gmem(0)
+
+    if norm_warpgroup:
+        @pl.when(wg == num_update + 1)
+        def _norm_warpgroup():
+            # verify's tiled gated norm and err stores, item by item, beside prep (which runs an item ahead); an item's
+            # operand slot (its output gate) and its o / err parity buffers are free once it arrives on norm_bars
+            norm_w = norm_weight()
+
+            @pl.loop(0, num_steps)
+            def _norm_step(step):
+                slot, oslot = lax.rem(step, stages), lax.rem(step, operand_stages)
+                plgpu.barrier_wait(bars.at[oslot])  # the output gate has landed (prep waited for it too)
+                plgpu.barrier_wait(done_bars.at[slot])  # the update warpgroups' o and err rows are written
+                gated_norm(step, norm_w)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the err store has read e_smem
+                plgpu.barrier_arrive(norm_bars.at[lax.rem(step, 2)])
+
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg < num_update)
     def _update_warpgroup():
@@ -612,12 +656,13 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
 
 def scratch_types(dv: int, dk: int, stages: int, num_tokens: int, width: int, act, taps_dtype, all_states: bool = True,
-                  chunk: bool = False, z_dtype=None, gate_dtype=None, operand_stages: int | None = None) -> list:
+                  chunk: bool = False, z_dtype=None, gate_dtype=None, operand_stages: int | None = None,
+                  norm_warpgroup: bool = False) -> list:
     """The kernel's scratch, in `_item_kernel`'s order (its comment says what each holds): `stages` slots of the fp32
     state, `operand_stages` (default: stages) of the item's operands (q|k|v and the conv window in the activation
     dtype `act`, z in z_dtype and the output gate in gate_dtype, both act unless given); two buffers (item parity)
     of the conv taps, the prepared vectors, the o rows, (verify) the err rows and (chunk form) prep's g rows and its
-    A | B coefficients; barriers."""
+    A | B coefficients; barriers (with norm_warpgroup, last, its two)."""
     t, ops = num_tokens, operand_stages or stages
     ring = lambda *shape, dtype=act: plgpu.SMEM((ops, *shape), dtype)  # noqa: E731
     state_swizzle = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
@@ -634,7 +679,8 @@ def scratch_types(dv: int, dk: int, stages: int, num_tokens: int, width: int, ac
         plgpu.Barrier(num_arrivals=1, num_barriers=stages * (dv // ROWS if all_states else 1)),
     ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else []) + ([
         plgpu.SMEM((2, t, dk), jnp.float32), plgpu.SMEM((2, t, dk), jnp.float32),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1)] if chunk else [])
+        plgpu.Barrier(num_arrivals=1, num_barriers=1)] if chunk else []) + (
+        [plgpu.Barrier(num_arrivals=1, num_barriers=2)] if norm_warpgroup else [])
 
 
 def smem_bytes(scratch: list) -> int:
@@ -706,11 +752,11 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
                                              "operand_stages", "all_states", "packed", "tiled_prep", "tiled_norm",
-                                             "chunk_verify"))
+                                             "chunk_verify", "norm_warpgroup"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                     o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
                     packed=None, interpret=False, num_ctas=None, stages=None, operand_stages=None, tiled_prep=None,
-                    tiled_norm=None, chunk_verify=None):
+                    tiled_norm=None, chunk_verify=None, norm_warpgroup=None):
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
@@ -743,12 +789,17 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     if tiled_prep and not tiles_fit:
         raise ValueError(f"tiled_prep is for verify (all_states) at T = 4, got T={t}, all_states={all_states}")
     tiled_prep = (TILED_VERIFY_PREP if tiled_prep is None else tiled_prep) and tiles_fit
+    if norm_warpgroup and not (tiled_norm is not False and tiled_prep is not False and tiles_fit):
+        raise ValueError("norm_warpgroup needs the tiled norm (verify at T = 4, tiled_prep and tiled_norm not False)")
     for knob, value in (("tiled_norm", tiled_norm), ("chunk_verify", chunk_verify)):
         if value and not tiled_prep:
             raise ValueError(f"{knob} needs the tiled prep (verify at T = 4, tiled_prep not False)")
     tiled_norm = (TILED_VERIFY_NORM if tiled_norm is None else tiled_norm) and tiled_prep
     chunk = (CHUNK_VERIFY if chunk_verify is None else chunk_verify) and tiled_prep
-    args = dict(_scratch_args(qkv, conv_weight, z, out_gate, state, packed), all_states=all_states, chunk=chunk)
+    explicit_norm_warpgroup = bool(norm_warpgroup)
+    norm_warpgroup = (NORM_WARPGROUP if norm_warpgroup is None else norm_warpgroup) and tiled_norm
+    args = dict(_scratch_args(qkv, conv_weight, z, out_gate, state, packed), all_states=all_states, chunk=chunk,
+                norm_warpgroup=norm_warpgroup)
     stages = default_stages(**args) if stages is None else stages
     if not isinstance(stages, int) or stages < 2 or smem_bytes(scratch_types(stages=stages, **args)) > SMEM_LIMIT:
         raise ValueError(f"stages must be >= 2 with the ring ({smem_bytes(scratch_types(stages=2, **args))} bytes per "
@@ -762,6 +813,12 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
           or smem_bytes(scratch_types(stages=stages, operand_stages=operand_stages, **args)) > SMEM_LIMIT):
         raise ValueError(f"operand_stages must be an int >= stages ({stages}) whose slots fit beside the state's in "
                          f"{SMEM_LIMIT} bytes of shared memory; got {operand_stages!r}")
+    if norm_warpgroup and operand_stages < 3:
+        # prep issues an item's operands once the norm of the item two back is done: into a third slot at least
+        if explicit_norm_warpgroup:
+            raise ValueError(f"norm_warpgroup needs operand_stages >= 3; got {operand_stages}")
+        norm_warpgroup = False
+        args["norm_warpgroup"] = False
     num_items = bsz * h
     num_ctas = min(H200_SM_COUNT, num_items) if num_ctas is None else num_ctas
     if not isinstance(num_ctas, int) or not 1 <= num_ctas <= num_items:
@@ -773,14 +830,14 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages,
                           operand_stages=operand_stages, gate=gate,
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
-                          tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk),
+                          tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk, norm_warpgroup=norm_warpgroup),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
         scratch_types=scratch_types(stages=stages, operand_stages=operand_stages, **args),
         grid=(num_ctas,),
         grid_names=("cta",),
-        num_threads=dv // ROWS + 1,  # the update warpgroups and the prep warpgroup
+        num_threads=dv // ROWS + 1 + norm_warpgroup,  # the update warpgroups, prep (and the norm's)
         thread_name="wg",
         kernel_name="kda_decode_verify_mgpu" if all_states else "kda_decode_mgpu",  # (profiles group by "kda_decode")
         compiler_params=plgpu.CompilerParams(approx_math=APPROX_MATH, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),

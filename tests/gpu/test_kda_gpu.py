@@ -460,7 +460,8 @@ def test_mgpu_packed_projection_equals_the_sliced_operands(t, all_states, dtype)
     (4, "lower_bound", None, None, {}), (3, "softplus", 2, 3, {}), (6, "lower_bound", None, 7, {}),
     (4, "softplus", 2, 3, {"tiled_prep": False}), (4, "softplus", None, 2, {"tiled_prep": True}),
     (4, "lower_bound", 2, 3, {"chunk_verify": False}), (4, "softplus", None, 3, {"tiled_norm": False}),
-    (4, "lower_bound", 2, 1, {"operand_stages": 2}), (3, "softplus", 2, 2, {"operand_stages": 4})])
+    (4, "lower_bound", 2, 1, {"operand_stages": 2}), (3, "softplus", 2, 2, {"operand_stages": 4}),
+    (4, "softplus", None, 3, {"norm_warpgroup": False})])
 def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas, forms):
     """The Mosaic GPU kernel in verify mode (all_states: every position's state update written, no conv state) on the
     H200, same rows as the decode test: shuffled slots, padded, idle and fresh rows over NaN / inf garbage; the
@@ -468,7 +469,8 @@ def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas, forms):
     runs the prep warpgroup's tiled form by default, with the tiled gated norm and the chunk form (positions on
     warps, custom register layouts: the interpreter ignores layouts, so this is where they are checked), and once
     each without one of the three. The operands' ring runs 3 slots deep by default here (fp32), beside the state's
-    2 (each update warpgroup loads and refills its own rows); once with 2 (the rings in step) and once with 4."""
+    2 (each update warpgroup loads and refills its own rows); once with 2 (the rings in step) and once with 4. At
+    T = 4 the gated norm has a warpgroup of its own by default; once it runs in prep."""
     from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu, kda_decode_mgpu_reference
 
     rng = np.random.default_rng(6)

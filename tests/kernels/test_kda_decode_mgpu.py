@@ -45,7 +45,8 @@ def test_decode_matches_reference_through_slots(t, gate, stages, num_ctas):
     (3, "lower_bound", 2, 3, {}), (2, "softplus", None, 1, {}), (4, "softplus", 2, 3, {"tiled_prep": True}),
     (4, "lower_bound", None, 1, {}), (4, "lower_bound", 2, 2, {"tiled_prep": False}),
     (4, "softplus", 2, 2, {"chunk_verify": False}), (4, "lower_bound", 2, 3, {"tiled_norm": False}),
-    (3, "softplus", 2, 1, {"operand_stages": 4}), (4, "lower_bound", 2, 1, {"operand_stages": 2})])
+    (3, "softplus", 2, 1, {"operand_stages": 4}), (4, "lower_bound", 2, 1, {"operand_stages": 2}),
+    (4, "softplus", 2, 1, {"norm_warpgroup": False})])
 def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, forms):
     """Verify mode (all_states): every position's recurrent state (no conv states) against the reference, on the
     same kind of batch as the decode test (shuffled slots in a larger pool, a padded row, an idle row, a fresh row
@@ -55,7 +56,8 @@ def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, forms
     times cumulatively decayed keys and queries, T x T corrections); and once each without one of the three. The
     update warpgroups load their own state rows and refill a slot after their math, while the operands run in a ring
     of their own (3 slots at these fp32 sizes): one CTA walking 8 items wraps both rings several times, with 4
-    operand slots and with 2 (the rings in step)."""
+    operand slots and with 2 (the rings in step). At T = 4 the gated norm runs in a warpgroup of its own by default
+    (norm_warpgroup; not with 2 operand slots, where it falls back to prep), and once in prep."""
     step, pools, params = decode_inputs(4, bsz=4, t=t, h=2, dk=128, pool=7)
     pools["state"] = pools["state"].at[6, 1, 3, :3].set(jnp.asarray([np.nan, np.inf, -np.inf]))
     pools["conv_state"] = pools["conv_state"].at[6, 0, :2].set(jnp.asarray([np.nan, np.inf]))
@@ -119,6 +121,12 @@ def test_defaults_and_argument_errors():
     with pytest.raises(ValueError, match="operand_stages"):
         call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, all_states=True, stages=2,
              operand_stages=1)
+    with pytest.raises(ValueError, match="norm_warpgroup"):  # the norm's own warpgroup is verify's tiled norm's
+        call(kda_decode_mgpu, step, pools, params, [0, 1], [1, 1], interpret=True, norm_warpgroup=True)
+    step4, pools4, params4 = decode_inputs(3, bsz=2, t=4, h=2, dk=128, pool=3)
+    with pytest.raises(ValueError, match="norm_warpgroup needs operand_stages"):
+        call(kda_decode_mgpu, step4, pools4, params4, [0, 1], [4, 4], interpret=True, all_states=True,
+             operand_stages=2, norm_warpgroup=True)
     bad = dict(pools, conv_state=pools["conv_state"].astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="activation dtype"):
         call(kda_decode_mgpu, step, bad, params, [0, 1], [1, 1], interpret=True)
@@ -156,6 +164,8 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
     assert knobs == {"num_ctas": 7, "tiled_norm": False, "chunk_verify": False}
     assert bench.mgpu_tag(knobs) == "mgpu_c7_pnorm_seq"
     assert bench.decode_variant("mgpu_perpos")[3]["mgpu"] == {"tiled_prep": False}
+    knobs = bench.decode_variant("mgpu_o3_prepnorm")[3]["mgpu"]
+    assert knobs == {"operand_stages": 3, "norm_warpgroup": False} and bench.mgpu_tag(knobs) == "mgpu_o3_prepnorm"
     for bad in ("mgpu_x2", "mgpu_seq_pnorm"):
         with pytest.raises(ValueError):
             bench.decode_variant(bad)
@@ -235,5 +245,6 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     # verify's deeper operand ring (VERIFY_OPERAND_STAGES) at T = 4 in bf16; T = 8 has no room for a third slot
     operand_stages = 4 if all_states and t == 4 else stages
     want = smem_bytes(scratch_types(dv=d, dk=d, stages=stages, num_tokens=t, width=4, act=bf, taps_dtype=jnp.float32,
-                                    all_states=all_states, chunk=all_states and t == 4, operand_stages=operand_stages))
+                                    all_states=all_states, chunk=all_states and t == 4, operand_stages=operand_stages,
+                                    norm_warpgroup=all_states and t == 4))
     assert allocated == [want] and want <= SMEM_LIMIT
