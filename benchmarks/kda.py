@@ -38,10 +38,10 @@ sigmoid / q-k L2 norm fused on both sides:
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
            decode step's optimized HLO (0 = the q|k conv-state scatter stays in place in the donated pool).
            --decode-variants mgpu[_s<stages>][_o<operand stages>][_c<ctas>][_perpos][_pnorm][_seq][_prepnorm]
-           adds the Mosaic GPU kernel (kda_decode_mgpu, decode and verify; _o sets verify's operand ring, the flags turn
-           verify's T = 4 forms off, MGPU_FORM_FLAGS):
-           ours_mgpu*_ms, its outputs against the Triton default's (rel_*_mgpu*_vs_triton) and its pool copies
-           (hlo_pool_copies_mgpu*); it competes for ours_best like any tiling.
+           adds the Mosaic GPU kernel (kda_decode_mgpu, decode and verify; _o sets verify's operand ring, the
+           flags turn verify's T = 4 forms off, MGPU_FORM_FLAGS): ours_mgpu*_ms, its outputs against the Triton
+           default's (rel_*_mgpu*_vs_triton) and its pool copies (hlo_pool_copies_mgpu*); it competes for
+           ours_best like any tiling.
            --decode-profile: each variant's step also traced under jax.profiler (10 calls; needs --no-fla,
            torch's CUPTI takes the device trace away): profile_<variant> holds the kernels' device time per
            step against the step's span (what the 2026-12-03 fix was found with: 3 broadcast kernels per step).

@@ -134,7 +134,7 @@ XLA reads the same bytes (a reduction) in 0.094 / 0.355 ms (4.30 / 4.53 TB/s) an
 Then the tiled gated norm and the err stores moved out of prep into a warpgroup of their own (norm_warpgroup; no
 cross-warp reductions, so no clash over Mosaic's reduction scratch): prep's loop is its vector work alone, and an
 item's operand slot is refilled once the norm of the item two back is done (so it needs 3 operand slots or more).
-Interleaved A/B (devscripts/kdav5.py, docs/results/kda_verify_normwg_h200_2026-12-04.json): 0.1700 / 0.6253 ms
+Interleaved A/B of patched copies (docs/results/kda_verify_normwg_h200_2026-12-04.json): 0.1700 / 0.6253 ms
 against 0.1726 / 0.6412 (1.5 / 2.5 %), outputs bit-identical; with 3 operand slots 0.1729 / 0.643; setmaxnreg caps
 (update / other warpgroups 160 / 96, 176 / 80 registers) 0.1702 / 0.6365 and 0.1712 / 0.6335, so the launch's
 even split (128 each) stays.
@@ -291,19 +291,22 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     # SMEM, the head's conv taps for prep, two buffers (item parity): cw_smem [2, 3, W, K]; taps_bars [2] (3 copies)
     # SMEM, the prepared operands, two buffers (item parity: prep runs one item ahead of the update): prep_smem
     #   [2, 4, T, K] fp32 (q^, k^, beta k^, e^g; verify stores k^ and e^g from here by TMA); vb_smem [2, T, V] fp32
-    #   (beta v); prep_bars [S]: item's written
-    # o_smem [2, T, V] fp32: the update warpgroups' o rows, for the prep warpgroup's RMSNorm (item parity)
-    # verify only, e_smem [2, T, V] fp32: the update warpgroups' err rows, stored by the prep warpgroup (item parity)
+    #   (beta v)
+    # o_smem [2, T, V] fp32: the update warpgroups' o rows, for the gated RMSNorm (item parity)
+    # verify only, e_smem [2, T, V] fp32: the update warpgroups' err rows, stored with the norm (item parity)
     # chunk form only (item parity): xg_smem [2, T, K] fp32 each position's g, for the other warps of prep;
     #   ab_smem [2, T, K] fp32, row t: columns i < T the solve's beta_t (Gamma_t / Gamma_i k_i) . k_t, columns T + i
     #   the output's (Gamma_t / Gamma_i k_i) . q_t; sync_bar [1]: the prep warpgroup's own barrier (all 128 threads)
     # prep_bars [S]: the item's prepared operands are written; done_bars [S]: every update warpgroup is done with the
-    #   item (V / 64 arrivals): its state can be stored (decode) and its slot refilled, its o (and err) rows are in
+    #   item (V / 64 arrivals): its state can be stored (decode) and its slot refilled, its o (and err) rows written
+    # norm_warpgroup only, norm_bars [2] (item parity): the item is normed and its err rows stored (their buffers and
+    #   its operand slot are free)
     # Warpgroups: wg < V / 64 update state rows [64 wg, 64 wg + 64) of every item (the delta rule is row-separable
     # over V); the last one ("prep") issues the TMA ring, runs the vector work of item j + 1 (short convs, SiLU, L2
     # norms, gate, beta) while the others update item j's state, then stores item j's state back and applies its
     # gated RMSNorm. In verify the update warpgroups keep the state in registers across the T positions and write
-    # only each position's err rows; the prep warpgroup stores those, k^ and e^g (a few KB per item).
+    # only each position's err rows; the prep warpgroup stores k^ and e^g, the norm's warpgroup the err rows (a few
+    # KB per item). With norm_warpgroup (verify's tiled norm) a fourth warpgroup does the norm, not prep.
     err_ref, key_ref, decay_ref = refs[:3] if all_states else (None,) * 3
     scratch = refs[3:] if all_states else refs
     (st_smem, seq_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
@@ -339,8 +342,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
         return _vec(onw_ref)
 
     def gated_norm(step, norm_w):
-        # the item's gated RMSNorm over all V, once every update warpgroup has written its o rows (after
-        # `store`'s wait), before its slot (the output gate) is refilled. In the prep warpgroup, or with the tiled
+        # the item's gated RMSNorm over all V, once every update warpgroup has written its o rows (done_bars),
+        # before its operand slot (the output gate) is refilled. In the prep warpgroup, or with the tiled
         # norm in a warpgroup of its own (norm_warpgroup): Mosaic's full reductions share one shared-memory scratch,
         # so they must not run in two warpgroups at once (only prep does them; the update warpgroups, and the tiled
         # forms' warps, reduce within warps).
@@ -380,7 +383,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             b, h = item_of(step)
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(done_bars.at[slot])
-            if not all_states:  # (verify leaves the pool alone: the update warpgroups wrote every position's state)
+            if not all_states:  # (verify leaves the pool alone: it writes each position's update instead)
                 plgpu.copy_smem_to_gmem(st_smem.at[slot], state_ref.at[slots_ref[b], h])
 
         def issue_taps(step):  # the head's conv taps into their own two-deep ring (prep is their only reader)
@@ -402,9 +405,6 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             if all_states:  # the item's k^ and e^g for every position, [T, K] each
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 1], key_ref.at[b, :, h, :], commit_group=False)
                 plgpu.copy_smem_to_gmem(prep_smem.at[buf, 3], decay_ref.at[b, :, h, :])
-            if norm_warpgroup:  # the item before last is normed: its operand slot takes a new item
-                refill = step - 2 + operand_stages
-                pl.when((step >= 2) & (refill < num_steps))(lambda: issue(refill))
 
         def prep_tiled(step):
             # verify at T = 4: the same work as `prep` on [T, K] tiles, one position per warp
@@ -545,6 +545,9 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
         def _prep_step(step):
             pl.when(step + 1 < num_steps)(lambda: issue_taps(step + 1))  # its buffer's reader, prep(step - 1), is done
             prep(step)
+            if norm_warpgroup:  # publish waited for the norm of the item two back: its operand slot takes a new item
+                refill = step - 2 + operand_stages
+                pl.when((step >= 2) & (refill < num_steps))(lambda: issue(refill))
 
             @pl.when(step >= 1)
             def _():  # the previous item's state goes back, and its slots are refilled once the store has read it
@@ -789,15 +792,15 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     if tiled_prep and not tiles_fit:
         raise ValueError(f"tiled_prep is for verify (all_states) at T = 4, got T={t}, all_states={all_states}")
     tiled_prep = (TILED_VERIFY_PREP if tiled_prep is None else tiled_prep) and tiles_fit
-    if norm_warpgroup and not (tiled_norm is not False and tiled_prep is not False and tiles_fit):
-        raise ValueError("norm_warpgroup needs the tiled norm (verify at T = 4, tiled_prep and tiled_norm not False)")
     for knob, value in (("tiled_norm", tiled_norm), ("chunk_verify", chunk_verify)):
         if value and not tiled_prep:
             raise ValueError(f"{knob} needs the tiled prep (verify at T = 4, tiled_prep not False)")
     tiled_norm = (TILED_VERIFY_NORM if tiled_norm is None else tiled_norm) and tiled_prep
     chunk = (CHUNK_VERIFY if chunk_verify is None else chunk_verify) and tiled_prep
-    explicit_norm_warpgroup = bool(norm_warpgroup)
-    norm_warpgroup = (NORM_WARPGROUP if norm_warpgroup is None else norm_warpgroup) and tiled_norm
+    if norm_warpgroup and not tiled_norm:
+        raise ValueError("norm_warpgroup needs the tiled norm (verify at T = 4, tiled_prep and tiled_norm not False)")
+    asked_norm_warpgroup = norm_warpgroup
+    norm_warpgroup = NORM_WARPGROUP and tiled_norm if norm_warpgroup is None else norm_warpgroup
     args = dict(_scratch_args(qkv, conv_weight, z, out_gate, state, packed), all_states=all_states, chunk=chunk,
                 norm_warpgroup=norm_warpgroup)
     stages = default_stages(**args) if stages is None else stages
@@ -815,7 +818,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
                          f"{SMEM_LIMIT} bytes of shared memory; got {operand_stages!r}")
     if norm_warpgroup and operand_stages < 3:
         # prep issues an item's operands once the norm of the item two back is done: into a third slot at least
-        if explicit_norm_warpgroup:
+        if asked_norm_warpgroup:
             raise ValueError(f"norm_warpgroup needs operand_stages >= 3; got {operand_stages}")
         norm_warpgroup = False
         args["norm_warpgroup"] = False
