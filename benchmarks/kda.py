@@ -37,8 +37,9 @@ sigmoid / q-k L2 norm fused on both sides:
            whole-state kernel; warps outer) while the case has time left; ours_ms is the best (ours_best);
            fla is timed once, after the first tiling. hlo_pool_copies: copies of a pool in the blocked
            decode step's optimized HLO (0 = the q|k conv-state scatter stays in place in the donated pool).
-           --decode-variants mgpu[_s<stages>][_o<operand stages>][_c<ctas>][_perpos][_pnorm][_seq][_prepnorm]
-           adds the Mosaic GPU kernel (kda_decode_mgpu, decode and verify; _o sets verify's operand ring, the
+           --decode-variants
+           mgpu[_s<stages>][_o<operand stages>][_c<ctas>][_perpos][_pnorm][_seq][_prepnorm][_prep1] adds
+           the Mosaic GPU kernel (kda_decode_mgpu, decode and verify; _o sets verify's operand ring, the
            flags turn verify's T = 4 forms off, MGPU_FORM_FLAGS): ours_mgpu*_ms, its outputs against the Triton
            default's (rel_*_mgpu*_vs_triton) and its pool copies (hlo_pool_copies_mgpu*); it competes for
            ours_best like any tiling.
@@ -658,8 +659,11 @@ MGPU_KNOB_TAGS = {"stages": "s", "operand_stages": "o", "num_ctas": "c"}
 # verify at T = 4, the forms a variant turns off (kda_decode_mgpu's defaults otherwise): mgpu_perpos (prep position
 # by position, and with it the norm and the updates), mgpu_pnorm (the gated norm position by position), mgpu_seq
 # (the updates position by position instead of the chunk form), mgpu_prepnorm (the tiled norm in prep, not in a
-# warpgroup of its own); other cases run the same kernel either way
-MGPU_FORM_FLAGS = {"perpos": "tiled_prep", "pnorm": "tiled_norm", "seq": "chunk_verify", "prepnorm": "norm_warpgroup"}
+# warpgroup of its own), mgpu_prep1 (one prep warpgroup, not two taking alternate items); other cases run the same
+# kernel either way
+MGPU_FORM_FLAGS = {"perpos": "tiled_prep", "pnorm": "tiled_norm", "seq": "chunk_verify", "prepnorm": "norm_warpgroup",
+                   "prep1": "prep_warpgroups"}
+MGPU_FORM_OFF = {"prep_warpgroups": 1}  # a flag's knob value (False unless here)
 
 
 def mgpu_tag(knobs: dict) -> str:
@@ -672,10 +676,11 @@ def mgpu_tag(knobs: dict) -> str:
 def decode_variant(name):
     """(block_v, num_warps, loop_v, extra kda_decode keywords) from "{loop|bv}<rows>_w<warps>[_pf<n>][_fold]",
     e.g. "loop32_w4_pf1_fold" = kda_decode(loop_v=True, block_v=32, num_warps=4, prefetch=1, fold_v=True);
-    or the Mosaic GPU kernel from "mgpu[_s<stages>][_o<operand stages>][_c<ctas>][_perpos][_pnorm][_seq][_prepnorm]"
-    (kda_decode_mgpu; the flags turn verify forms off, MGPU_FORM_FLAGS; key ours_mgpu_s<n>..)."""
-    m = re.fullmatch(r"mgpu((?:_s\d+)?)((?:_o\d+)?)((?:_c\d+)?)((?:_perpos)?)((?:_pnorm)?)((?:_seq)?)((?:_prepnorm)?)",
-                     name)
+    or the Mosaic GPU kernel from
+    "mgpu[_s<stages>][_o<operand stages>][_c<ctas>][_perpos][_pnorm][_seq][_prepnorm][_prep1]" (kda_decode_mgpu;
+    the flags turn verify forms off, MGPU_FORM_FLAGS; key ours_mgpu_s<n>..)."""
+    m = re.fullmatch(r"mgpu((?:_s\d+)?)((?:_o\d+)?)((?:_c\d+)?)((?:_perpos)?)((?:_pnorm)?)((?:_seq)?)((?:_prepnorm)?)"
+                     r"((?:_prep1)?)", name)
     if m is not None:
         knobs = {}
         for knob, group in zip(("stages", "operand_stages", "num_ctas"), m.groups()[:3]):
@@ -683,7 +688,8 @@ def decode_variant(name):
                 knobs[knob] = int(group[2:])
         for flag in m.groups()[3:]:
             if flag:
-                knobs[MGPU_FORM_FLAGS[flag[1:]]] = False
+                knob = MGPU_FORM_FLAGS[flag[1:]]
+                knobs[knob] = MGPU_FORM_OFF.get(knob, False)
         return 0, 0, False, {"mgpu": knobs}
     m = re.fullmatch(r"(loop|bv)(\d+)_w(\d+)((?:_pf\d+)?)((?:_fold)?)", name)
     if m is None:
@@ -877,7 +883,8 @@ def main(argv=None):
                         " crossed with --decode-warps after the --decode-block-v tilings")
     p.add_argument("--decode-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold], or the Mosaic GPU "
-                        "kernel mgpu[_s<n>][_o<n>][_c<n>][_perpos][_pnorm][_seq][_prepnorm] (see decode_variant)")
+                        "kernel mgpu[_s<n>][_o<n>][_c<n>][_perpos][_pnorm][_seq][_prepnorm][_prep1] "
+                        "(see decode_variant)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
     p.add_argument("--stage1", type=lambda v: [x for x in v.split(",") if x], default=["default", "v2"],

@@ -139,6 +139,16 @@ against 0.1726 / 0.6412 (1.5 / 2.5 %), outputs bit-identical; with 3 operand slo
 (update / other warpgroups 160 / 96, 176 / 80 registers) 0.1702 / 0.6365 and 0.1712 / 0.6335, so the launch's
 even split (128 each) stays.
 
+2026-12-04 (thirtieth session; docs/results/kda_verify_two_preps_h200_2026-12-04.json). Verify at T = 4 runs two
+prep warpgroups (PREP_WARPGROUPS, prep_warpgroups=): the first takes the even items, a fifth warpgroup the odd ones,
+so each has two items' time for one item's vector work. Everything per item that prep touches is then one prep's
+own (item-parity buffers and barriers, state slots modulo 2, operand slots modulo 4), and each prep waits for the
+norm of its item two back before it rewrites that item's buffers. Five warpgroups launch at 96 registers a thread,
+where the update math spills: setmaxnreg gives the update warpgroups 144 and the other three 64
+(SPLIT_PREP_REGISTER_CAPS). Interleaved A/B, 3 rounds, bf16 H96, outputs bit-identical: verify B64 / B256 T4
+0.1612 / 0.5956 ms against 0.1675 / 0.6234 with one prep (1.04x / 1.05x); without the caps 0.1819 / 0.6899 (slower
+than one prep); caps 160 / 48 0.1619 / 0.5964.
+
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
 Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there (S unchanged), and the conv state keeps the last
@@ -185,6 +195,12 @@ VERIFY_OPERAND_STAGES = 4
 # verify with the tiled norm: the gated norm and the err stores in a warpgroup of their own, beside prep (needs 3
 # operand slots or more)
 NORM_WARPGROUP = True
+# verify with the norm warpgroup: prep warpgroups (2: one takes the even items, one the odd; see _item_kernel and the
+# docstring's thirtieth session entry)
+PREP_WARPGROUPS = 2
+# with 2 prep warpgroups, setmaxnreg caps (update warpgroups, the other three): 5 warpgroups launch at 96 registers a
+# thread (64K / 640), where the update math spills; 2 x 144 + 3 x 64 = 5 x 96
+SPLIT_PREP_REGISTER_CAPS = (144, 64)
 APPROX_MATH = True  # MUFU exp / log / reciprocal / rsqrt: shorter latency chains in the prep warpgroup's vector code
 
 # kda_decode_mgpu's reference: kda_decode's (same arguments, same results, decode and verify)
@@ -267,7 +283,7 @@ def _conv_positions(tap, window, x_at, valids, act_dtype, store):
 def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_ref, og_ref, alog_ref, dtb_ref,
                  onw_ref, conv_ref, state_ref, y_ref, *refs, num_items, num_heads, num_tokens, stages, operand_stages,
                  gate, lower_bound, eps, act_dtype, all_states, packed, tiled_prep=False, tiled_norm=False,
-                 chunk=False, norm_warpgroup=False):
+                 chunk=False, norm_warpgroup=False, prep_warpgroups=1, register_caps=None):
     # GMEM: slots_ref, lens_ref, fresh_ref: [B] int32; x_ref: [B, T, 3*H*K] raw q|k|v (pre-conv), activation dtype
     #   convw_ref: [W, 3*H*K]; z_ref: [B, T, H, K]; beta_ref: [B, T, H] logits; og_ref: [B, T, H, V] output gate
     #   packed = (og_col, beta_col): x_ref is the whole projection [B, T, C] and holds both at those columns
@@ -307,6 +323,12 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     # gated RMSNorm. In verify the update warpgroups keep the state in registers across the T positions and write
     # only each position's err rows; the prep warpgroup stores k^ and e^g, the norm's warpgroup the err rows (a few
     # KB per item). With norm_warpgroup (verify's tiled norm) a fourth warpgroup does the norm, not prep.
+    # prep_warpgroups = 2 (with the norm warpgroup, 2 state slots and an even number of operand slots): a second prep
+    # warpgroup, the last, takes the odd items and the first the even ones. Every per-item resource prep touches is
+    # then one prep's own: the item-parity buffers and barriers (taps, prepared operands, sync_bar [2], norm_bars) and
+    # the slots numbered by item modulo 2 (state) or 4 (operands). Each prep waits for the norm of its item two back
+    # before it rewrites that item's buffers (the norm warpgroup waited for the updates' done_bars first), so prep
+    # waits on no done_bars. register_caps = (update, other): setmaxnreg per warpgroup.
     err_ref, key_ref, decay_ref = refs[:3] if all_states else (None,) * 3
     scratch = refs[3:] if all_states else refs
     (st_smem, seq_smem, z_smem, og_smem, cw_smem, prep_smem, vb_smem, o_smem, bars, taps_bars, prep_bars,
@@ -314,6 +336,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     e_smem = scratch[13] if all_states else None
     xg_smem, ab_smem, sync_bar = scratch[14:17] if chunk else (None,) * 3
     norm_bars = scratch[-1] if norm_warpgroup else None
+    split_prep = prep_warpgroups == 2
     f32 = jnp.float32
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
     wg = lax.axis_index("wg")
@@ -364,8 +387,14 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
         if all_states:  # the update warpgroups' err rows (committed before they arrived on done_bars)
             plgpu.copy_smem_to_gmem(e_smem.at[buf], err_ref.at[b, :, h, :])
 
-    @pl.when(wg == num_update)
+    last_wg = num_update + norm_warpgroup + prep_warpgroups - 1
+    prep_index = jnp.where(wg == num_update, 0, 1) if split_prep else 0  # which items: those of this parity
+
+    @pl.when((wg == num_update) | (wg == last_wg) if split_prep else wg == num_update)
     def _prep_warpgroup():
+        if register_caps is not None:
+            plgpu.set_max_registers(register_caps[1], action="decrease")
+
         def issue(step):  # the item's operands (decode: and its state; verify's update warpgroups load their own)
             b, h = item_of(step)
             oslot, sl = lax.rem(step, operand_stages), slots_ref[b]
@@ -398,7 +427,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             if all_states:
                 # the update rows' buffer (e_smem) and this buffer parity's operands are rewritten for the item
                 # after next: their stores (issued an item ago) must have read them before the updates start
-                if norm_warpgroup:  # (that of e_smem, and the norm's reads of o_smem, in the norm warpgroup)
+                if norm_warpgroup and not split_prep:  # (that of e_smem, and the norm's reads of o_smem, in the
+                    # norm warpgroup; a split prep waited before it wrote this item's buffers)
                     pl.when(step >= 2)(lambda: plgpu.barrier_wait(norm_bars.at[buf]))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(prep_bars.at[slot])
@@ -467,8 +497,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
             tile_t = q.shape
             xg_smem.at[buf][...] = g
             plgpu.commit_smem()
-            plgpu.barrier_arrive(sync_bar.at[0])  # every warp's g and k^ rows are in shared memory
-            plgpu.barrier_wait(sync_bar.at[0])
+            plgpu.barrier_arrive(sync_bar.at[prep_index])  # every warp's g and k^ rows are in shared memory
+            plgpu.barrier_wait(sync_bar.at[prep_index])
             g_rows = [load_col(xg_smem.at[buf, j]) for j in range(num_tokens)]  # g_j, down every row
             zeros = jnp.zeros(tile_t, jnp.float32)
             cum_g, cum_g_rows = zeros, []  # G (row t: G_t); G_i down every row
@@ -486,6 +516,27 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 ab = jnp.where(column == i, _across_cols(jnp.sum(beta * k * key_i, axis=1), tile_t), ab)
                 ab = jnp.where(column == num_tokens + i, _across_cols(jnp.sum(q * key_i, axis=1), tile_t), ab)
             ab_smem.at[buf][...] = ab
+
+        def split_prep_loop():
+            # this prep's items: steps prep_index, prep_index + 2, ... (see the comment at the top)
+            for first in range(0, operand_stages, 2):
+                pl.when(first + prep_index < num_steps)(lambda first=first: issue(first + prep_index))
+            pl.when(prep_index < num_steps)(lambda: issue_taps(prep_index))
+
+            @pl.loop(prep_index, num_steps, step=2)
+            def _prep_step(step):
+                @pl.when(step >= 2)
+                def _():  # the item two back is normed (so updated) and its k^ / e^g stores have read the buffers
+                    plgpu.barrier_wait(norm_bars.at[lax.rem(step, 2)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                prep(step)
+                pl.when(step + 2 < num_steps)(lambda: issue_taps(step + 2))  # prep(step) has read its buffer
+                refill = step - 2 + operand_stages  # into the operand slot of the item two back, normed above
+                pl.when((step >= 2) & (refill < num_steps))(lambda: issue(refill))
+
+            # this prep's last item's norm, which no step above waited for (every phase is observed before exit)
+            pl.when(prep_index < num_steps)(lambda: plgpu.barrier_wait(norm_bars.at[prep_index]))
+            plgpu.wait_smem_to_gmem(0)
 
         def prep(step):
             if tiled_prep:
@@ -535,6 +586,9 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
                 vb_smem.at[buf, t][...] = betas[t] * _vec(vb_smem.at[buf, t])
             publish(step, b, h, slot, buf)
 
+        if split_prep:
+            split_prep_loop()
+            return
         for first in range(operand_stages):
             pl.when(first < num_steps)(functools.partial(issue, first))
         issue_taps(0)
@@ -570,6 +624,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
     if norm_warpgroup:
         @pl.when(wg == num_update + 1)
         def _norm_warpgroup():
+            if register_caps is not None:
+                plgpu.set_max_registers(register_caps[1], action="decrease")
             # verify's tiled gated norm and err stores, item by item, beside prep (which runs an item ahead); an item's
             # operand slot (its output gate) and its o / err parity buffers are free once it arrives on norm_bars
             norm_w = norm_weight()
@@ -587,6 +643,8 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
     @pl.when(wg < num_update)
     def _update_warpgroup():
+        if register_caps is not None:
+            plgpu.set_max_registers(register_caps[0], action="increase")
         blk = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's state rows / v channels / o rows
 
         def chunk_rows(s, buf):
@@ -660,7 +718,7 @@ def _item_kernel(slots_ref, lens_ref, fresh_ref, x_ref, convw_ref, z_ref, beta_r
 
 def scratch_types(dv: int, dk: int, stages: int, num_tokens: int, width: int, act, taps_dtype, all_states: bool = True,
                   chunk: bool = False, z_dtype=None, gate_dtype=None, operand_stages: int | None = None,
-                  norm_warpgroup: bool = False) -> list:
+                  norm_warpgroup: bool = False, prep_warpgroups: int = 1) -> list:
     """The kernel's scratch, in `_item_kernel`'s order (its comment says what each holds): `stages` slots of the fp32
     state, `operand_stages` (default: stages) of the item's operands (q|k|v and the conv window in the activation
     dtype `act`, z in z_dtype and the output gate in gate_dtype, both act unless given); two buffers (item parity)
@@ -682,7 +740,7 @@ def scratch_types(dv: int, dk: int, stages: int, num_tokens: int, width: int, ac
         plgpu.Barrier(num_arrivals=1, num_barriers=stages * (dv // ROWS if all_states else 1)),
     ] + ([plgpu.SMEM((2, t, dv), jnp.float32)] if all_states else []) + ([
         plgpu.SMEM((2, t, dk), jnp.float32), plgpu.SMEM((2, t, dk), jnp.float32),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1)] if chunk else []) + (
+        plgpu.Barrier(num_arrivals=1, num_barriers=prep_warpgroups)] if chunk else []) + (
         [plgpu.Barrier(num_arrivals=1, num_barriers=2)] if norm_warpgroup else [])
 
 
@@ -755,11 +813,11 @@ def supported(qkv, conv_state, conv_weight, z, beta, out_gate, state, *_, packed
 
 @functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "eps", "interpret", "num_ctas", "stages",
                                              "operand_stages", "all_states", "packed", "tiled_prep", "tiled_norm",
-                                             "chunk_verify", "norm_warpgroup"))
+                                             "chunk_verify", "norm_warpgroup", "prep_warpgroups"))
 def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, *, a_log, dt_bias,
                     o_norm_weight, gate="lower_bound", lower_bound=-5.0, eps=1e-5, fresh=None, all_states=False,
                     packed=None, interpret=False, num_ctas=None, stages=None, operand_stages=None, tiled_prep=None,
-                    tiled_norm=None, chunk_verify=None, norm_warpgroup=None):
+                    tiled_norm=None, chunk_verify=None, norm_warpgroup=None, prep_warpgroups=None):
     """Fused KDA decode (T = 1..8 new tokens) or verify (all_states) for B sequences living in pooled states.
 
     Arguments and results as `kda_decode.kda_decode`: decode, (y [B, T, H, V], new conv pool, new state pool), the
@@ -779,6 +837,9 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     tiled_norm, chunk_verify: with the tiled prep, the gated RMSNorm on [4, V] tiles too (None: TILED_VERIFY_NORM),
     and the state applied once in the chunk form (`chunk_operands`) instead of position by position (None:
     CHUNK_VERIFY).
+    norm_warpgroup: verify's tiled gated norm in a warpgroup of its own (None: NORM_WARPGROUP where it fits);
+    prep_warpgroups: 1 or 2 prep warpgroups, 2 taking alternate items (needs the norm warpgroup, 2 state slots and an
+    even number of operand slots; None: PREP_WARPGROUPS where that holds).
     Sizes: V a multiple of 64 up to 256, K of 128; conv_state in the activation dtype.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
@@ -822,6 +883,14 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
             raise ValueError(f"norm_warpgroup needs operand_stages >= 3; got {operand_stages}")
         norm_warpgroup = False
         args["norm_warpgroup"] = False
+    split_fits = norm_warpgroup and stages == 2 and operand_stages % 2 == 0
+    if prep_warpgroups not in (None, 1, 2):
+        raise ValueError(f"prep_warpgroups must be 1 or 2, got {prep_warpgroups!r}")
+    if prep_warpgroups == 2 and not split_fits:
+        raise ValueError(f"prep_warpgroups=2 needs the norm warpgroup, stages == 2 and an even operand_stages; got "
+                         f"norm_warpgroup={norm_warpgroup}, stages={stages}, operand_stages={operand_stages}")
+    prep_warpgroups = (PREP_WARPGROUPS if split_fits else 1) if prep_warpgroups is None else prep_warpgroups
+    args["prep_warpgroups"] = prep_warpgroups
     num_items = bsz * h
     num_ctas = min(H200_SM_COUNT, num_items) if num_ctas is None else num_ctas
     if not isinstance(num_ctas, int) or not 1 <= num_ctas <= num_items:
@@ -833,14 +902,16 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         functools.partial(_item_kernel, num_items=num_items, num_heads=h, num_tokens=t, stages=stages,
                           operand_stages=operand_stages, gate=gate,
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
-                          tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk, norm_warpgroup=norm_warpgroup),
+                          tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk, norm_warpgroup=norm_warpgroup,
+                          prep_warpgroups=prep_warpgroups,
+                          register_caps=SPLIT_PREP_REGISTER_CAPS if prep_warpgroups == 2 else None),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
         scratch_types=scratch_types(stages=stages, operand_stages=operand_stages, **args),
         grid=(num_ctas,),
         grid_names=("cta",),
-        num_threads=dv // ROWS + 1 + norm_warpgroup,  # the update warpgroups, prep (and the norm's)
+        num_threads=dv // ROWS + prep_warpgroups + norm_warpgroup,  # the update warpgroups, prep (and the norm's)
         thread_name="wg",
         kernel_name="kda_decode_verify_mgpu" if all_states else "kda_decode_mgpu",  # (profiles group by "kda_decode")
         compiler_params=plgpu.CompilerParams(approx_math=APPROX_MATH, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),

@@ -495,6 +495,37 @@ def test_verify_mgpu_matches_reference(t, gate, stages, num_ctas, forms):
         assert np.isfinite(g).all() and rel(g, w) < 1e-5
 
 
+@pytest.mark.parametrize("num_ctas", [None, 3, 1])
+def test_verify_mgpu_two_prep_warpgroups(num_ctas):
+    """prep_warpgroups=2 on the H200 (verify T = 4 in bf16, 4 operand slots: the even items in one prep warpgroup, the
+    odd in another): y and the updates bit for bit the one-prep kernel's, and the reference's within bf16 tolerance,
+    over 30 items on 30 / 3 / 1 CTAs (1 and 10 items a CTA, and 30 on one)."""
+    from pallas_kernels.kda_decode_mgpu import kda_decode_mgpu, kda_decode_mgpu_reference
+
+    rng = np.random.default_rng(16)
+    b, h, d, pool, t = 6, 5, 128, 11, 4
+    arr = lambda *s: rng.standard_normal(s).astype(np.float32)
+    bf = jnp.bfloat16
+    args = (jnp.asarray(arr(b, t, 3 * h * d), bf), jnp.asarray(arr(pool, 3, 3 * h * d), bf),
+            jnp.asarray(arr(4, 3 * h * d) * 0.5), jnp.asarray(arr(b, t, h, d), bf), jnp.asarray(arr(b, t, h), bf),
+            jnp.asarray(arr(b, t, h, d), bf), jnp.asarray(arr(pool, h, d, d) * 0.05),
+            jnp.asarray([7, 0, 3, 8, 1, 10], jnp.int32), jnp.asarray([4, 2, 0, 1, 4, 3], jnp.int32))
+    kw = dict(a_log=jnp.asarray(arr(h) * 0.5), dt_bias=jnp.asarray(arr(h * d)),
+              o_norm_weight=jnp.asarray(1 + 0.1 * arr(d)), fresh=jnp.asarray([0, 0, 1, 1, 0, 1], jnp.int32),
+              all_states=True)
+    knobs = dict(num_ctas=num_ctas, stages=2, operand_stages=4, norm_warpgroup=True)
+    one = jax.device_get(kda_decode_mgpu(*args, **kw, **knobs, prep_warpgroups=1))
+    two = jax.device_get(kda_decode_mgpu(*args, **kw, **knobs, prep_warpgroups=2))
+    for got, want in zip(jax.tree.leaves(two), jax.tree.leaves(one)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    ref = jax.device_get(kda_decode_mgpu_reference(*args, **kw))
+    valid = np.arange(t)[None, :] < np.asarray([4, 2, 0, 1, 4, 3])[:, None]
+    # bf16 inputs and y: the tolerance of the other bf16 verify cases here
+    assert rel(np.asarray(two[0], np.float32)[valid], np.asarray(ref[0], np.float32)[valid]) < 2e-2
+    for g, w in zip(two[1], ref[1]):
+        assert rel(g, w) < 2e-2
+
+
 @pytest.mark.parametrize("layers,n,t", [(1, 64, 4), (3, 5, 6)])
 def test_commit_kernel_matches_reference(layers, n, t):
     """pallas_kernels.kda_commit compiled for the GPU (D128, 4 heads): ragged counts, rows written back in place

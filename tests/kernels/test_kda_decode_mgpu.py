@@ -75,6 +75,28 @@ def test_verify_matches_reference_through_slots(t, gate, stages, num_ctas, forms
     assert rel(states[0, t - 1], pools["state"][4]) > 1e-3  # the live rows did move
 
 
+@pytest.mark.parametrize("num_ctas,gate", [(1, "softplus"), (3, "lower_bound"), (5, "softplus")])
+def test_two_prep_warpgroups_equal_one(num_ctas, gate):
+    """prep_warpgroups=2 (verify at T = 4 in bf16, 4 operand slots: one prep warpgroup takes the even items, one the
+    odd) gives bit for bit the one-prep kernel's y and updates -- each item's vector work is the same code, only
+    another warpgroup runs it -- and both match the reference. Over 1, 3 and 5 CTAs the 8 items make 8 steps on one
+    CTA (each prep wraps its operand slots twice), 3 and 2 (the odd prep with one item fewer) and 2 and 1 (the odd
+    prep with none)."""
+    step, pools, params = decode_inputs(13, bsz=4, t=4, h=2, dk=128, pool=7, dtype=jnp.bfloat16)
+    slots, lengths = [4, 0, 6, 2], [4, 0, 4, 3]
+    kw = dict(gate=gate, fresh=jnp.asarray([0, 0, 1, 0], jnp.int32), all_states=True, interpret=True,
+              num_ctas=num_ctas, stages=2, operand_stages=4, norm_warpgroup=True)
+    one = call(kda_decode_mgpu, step, pools, params, slots, lengths, raw=True, prep_warpgroups=1, **kw)
+    two = call(kda_decode_mgpu, step, pools, params, slots, lengths, raw=True, prep_warpgroups=2, **kw)
+    for got, want in zip(jax.tree.leaves(two), jax.tree.leaves(one)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    ry, _ = call(kda_decode_mgpu_reference, step, pools, params, slots, lengths, gate=gate, fresh=kw["fresh"],
+                 all_states=True)
+    valid = np.arange(4)[None, :] < np.asarray(lengths)[:, None]
+    # y in bf16 (one rounding of the output, 2^-9 relative) after fp32 math on bf16 inputs
+    assert rel(np.asarray(two[0], np.float32)[valid], np.asarray(ry, np.float32)[valid]) < 1e-2
+
+
 @pytest.mark.parametrize("verify", [False, True])
 def test_packed_projection_equals_the_sliced_operands(verify):
     """`packed`: beta and the output gate read in place from one wider projection (other columns between and after
@@ -127,6 +149,12 @@ def test_defaults_and_argument_errors():
     with pytest.raises(ValueError, match="norm_warpgroup needs operand_stages"):
         call(kda_decode_mgpu, step4, pools4, params4, [0, 1], [4, 4], interpret=True, all_states=True,
              operand_stages=2, norm_warpgroup=True)
+    with pytest.raises(ValueError, match="prep_warpgroups=2 needs"):  # alternate items need an even operand ring
+        call(kda_decode_mgpu, step4, pools4, params4, [0, 1], [4, 4], interpret=True, all_states=True,
+             operand_stages=3, prep_warpgroups=2)
+    with pytest.raises(ValueError, match="prep_warpgroups must be 1 or 2"):
+        call(kda_decode_mgpu, step4, pools4, params4, [0, 1], [4, 4], interpret=True, all_states=True,
+             prep_warpgroups=3)
     bad = dict(pools, conv_state=pools["conv_state"].astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="activation dtype"):
         call(kda_decode_mgpu, step, bad, params, [0, 1], [1, 1], interpret=True)
@@ -166,6 +194,8 @@ def test_benchmark_times_the_variant_in_interpret_mode(tmp_path):
     assert bench.decode_variant("mgpu_perpos")[3]["mgpu"] == {"tiled_prep": False}
     knobs = bench.decode_variant("mgpu_o3_prepnorm")[3]["mgpu"]
     assert knobs == {"operand_stages": 3, "norm_warpgroup": False} and bench.mgpu_tag(knobs) == "mgpu_o3_prepnorm"
+    knobs = bench.decode_variant("mgpu_o4_prep1")[3]["mgpu"]  # one prep warpgroup: a count, not a form turned off
+    assert knobs == {"operand_stages": 4, "prep_warpgroups": 1} and bench.mgpu_tag(knobs) == "mgpu_o4_prep1"
     for bad in ("mgpu_x2", "mgpu_seq_pnorm"):
         with pytest.raises(ValueError):
             bench.decode_variant(bad)
@@ -220,7 +250,7 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     from jax.experimental.mosaic.gpu import core as mgpu_core
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    from pallas_kernels.kda_decode_mgpu import SMEM_LIMIT, scratch_types, smem_bytes
+    from pallas_kernels.kda_decode_mgpu import PREP_WARPGROUPS, SMEM_LIMIT, scratch_types, smem_bytes
 
     monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (9, 0))
     allocated = []
@@ -246,5 +276,6 @@ def test_lowers_for_the_h200_offline(t, gate, all_states, packed, monkeypatch):
     operand_stages = 4 if all_states and t == 4 else stages
     want = smem_bytes(scratch_types(dv=d, dk=d, stages=stages, num_tokens=t, width=4, act=bf, taps_dtype=jnp.float32,
                                     all_states=all_states, chunk=all_states and t == 4, operand_stages=operand_stages,
-                                    norm_warpgroup=all_states and t == 4))
+                                    norm_warpgroup=all_states and t == 4,
+                                    prep_warpgroups=PREP_WARPGROUPS if all_states and t == 4 else 1))
     assert allocated == [want] and want <= SMEM_LIMIT
