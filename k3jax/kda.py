@@ -371,12 +371,12 @@ KDA_STAGE1_INTERPRET = "v2"
 # The fused decode kernel (read at trace time): "mosaic" (pallas_kernels/kda_decode_mgpu.py: the state streamed by
 # TMA; decode and verify, K a multiple of 128 -- other sizes fall back to the Triton kernel) or "triton"
 # (pallas_kernels/kda_decode.py). On the H200 (2026-12-03, docs/benchmarks.md) "mosaic" is 1.05x / 1.10x the Triton
-# kernel at B64 / B256 T1 H96 (79-86 % of copy); in verify T4 2.3x since 2026-12-04 (0.173 / 0.647 ms against
-# 0.396 / 1.511, twenty-ninth session; tiled prep and norm, chunk form, own rings). In the whole k3-small decode step
-# (16 heads), once it read the fused projection in place (`packed`, as the Triton kernel does), 0.768 against 0.813
-# ms/step of KDA decode, the same 581 kernels, 0.1 ms less device time per step, shadow check passed (2026-12-04). The
-# interpret backend (CPU) keeps the Triton kernel: Mosaic GPU's interpreter costs seconds per model step in CI;
-# tests/kernels/test_kda_model.py runs the model through it.
+# kernel at B64 / B256 T1 H96 (79-86 % of copy); in verify T4 2.5x since 2026-12-04 (0.160 / 0.593 ms against
+# 0.396 / 1.514, thirtieth session; tiled prep and norm, chunk form, own rings, two prep warpgroups). In the whole
+# k3-small decode step (16 heads), once it read the fused projection in place (`packed`, as the Triton kernel does),
+# 0.768 against 0.813 ms/step of KDA decode, the same 581 kernels, 0.1 ms less device time per step, shadow check
+# passed (2026-12-04). The interpret backend (CPU) keeps the Triton kernel: Mosaic GPU's interpreter costs seconds
+# per model step in CI; tests/kernels/test_kda_model.py runs the model through it.
 KDA_DECODE_KERNEL = "mosaic"
 KDA_DECODE_KERNEL_INTERPRET = "triton"
 # Keeping a verify step's accepted prefix on the GPU (op "kda_commit", read at trace time): "kernel"
