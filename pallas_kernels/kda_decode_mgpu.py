@@ -744,6 +744,19 @@ def scratch_types(dv: int, dk: int, stages: int, num_tokens: int, width: int, ac
         [plgpu.Barrier(num_arrivals=1, num_barriers=2)] if norm_warpgroup else [])
 
 
+def split_prep_register_caps(num_update: int):
+    """SPLIT_PREP_REGISTER_CAPS for a two-prep kernel with `num_update` update warpgroups (and a norm warpgroup), or
+    None where they do not fit what the launch gives its warpgroups (64K registers over all threads, in steps of 8 a
+    thread): setmaxnreg can only move registers between warpgroups, and an increase past the pool never returns.
+    K3's V = 128 (2 update warpgroups, 5 in all, 96 a thread): 2 x 144 + 3 x 64 = 480 fits; V = 192 or 256 do not."""
+    if SPLIT_PREP_REGISTER_CAPS is None:
+        return None
+    update, other = SPLIT_PREP_REGISTER_CAPS
+    warpgroups = num_update + 3
+    launch = 65536 // (128 * warpgroups) // 8 * 8
+    return SPLIT_PREP_REGISTER_CAPS if num_update * update + 3 * other <= warpgroups * launch else None
+
+
 def smem_bytes(scratch: list) -> int:
     """Shared memory of a scratch list as Mosaic GPU allocates it: each buffer rounded up to SMEM_ALIGNMENT, 8 bytes
     a barrier, the reduction scratch."""
@@ -904,7 +917,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
                           tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk, norm_warpgroup=norm_warpgroup,
                           prep_warpgroups=prep_warpgroups,
-                          register_caps=SPLIT_PREP_REGISTER_CAPS if prep_warpgroups == 2 else None),
+                          register_caps=split_prep_register_caps(dv // ROWS) if prep_warpgroups == 2 else None),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda_decode_mgpu import default_stages, kda_decode_mgpu, kda_decode_mgpu_reference, supported
+from pallas_kernels.kda_decode_mgpu import (SPLIT_PREP_REGISTER_CAPS, default_stages, kda_decode_mgpu,
+                                            kda_decode_mgpu_reference, split_prep_register_caps, supported)
 from test_kda_decode import call, decode_inputs, rel  # same inputs (tests/kernels is on sys.path under pytest)
 
 
@@ -152,6 +153,10 @@ def test_defaults_and_argument_errors():
     with pytest.raises(ValueError, match="prep_warpgroups=2 needs"):  # alternate items need an even operand ring
         call(kda_decode_mgpu, step4, pools4, params4, [0, 1], [4, 4], interpret=True, all_states=True,
              operand_stages=3, prep_warpgroups=2)
+    # the setmaxnreg caps of two preps fit K3's 5 warpgroups (V = 128) and V = 64's 4; at V = 256, 7 warpgroups
+    # launch at 72 registers a thread and 4 x 144 + 3 x 64 would ask more than the pool: no caps there
+    caps = SPLIT_PREP_REGISTER_CAPS
+    assert [split_prep_register_caps(n) for n in (1, 2, 3, 4)] == [caps, caps, None, None]
     with pytest.raises(ValueError, match="prep_warpgroups must be 1 or 2"):
         call(kda_decode_mgpu, step4, pools4, params4, [0, 1], [4, 4], interpret=True, all_states=True,
              prep_warpgroups=3)
