@@ -852,7 +852,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     CHUNK_VERIFY).
     norm_warpgroup: verify's tiled gated norm in a warpgroup of its own (None: NORM_WARPGROUP where it fits);
     prep_warpgroups: 1 or 2 prep warpgroups, 2 taking alternate items (needs the norm warpgroup, 2 state slots and an
-    even number of operand slots; None: PREP_WARPGROUPS where that holds).
+    even number of operand slots; None: PREP_WARPGROUPS where that holds and split_prep_register_caps has caps).
     Sizes: V a multiple of 64 up to 256, K of 128; conv_state in the activation dtype.
     """
     _check(qkv, conv_state, conv_weight, z, beta, out_gate, state, slots, lengths, fresh, a_log, dt_bias,
@@ -902,7 +902,10 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
     if prep_warpgroups == 2 and not split_fits:
         raise ValueError(f"prep_warpgroups=2 needs the norm warpgroup, stages == 2 and an even operand_stages; got "
                          f"norm_warpgroup={norm_warpgroup}, stages={stages}, operand_stages={operand_stages}")
-    prep_warpgroups = (PREP_WARPGROUPS if split_fits else 1) if prep_warpgroups is None else prep_warpgroups
+    if prep_warpgroups is None:  # two by default only with their register caps (measured at V = 128; without the
+        # caps the update math spills and two preps were slower than one)
+        caps_fit = split_prep_register_caps(dv // ROWS) is not None
+        prep_warpgroups = PREP_WARPGROUPS if split_fits and caps_fit else 1
     args["prep_warpgroups"] = prep_warpgroups
     num_items = bsz * h
     num_ctas = min(H200_SM_COUNT, num_items) if num_ctas is None else num_ctas
