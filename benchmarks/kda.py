@@ -83,7 +83,8 @@ from pallas_kernels.kda_state_pass_split import kda_state_pass_split
 
 D = 128
 LB = -5.0
-KDA_CHUNK_STAGE1 = ("default", "v2", "pallas", "pallas2")  # kda_chunk's stage1 values; other --stage1 names time stage 1 alone
+# kda_chunk's stage1 values; other --stage1 names time stage 1 alone
+KDA_CHUNK_STAGE1 = ("default", "v2", "pallas", "pallas2")
 
 
 class CaseTimeout(Exception):
@@ -191,7 +192,8 @@ def prefill_case(row, b, t, h, args, fla, deadline, detail, save):
         try:
             o_var, final_var, _ = ours(stage1=variant)
             row[f"ours_stage1_{variant}_ms"] = 1e3 * time_jax(lambda: ours(stage1=variant), args.trials)
-            row[f"rel_o_stage1_{variant}_vs_default"] = rel(jnp.asarray(o_var, jnp.float32), jnp.asarray(o, jnp.float32))
+            row[f"rel_o_stage1_{variant}_vs_default"] = rel(jnp.asarray(o_var, jnp.float32),
+                                                            jnp.asarray(o, jnp.float32))
             row[f"rel_state_stage1_{variant}_vs_default"] = rel(final_var, final)
         except CaseTimeout:
             raise
@@ -366,9 +368,9 @@ def pallas_stage1_knobs(variant):
 def pallas2_stage1_knobs(variant):
     """The two-kernel stage 1's settings (`kda_chunk._intra_stage_pallas2`: `kda_intra_lk` then `kda_intra_wu`)
     from a variant name "pallas2[_w<lk warps>][_k<block_k>][_wu<wu warps>][_<inverse>][_f32keep]", knobs in any
-    order: kda_intra_lk's warps (default 8), its K slice (default 128: the whole head dim), kda_intra_wu's warps (default 4), the
-    16x16 inverse's dot precision (ieee or tf32x3; default ieee) and f32keep (the factored key blocks kept in
-    fp32 instead of the stored dtype). E.g. "pallas2", "pallas2_w4_k32", "pallas2_k64_wu8_tf32x3"."""
+    order: kda_intra_lk's warps (default 8), its K slice (default 128: the whole head dim), kda_intra_wu's warps
+    (default 4), the 16x16 inverse's dot precision (ieee or tf32x3; default ieee) and f32keep (the factored key
+    blocks kept in fp32 instead of the stored dtype). E.g. "pallas2", "pallas2_w4_k32", "pallas2_k64_wu8_tf32x3"."""
     knobs = dict(num_warps=8, block_k=128, wu_num_warps=4, inverse_precision="ieee", keep="stored")
     for knob in variant.split("_")[1:]:
         if re.fullmatch(r"w\d+", knob):
@@ -468,7 +470,8 @@ def hlo_traffic(hlo_text):
         if op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
             continue
         called = re.search(r"calls=%([\w.\-]+)", rest)
-        per_param = fusion_reads(comps[called.group(1)]) if op == "fusion" and called and called.group(1) in comps else {}
+        fused = op == "fusion" and called and called.group(1) in comps
+        per_param = fusion_reads(comps[called.group(1)]) if fused else {}
         ops += 1
         written += sizes[name]
         seen = set()
@@ -834,7 +837,8 @@ def print_table(results):
                 extra += f"; solve=pallas {r['ours_solve_pallas_ms']:.3f} ms"
             for key in [k for k in r if k.startswith("ours_stage1_") and k.endswith("_ms")]:
                 ratio = r.get("ratio_" + key[len("ours_"):-3])
-                extra += f"; stage1={key[len('ours_stage1_'):-3]} {r[key]:.3f} ms" + (f" ({ratio:.2f}x fla)" if ratio else "")
+                extra += (f"; stage1={key[len('ours_stage1_'):-3]} {r[key]:.3f} ms"
+                          + (f" ({ratio:.2f}x fla)" if ratio else ""))
             stages = {k[len("stage_"):-3]: v for k, v in r.items() if k.startswith("stage_") and k.endswith("_ms")}
             if stages:
                 extra += "; stages ms " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
@@ -862,7 +866,8 @@ def print_table(results):
             extra += f"; best {r['ours_best']}"
             if f"ours_bv{D}_w8_ms" in r:
                 extra += f" (whole-state bv{D}_w8 {r[f'ours_bv{D}_w8_ms']:.3f} ms)"
-            print(f"{name:<24}{r['ours_ms']:>9.3f}{'':>9}{r.get('fla_ms', nan):>9.3f}{r.get('ratio', nan):>9.2f}  {extra}")
+            print(f"{name:<24}{r['ours_ms']:>9.3f}{'':>9}{r.get('fla_ms', nan):>9.3f}"
+                  f"{r.get('ratio', nan):>9.2f}  {extra}")
 
 
 def main(argv=None):
@@ -879,11 +884,11 @@ def main(argv=None):
                    help="kda_decode V-blocks to time (128 = the whole-state kernel); the best is ours_ms")
     p.add_argument("--decode-warps", type=ints, default=[4, 8], help="kda_decode warps, crossed with --decode-block-v")
     p.add_argument("--decode-loop-v", type=ints, default=[],
-                   help="kda_decode loop_v=True (one program per head walking V-blocks of this size; ours_loop{V}_w{W}),"
-                        " crossed with --decode-warps after the --decode-block-v tilings")
+                   help="kda_decode loop_v=True (one program per head walking V-blocks of this size; "
+                        "ours_loop{V}_w{W}), crossed with --decode-warps after the --decode-block-v tilings")
     p.add_argument("--decode-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
-                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold], or the Mosaic GPU "
-                        "kernel mgpu[_s<n>][_o<n>][_c<n>][_perpos][_pnorm][_seq][_prepnorm][_prep1] "
+                   help="further kda_decode settings by name, {loop|bv}<rows>_w<warps>[_pf<n>][_fold], or the "
+                        "Mosaic GPU kernel mgpu[_s<n>][_o<n>][_c<n>][_perpos][_pnorm][_seq][_prepnorm][_prep1] "
                         "(see decode_variant)")
     p.add_argument("--case-limit", type=float, default=60.0, help="seconds per case, fla's first call apart")
     p.add_argument("--fla-first-call-limit", type=float, default=240.0, help="seconds for fla's autotuning call")
@@ -898,8 +903,8 @@ def main(argv=None):
     p.add_argument("--prefill-parts", type=lambda v: {x for x in v.split(",") if x},
                    default={"stages", "split", "solve_pallas", "ckpt", "sweep"},
                    help="what a prefill case times beside ours (default state pass, stage-1 variants) and fla: "
-                        "stages (first case: stage 1 per variant, its HLO proxy, the state passes), profile (first case, "
-                        "with stages: stage 1's device time per kernel, per variant), split, "
+                        "stages (first case: stage 1 per variant, its HLO proxy, the state passes), profile "
+                        "(first case, with stages: stage 1's device time per kernel, per variant), split, "
                         "solve_pallas, ckpt (first case), sweep (first case; needs stages)")
     p.add_argument("--stage1-hlo-only", action="store_true",
                    help="only the stage-1 HLO traffic proxy of every --stage1 variant at every --prefill shape, "

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from k3jax import backend, fuse
 from k3jax.config import ModelConfig
-from k3jax.layers import Linear, causal_conv_with_state, dense, dense_each_with, l2_normalize  # Linear: the projection hook
+from k3jax.layers import Linear  # the projection hook
+from k3jax.layers import causal_conv_with_state, dense, dense_each_with, l2_normalize
 
 CHUNK_SIZE = 64
 
