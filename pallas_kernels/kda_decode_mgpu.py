@@ -897,6 +897,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
         norm_warpgroup = False
         args["norm_warpgroup"] = False
     split_fits = norm_warpgroup and stages == 2 and operand_stages % 2 == 0
+    caps = split_prep_register_caps(dv // ROWS)
     if prep_warpgroups not in (None, 1, 2):
         raise ValueError(f"prep_warpgroups must be 1 or 2, got {prep_warpgroups!r}")
     if prep_warpgroups == 2 and not split_fits:
@@ -904,8 +905,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
                          f"norm_warpgroup={norm_warpgroup}, stages={stages}, operand_stages={operand_stages}")
     if prep_warpgroups is None:  # two by default only with their register caps (measured at V = 128; without the
         # caps the update math spills and two preps were slower than one)
-        caps_fit = split_prep_register_caps(dv // ROWS) is not None
-        prep_warpgroups = PREP_WARPGROUPS if split_fits and caps_fit else 1
+        prep_warpgroups = PREP_WARPGROUPS if split_fits and caps is not None else 1
     args["prep_warpgroups"] = prep_warpgroups
     num_items = bsz * h
     num_ctas = min(H200_SM_COUNT, num_items) if num_ctas is None else num_ctas
@@ -920,7 +920,7 @@ def kda_decode_mgpu(qkv, conv_state, conv_weight, z, beta, out_gate, state, slot
                           lower_bound=lower_bound, eps=eps, act_dtype=act, all_states=all_states, packed=packed,
                           tiled_prep=tiled_prep, tiled_norm=tiled_norm, chunk=chunk, norm_warpgroup=norm_warpgroup,
                           prep_warpgroups=prep_warpgroups,
-                          register_caps=split_prep_register_caps(dv // ROWS) if prep_warpgroups == 2 else None),
+                          register_caps=caps if prep_warpgroups == 2 else None),
         out_type=(y_type, jax.ShapeDtypeStruct((bsz, t, h, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, t, h, dk), jnp.float32)) if all_states else y_type,
