@@ -69,7 +69,6 @@ import datetime
 import functools
 import inspect
 import json
-import math
 import platform
 import statistics
 import sys
@@ -827,7 +826,7 @@ def run_shape_sweep(bench: Bench, copy_gbps: float) -> dict:
     registry = k3_backend.get("mla_paged_attention", "interpret" if bench.interpret else "pallas")
     model_call = jax.jit(functools.partial(registry, kv_lora_rank=C, scale=SCALE, layer=case.layer))
     sweep.run("model call (registry, plan built in the jit)", "model call", lambda: model_call(*case.args()), base_cfg)
-    baseline = sweep.run_tiling(base_cfg, name="model tiling, plan precomputed (baseline)")
+    sweep.run_tiling(base_cfg, name="model tiling, plan precomputed (baseline)")
     sweep.run_tiling(base_cfg, name="model tiling, plan precomputed, shuffled page table", table="shuffled")
     reference = jax.jit(functools.partial(paged_attention_reference, kv_lora_rank=C, scale=SCALE, layer=case.layer))
     sweep.run("model reference path (paged_attention_reference)", "reference path", lambda: reference(*case.args()))

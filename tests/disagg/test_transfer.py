@@ -4,8 +4,6 @@ Run: python -m pytest -q tests/disagg/test_transfer.py
 """
 
 import socket
-import threading
-import time
 from pathlib import Path
 
 import ml_dtypes

@@ -23,7 +23,6 @@ latent-norm eps 1e-5 instead of 1e-6: 3e-2 here, thanks to latents with RMS^2 ~ 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
