@@ -177,6 +177,9 @@ def parse_args(argv=None):
     g.add_argument("--mosaic-paired", choices=("auto", "on", "off"), default="auto",
                    help="--backend mosaic: mla_decode's mosaic_paired (auto: its default, 2-CTA clusters where the "
                         "row blocks pair up)")
+    g.add_argument("--plan-order", choices=("batch", "longest", "both"), default="both",
+                   help="balanced plans' item order (mla_plan.plan_balanced's longest_first): batch order, longest "
+                        "chunks first, or each balanced setting in both orders")
     g.add_argument("--mixed-batches", type=int, default=None, help="mixed batches (default 12; --smoke 2)")
     g.add_argument("--mixed-batch-size", type=int, default=None, help="requests per batch (default 32; --smoke 3)")
     g.add_argument("--mixed-range", default=None,
@@ -982,15 +985,19 @@ def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict
     same splits) are dropped; names are unique."""
     settings, seen = [], set()
 
+    orders = {"batch": (False,), "longest": (True,), "both": (False, True)}[getattr(args, "plan_order", "batch")]
+
     def balanced(num_parts, overhead, min_chunk, pps, today=False):
-        key = ("balanced", num_parts, overhead, min_chunk)
-        if key in seen:
-            return
-        seen.add(key)
-        name = f"balanced p{num_parts} o{overhead} c{min_chunk}" + (" (model)" if today else "")
-        settings.append(dict(name=name, kind="balanced", num_parts=num_parts, overhead_blocks=overhead,
-                             min_chunk_blocks=min_chunk, programs_per_sm=pps, today=today,
-                             uniform_same_items=max(1, -(-num_parts // batch))))
+        for longest_first in orders:
+            key = ("balanced", num_parts, overhead, min_chunk, longest_first)
+            if key in seen:
+                continue
+            seen.add(key)
+            name = f"balanced p{num_parts} o{overhead} c{min_chunk}" + (" lpt" if longest_first else "")
+            model = today and longest_first == md.PLAN_LONGEST_FIRST
+            settings.append(dict(name=name + (" (model)" if model else ""), kind="balanced", num_parts=num_parts,
+                                 overhead_blocks=overhead, min_chunk_blocks=min_chunk, longest_first=longest_first,
+                                 programs_per_sm=pps, today=model, uniform_same_items=max(1, -(-num_parts // batch))))
 
     # the model's plan: mla_decode's defaults for this kernel (num_parts=None)
     model_parts, model_overhead = md.default_plan_knobs(getattr(args, "backend", "triton"), batch, row_blocks, sm_count)
@@ -1011,7 +1018,8 @@ def make_plan(setting: dict, lens, block_kv: int) -> mla_plan.SplitPlan:
         return mla_plan.plan_uniform(lens, block_kv=block_kv, splits=setting["splits"])
     return mla_plan.plan_balanced(lens, block_kv=block_kv, num_parts=setting["num_parts"],
                                   overhead_blocks=setting["overhead_blocks"],
-                                  min_chunk_blocks=setting["min_chunk_blocks"])
+                                  min_chunk_blocks=setting["min_chunk_blocks"],
+                                  longest_first=setting.get("longest_first", False))
 
 
 def mixed_lengths(rng, batch: int, lo: int, hi: int) -> np.ndarray:

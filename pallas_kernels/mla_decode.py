@@ -94,6 +94,12 @@ from pallas_kernels.mla_plan import SplitPlan, plan_balanced
 
 LOG2E = math.log2(math.e)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# The merge of split requests' partials (combine_partials): programs of at most COMBINE_ROWS x COMBINE_COLS outputs,
+# COMBINE_UNROLL partials a loop step. A long request's merge is a chain of dependent steps (one per partial before
+# 2026-12-05: 25-35 of them for a 200k history in the balanced plan, 0.17-0.22 ms of a 1.5 ms step on the H200).
+COMBINE_ROWS = 32
+COMBINE_COLS = 64
+COMBINE_UNROLL = 4
 KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 MAX_Q_LEN = 8  # decode / speculative verify; longer queries go to mla_prefill
 
@@ -230,35 +236,43 @@ def _combine_kernel(
     part_o_ref,  # [W, M_pad, C] fp32 normalised partial outputs
     part_lse_ref,  # [W, M_pad] fp32 base-2 log-sum-exp of each partial
     *refs,  # out_in_ref [B, M_pad, C] fp32 aliased to out_ref (single-item requests already written; not with
-    #         all_partials), then out_ref [block_rows, C] fp32 (block of [B, M_pad or M, C])
+    #         all_partials), then out_ref [block_rows, block_cols] fp32 (block of [B, M_pad or M, C])
     block_rows: int,
+    block_cols: int,
+    unroll: int,  # partials merged per loop step: their loads are independent, so they are in flight together
     all_partials: bool = False,  # every item wrote a partial (the Mosaic kernel): merge requests of >= 1 item too
 ):
     out_ref = refs[-1]
-    row_block, b = pl.program_id(0), pl.program_id(1)
+    row_block, col_block, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_items = request_num_work_ref[b]
 
     @pl.when(num_items >= (0 if all_partials else 2))  # (no items: the loop runs none and writes zeros)
     def _():
         first = request_first_work_ref[b]
         rows = pl.ds(row_block * block_rows, block_rows)
-        c_dim = part_o_ref.shape[-1]
+        cols = pl.ds(col_block * block_cols, block_cols)
 
-        def body(i, carry):
+        def body(step, carry):
             acc, m_prev, l_prev = carry
-            lse = part_lse_ref[first + i, rows]  # [block_rows]
-            part = part_o_ref[first + i, rows, :]  # [block_rows, C]
-            m_next = jnp.maximum(m_prev, lse)
+            # the last step's surplus slots re-read the request's last partial (written, finite) at weight 0
+            slots = [step * unroll + j for j in range(unroll)]
+            items = [first + jnp.minimum(j, num_items - 1) for j in slots]
+            lses = [jnp.where(j < num_items, part_lse_ref[w, rows], -jnp.inf) for j, w in zip(slots, items)]
+            parts = [part_o_ref[w, rows, cols] for w in items]  # [block_rows, block_cols] each
+            m_next = functools.reduce(jnp.maximum, lses, m_prev)
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            alpha, weight = jnp.exp2(m_prev - m_safe), jnp.exp2(lse - m_safe)
-            return acc * alpha[:, None] + part * weight[:, None], m_next, l_prev * alpha + weight
+            alpha = jnp.exp2(m_prev - m_safe)
+            weights = [jnp.exp2(lse - m_safe) for lse in lses]
+            acc = functools.reduce(lambda a, pw: a + pw[0] * pw[1][:, None], zip(parts, weights),
+                                   acc * alpha[:, None])
+            return acc, m_next, functools.reduce(jnp.add, weights, l_prev * alpha)
 
         init = (
-            jnp.zeros((block_rows, c_dim), jnp.float32),
+            jnp.zeros((block_rows, block_cols), jnp.float32),
             jnp.full((block_rows,), -jnp.inf, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32),
         )
-        acc, _, l = jax.lax.fori_loop(0, num_items, body, init)
+        acc, _, l = jax.lax.fori_loop(0, (num_items + unroll - 1) // unroll, body, init)
         out_ref[...] = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
@@ -767,23 +781,32 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
 
 
 def combine_partials(part_o, part_lse, request_first_work, request_num_work, rows: int, *, written=None,
-                     block_rows: int | None = None, interpret: bool):
+                     block_rows: int | None = None, block_cols: int | None = None, unroll: int = COMBINE_UNROLL,
+                     interpret: bool):
     """[B, rows, C] fp32: each request's partials (its items are consecutive: request_first_work .. + num_work)
     merged by log-sum-exp, rows 0..rows-1 of part_o [W, M_pad, C] / part_lse [W, M_pad] (base 2); a request with no
-    item gets zeros. One Pallas launch (`_combine_kernel`).
+    item gets zeros. One Pallas launch (`_combine_kernel`), a program per (row block, column block, request), each
+    merging `unroll` partials a step.
 
     written: [B, rows, C], the outputs single-item requests already wrote (the Triton kernel's), updated in place
-    for the others; None: every item wrote a partial (the Mosaic kernel) and every request is merged here."""
+    for the others; None: every item wrote a partial (the Mosaic kernel) and every request is merged here.
+    block_rows / block_cols: None takes the largest divisor of rows up to COMBINE_ROWS / of C up to COMBINE_COLS."""
     b, c_dim = request_num_work.shape[0], part_o.shape[-1]
     if block_rows is None:
-        block_rows = max(r for r in (1, 2, 4, 8, 16, 32, 64) if rows % r == 0 and r <= part_o.shape[1])
+        block_rows = max(r for r in (1, 2, 4, 8, 16, 32, 64) if rows % r == 0 and r <= COMBINE_ROWS)
+    if block_cols is None:
+        block_cols = max([c for c in (16, 32, 64, 128, 256, 512) if c_dim % c == 0 and c <= COMBINE_COLS] or [c_dim])
+    if rows % block_rows or c_dim % block_cols or unroll < 1:
+        raise ValueError(f"block_rows {block_rows} must divide rows {rows}, block_cols {block_cols} the {c_dim} "
+                         f"columns, and unroll {unroll} be >= 1")
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     operands = [request_first_work, request_num_work, part_o, part_lse] + ([] if written is None else [written])
     return pl.pallas_call(
-        functools.partial(_combine_kernel, block_rows=block_rows, all_partials=written is None),
-        grid=(rows // block_rows, b),
+        functools.partial(_combine_kernel, block_rows=block_rows, block_cols=block_cols, unroll=unroll,
+                          all_partials=written is None),
+        grid=(rows // block_rows, c_dim // block_cols, b),
         in_specs=[full(x) for x in operands],
-        out_specs=pl.BlockSpec((None, block_rows, c_dim), lambda r, i: (i, r, 0)),
+        out_specs=pl.BlockSpec((None, block_rows, block_cols), lambda r, c, i: (i, r, c)),
         out_shape=jax.ShapeDtypeStruct((b, rows, c_dim), jnp.float32),
         input_output_aliases={} if written is None else {4: 0},
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -916,6 +939,8 @@ def default_num_stages(kv_dtype) -> int:
 
 TRITON_NUM_PARTS = 132  # the Triton kernel's parts: 1-2 programs per H200 SM (16 / 96 heads), as measured since 11-29
 H200_SM_COUNT = 132
+# Whether the on-device balanced plan lays items out longest chunks first (mla_plan.plan_balanced's longest_first).
+PLAN_LONGEST_FIRST = True
 
 
 def default_plan_knobs(backend: str, batch: int, row_blocks: int, sm_count: int = H200_SM_COUNT) -> tuple[int, int]:
@@ -979,7 +1004,8 @@ def mla_decode(
       query_positions: [B, T] int32 absolute position of each query; it sees keys at positions <= its own.
       plan: SplitPlan over block_kv-token blocks of attended_lengths(query_positions, max_pages*page_size)
         (mla_plan.plan_balanced / plan_uniform, built on the host); None builds a balanced plan with
-        `num_parts` parts on device from the traced positions (None: `default_plan_knobs`).
+        `num_parts` parts on device from the traced positions (None: `default_plan_knobs`), longest chunks first
+        (PLAN_LONGEST_FIRST).
       kv_scales: kv_pages.shape[:-1] fp32 per-token dequantisation scales (fp8 caches); None = 1.
       layer: the layer of a stacked pool (int or int32 scalar array).
       block_kv: KV tokens per inner step (power of two, multiple of page_size; None = default_decode_block_kv);
@@ -1024,7 +1050,7 @@ def mla_decode(
         kv_lens = attended_lengths(query_positions, page_table.shape[1] * page_size)
         default_parts, overhead = default_plan_knobs(backend, b, row_blocks)
         plan = plan_balanced(kv_lens, block_kv=block_kv, num_parts=default_parts if num_parts is None else num_parts,
-                             overhead_blocks=overhead, xp=jnp)
+                             overhead_blocks=overhead, longest_first=PLAN_LONGEST_FIRST, xp=jnp)
     if plan.request_num_work.shape != (b,):
         raise ValueError(f"plan is for batch {plan.request_num_work.shape}, queries for {b}")
     if backend == "mosaic":

@@ -94,8 +94,8 @@ def test_shape_sweep_spent_budget_starts_no_case(tmp_path):
 
 
 # --plan-sweep: 2 mixed batches of 3 requests (histories 40..700 over 16-token pages) at K3's 96 heads (2 row blocks
-# per item); today's 132-part plan, balanced plans at 0.1 programs per SM (7 parts) with two knob pairs, uniform 2 and
-# the same-items counts (44 for 132 parts, 3 for 7)
+# per item); today's 132-part plan, balanced plans at 0.1 programs per SM (7 parts) with two knob pairs, each in both
+# item orders, uniform 2 and the same-items counts (44 for 132 parts, 3 for 7)
 PLAN_ARGS = ["--plan-sweep", "--smoke", "--programs-per-sm", "0.1", "--plan-knobs", "1/1,0/4", "--uniform-splits", "2",
              "--reps", "1", "--inner", "1"]
 
@@ -115,10 +115,17 @@ def test_plan_sweep_smoke_checks_every_setting_and_aggregates_over_the_same_batc
     sweep = result["plan_sweep"]
     assert json.loads(out.read_text())["plan_sweep"] == json.loads(json.dumps(sweep))
     settings = {s["name"]: s for s in sweep["settings"]}
-    assert list(settings) == ["balanced p132 o1 c1 (model)", "balanced p7 o1 c1", "balanced p7 o0 c4", "uniform 2",
-                              "uniform 3", "uniform 44"]
+    # each balanced setting in both item orders (--plan-order both, the default); "(model)" marks the model's order
+    lpt = module.md.PLAN_LONGEST_FIRST
+    model_name = "balanced p132 o1 c1" + (" lpt" if lpt else "") + " (model)"
+    assert list(settings) == ["balanced p132 o1 c1" + ("" if lpt else " (model)"),
+                              "balanced p132 o1 c1 lpt" + (" (model)" if lpt else ""),
+                              "balanced p7 o1 c1", "balanced p7 o1 c1 lpt", "balanced p7 o0 c4",
+                              "balanced p7 o0 c4 lpt", "uniform 2", "uniform 3", "uniform 44"]
+    assert [s["longest_first"] for s in sweep["settings"][:6]] == [False, True] * 3
+    assert [s["today"] for s in sweep["settings"][:2]] == [not lpt, lpt]
     assert sweep["row_blocks_per_item"] == 2 and sweep["sm_count"] == 132 and not result["skipped"]
-    today = settings["balanced p132 o1 c1 (model)"]
+    today = settings[model_name]
     assert today["today"] and today["uniform_same_items"] == 44 and today["programs_per_sm"] == 2.0
     assert settings["balanced p7 o0 c4"]["uniform_same_items"] == 3
     # every setting checked on the first batch: the kernel sits at ~1e-3 of the fp32 reference (bf16 probabilities

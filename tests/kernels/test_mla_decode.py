@@ -337,22 +337,28 @@ def test_mosaic_decode_at_16_heads_and_64_token_pages():
     assert md.mgpu_smem_bytes(64, 2, r_dim) == 221440  # ~216 KiB: 72 KiB of queries + two 72 KiB slots
 
 
-def test_combine_partials_equals_the_xla_merge():
+@pytest.mark.parametrize("block_rows,block_cols,unroll", [(None, None, md.COMBINE_UNROLL), (2, 16, 1), (3, 32, 2),
+                                                          (6, 16, 5)])
+def test_combine_partials_equals_the_xla_merge(block_rows, block_cols, unroll):
     """The Mosaic path's one-launch merge (`combine_partials`, interpret mode) equals `merge_partials` (plain XLA):
-    requests of 3, 1 and 0 items (zeros), a partial with lse -inf (weight 0), rows past `rows` ignored, and the
-    padding item at the end (request -1) never read."""
+    requests of 3, 1, 0 (zeros) and 7 items, a partial with lse -inf (weight 0), rows past `rows` ignored, and the
+    padding item at the end (request -1) never read, at the default blocks and at row / column blocks and unroll
+    factors that leave a partly filled last step (3 and 7 items by 2 and 5)."""
     rng = np.random.default_rng(5)
-    work_request = jnp.asarray([0, 0, 0, 1, -1], jnp.int32)
-    first, num = jnp.asarray([0, 3, 4], jnp.int32), jnp.asarray([3, 1, 0], jnp.int32)
-    part_o = jnp.asarray(rng.standard_normal((5, 8, 32)).astype(np.float32))
-    part_lse = jnp.asarray(rng.standard_normal((5, 8)).astype(np.float32) * 4)
-    part_lse = part_lse.at[1, 2].set(-jnp.inf).at[4].set(jnp.nan)
-    part_o = part_o.at[4].set(jnp.nan)
-    got = md.combine_partials(part_o, part_lse, first, num, 6, interpret=True)
-    want = md.merge_partials(part_o[:, :6], part_lse[:, :6], work_request, 3)
-    assert got.shape == (3, 6, 32)
+    work_request = jnp.asarray([0, 0, 0, 1, 3, 3, 3, 3, 3, 3, 3, -1], jnp.int32)
+    first, num = jnp.asarray([0, 3, 4, 4], jnp.int32), jnp.asarray([3, 1, 0, 7], jnp.int32)
+    part_o = jnp.asarray(rng.standard_normal((12, 8, 32)).astype(np.float32))
+    part_lse = jnp.asarray(rng.standard_normal((12, 8)).astype(np.float32) * 4)
+    part_lse = part_lse.at[1, 2].set(-jnp.inf).at[11].set(jnp.nan)
+    part_o = part_o.at[11].set(jnp.nan)
+    got = md.combine_partials(part_o, part_lse, first, num, 6, block_rows=block_rows, block_cols=block_cols,
+                              unroll=unroll, interpret=True)
+    want = md.merge_partials(part_o[:, :6], part_lse[:, :6], work_request, 4)
+    assert got.shape == (4, 6, 32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got[2]), 0.0)
+    with pytest.raises(ValueError, match="block_cols"):
+        md.combine_partials(part_o, part_lse, first, num, 6, block_cols=12, interpret=True)
 
 
 @pytest.mark.parametrize("heads,q_len,want", [(96, 1, "split"), (96, 4, "split"), (16, 4, "split"),

@@ -97,6 +97,38 @@ def test_device_plan_equals_host_plan_for_every_knob():
             np.testing.assert_array_equal(h, np.asarray(d))
 
 
+@pytest.mark.parametrize("num_parts,overhead", [(132, 1), (264, 64), (5, 0)])
+def test_longest_first_reorders_the_same_items_by_decreasing_chunk(num_parts, overhead):
+    """longest_first keeps every request's split count and chunks (the same items), lays requests out by decreasing
+    chunk size (ties in batch order), so item sizes never grow by more than the one block a request's own chunks
+    differ by; host and device agree."""
+    lens = ragged_lens(11)
+    kw = dict(block_kv=64, num_parts=num_parts, overhead_blocks=overhead)
+    plain = mla_plan.plan_balanced(lens, **kw)
+    ordered = mla_plan.plan_balanced(lens, longest_first=True, **kw)
+    check_plan(ordered, lens, 64, num_parts, overhead, 1)
+    np.testing.assert_array_equal(ordered.request_num_work, plain.request_num_work)
+
+    def sizes(p):
+        return {b: sorted((p.work_block_end - p.work_block_start)[p.work_request == b]) for b in range(len(lens))}
+
+    assert sizes(ordered) == sizes(plain)
+    live = ordered.work_request >= 0
+    assert live[: live.sum()].all()  # padding only at the end
+    grid_sizes = (ordered.work_block_end - ordered.work_block_start)[live]
+    assert (np.diff(grid_sizes) <= 1).all()
+    splits = np.asarray(plain.request_num_work)
+    order = np.argsort(ordered.request_first_work)  # requests in layout order
+    blocks = -(-lens // 64)
+    per_item = blocks[order] / splits[order]
+    assert (np.diff(per_item) <= 0).all()
+    assert not np.array_equal(ordered.work_request, plain.work_request)  # the batch is not already in that order
+    device = jax.jit(lambda x: mla_plan.plan_balanced(x, longest_first=True, xp=jnp, **kw))(
+        jnp.asarray(lens, jnp.int32))
+    for h, d in zip(ordered, device):
+        np.testing.assert_array_equal(h, np.asarray(d))
+
+
 def test_parts_for_programs_per_sm_and_bad_knobs():
     # 132 SMs: K3's 96 heads in 64-row blocks are 2 row blocks per item, k3-small's 16 heads 1
     assert mla_plan.parts_for_programs_per_sm(2, 132, 2) == 132
