@@ -149,6 +149,13 @@ where the update math spills: setmaxnreg gives the update warpgroups 144 and the
 0.1612 / 0.5956 ms against 0.1675 / 0.6234 with one prep (1.04x / 1.05x); without the caps 0.1819 / 0.6899 (slower
 than one prep); caps 160 / 48 0.1619 / 0.5964.
 
+2026-12-05 (thirty-second session; docs/results/kda_verify_mma_h200_2026-12-05.json). Tried, not kept: the update
+warpgroups' 2T row products of S_0 on the tensor cores (the state tile split into three bf16 pieces in registers,
+prep's 8 vectors as three bf16 pieces in a swizzled [24, K] buffer, three register-A WGMMAs with N = 24; right to
+2.4e-5 of y): 0.1841 / 0.6784 ms against 0.1615 / 0.5894 (the splits cost more than the products); two pieces
+0.1624 / 0.5946. Refilling the state rows right after they are loaded: 0.1584 / 0.5883 (1.9 / 0.2 %), not worth a
+barrier per item.
+
 Fresh rows (fresh[b] != 0) start from zero states: the slot's state is loaded, then overwritten with zeros in
 shared memory before use (a select, exact over NaN/inf garbage); the conv window is replaced by zeros the same way.
 Tokens t >= lengths[b] are padding: g = 0 and beta = 0 there (S unchanged), and the conv state keeps the last
