@@ -51,8 +51,9 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             run_shape_sweep.
   --plan-sweep: only the split planner's knobs (pallas_kernels/mla_plan.py) on --mixed-batches batches of
             --mixed-batch-size requests (histories log-uniform in --mixed-range) and their equal-length controls,
-            K3's 96 heads, the model's tiling: today's plan (132 parts, overhead 1, no chunk floor), balanced plans
-            for --programs-per-sm x --plan-knobs (overhead_blocks/min_chunk_blocks), uniform splits --uniform-splits
+            K3's 96 heads, the model's tiling: the model's plan (mla_decode.default_plan_knobs), balanced plans
+            for --programs-per-sm x --plan-knobs (overhead_blocks/min_chunk_blocks), each in the item orders of
+            --plan-order (batch order, longest chunks first: " lpt"), uniform splits --uniform-splits
             and each balanced setting's same-items count; one output per setting checked against
             mla_decode_reference; totals, speed-ups vs uniform-same-items and vs the best uniform, and the controls'
             ratios. Budget: a batch starts only while --budget-s (default 100 s) has room for one as long as the
@@ -980,9 +981,10 @@ def print_shape_sweep(res: dict):
 # ------------------------------------------------------------------------------------------- plan sweep
 def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict]:
     """The --plan-sweep grid: the model's plan (mla_decode's default_plan_knobs for --backend, no chunk floor), a balanced plan per
-    (--programs-per-sm, --plan-knobs) pair, then uniform splits: --uniform-splits and each balanced setting's
-    same-items count ceil(num_parts / batch) (as the mixed section compares). Duplicates (same parts and knobs, or
-    same splits) are dropped; names are unique."""
+    (--programs-per-sm, --plan-knobs) pair, each in the --plan-order item orders ("(model)" marks the model's order,
+    mla_decode.PLAN_LONGEST_FIRST), then uniform splits: --uniform-splits and each balanced setting's same-items count
+    ceil(num_parts / batch) (as the mixed section compares). Duplicates (same parts, knobs and order, or same splits)
+    are dropped; names are unique."""
     settings, seen = [], set()
 
     orders = {"batch": (False,), "longest": (True,), "both": (False, True)}[getattr(args, "plan_order", "batch")]
