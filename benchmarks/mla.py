@@ -987,7 +987,7 @@ def plan_settings(args, sm_count: int, row_blocks: int, batch: int) -> list[dict
     are dropped; names are unique."""
     settings, seen = [], set()
 
-    orders = {"batch": (False,), "longest": (True,), "both": (False, True)}[getattr(args, "plan_order", "batch")]
+    orders = {"batch": (False,), "longest": (True,), "both": (False, True)}[args.plan_order]
 
     def balanced(num_parts, overhead, min_chunk, pps, today=False):
         for longest_first in orders:
