@@ -75,6 +75,17 @@ parts gave more on these equal histories (1.365 against 1.427 ms, 4.124 against 
 --backends) but is not the default: see default_plan_knobs. So halving the L2 -> SM traffic barely moved the
 kernel: the loads were not bound by it. A 2-slot ring (all the shared memory the queries leave) paces a block per
 ~2.7 us per SM at 16 and 96 heads alike.
+Tried and not kept (2026-12-05, thirty-third session; docs/results/mla_overlap_h200_2026-12-05.json): "split"
+software-pipelined by one block, as FlashAttention-3 overlaps within a warpgroup -- each step issued block s's Q K^T,
+then block s-1's P @ C (probabilities as the register A operand), waited for the scores only
+(wgmma_accumulator_load(wait_n=1)) and ran block s's softmax and both exchanges while P @ C was in flight. Right on
+the H200 (8 GPU cases at 96 heads; outputs identical to "split"), but 1.43-1.74x slower in three interleaved calls:
+B64 x 32k q_len 1 2.11-2.37 against 1.41-1.44 ms, q_len 4 6.22-6.87 against 4.34-4.35, mixed 4k-200k 1.47-1.81
+against 0.99-1.21, 16 heads 0.34-0.38 against 0.23. With the probabilities loop-carried, ptxas serialised the wgmmas
+(C7513: a carried A operand is redefined while its product is in flight); reloaded from shared memory each step, the
+serialisation went away and the time barely moved. ptxas reports 168 registers for the kernel and spills 212 bytes in
+the pipelined form against 100 in "split" (the extra live [64, 32] scores and [64, 64] operands beside the in-flight
+[64, 256] accumulator); moving the key-offset iota into the loop changed neither spills nor time.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
