@@ -451,6 +451,21 @@ def _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_re
         plmgpu.wait_smem_to_gmem(0)
 
 
+def _mgpu_queries_with_pe_in_registers(q_ref, row_pos_ref, q_c_smem, pos_smem, q_barrier, interpret_scratch, *, b,
+                                       rows, wg, r_dim, interpret):
+    """A compute warpgroup of the "split" / "alternate" kernels: warpgroup 0 issues the item's q_latent halves and
+    row positions by TMA, every compute warpgroup loads q_pe [64, R] into registers (a wgmma A operand; staged in
+    interpret_scratch[0] for the interpreter), then waits for the TMA. Returns (q_pe operand, row positions [64] in
+    the WGMMA row layout)."""
+    pl.when(wg == 0)(lambda: _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, None, pos_smem, q_barrier, b=b,
+                                                 rows=rows))
+    q_pe = plmgpu.load(q_ref.at[b, rows, pl.ds(2 * MGPU_VALUE_HALF, r_dim)], (), layout=plmgpu.Layout.WGMMA,
+                       optimized=False)
+    q_pe_operand = _staged_for_interpreter(q_pe, interpret_scratch[0].at[wg]) if interpret else q_pe
+    plmgpu.barrier_wait(q_barrier)
+    return q_pe_operand, plmgpu.load(pos_smem, (), layout=plmgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+
 def _mgpu_decode_kernel(
     work_request_ref,  # [W] int32 GMEM, -1 = padding item
     work_start_ref,  # [W] int32 GMEM first KV block
@@ -591,7 +606,7 @@ def _mgpu_split_decode_kernel(
                                                                  paired)
     wg = jax.lax.axis_index("wg")
     layer = layer_ref[0]
-    c_half, r_dim = MGPU_VALUE_HALF, r_smem.shape[-1]
+    r_dim = r_smem.shape[-1]
     key_half = block_kv // 2
     own_keys = pl.ds(pl.multiple_of(wg * key_half, key_half), key_half)  # this compute warpgroup's keys of a block
 
@@ -605,16 +620,11 @@ def _mgpu_split_decode_kernel(
     def _compute_warpgroup():
         plmgpu.set_max_registers(232, action="increase")
 
-        pl.when(wg == 0)(lambda: _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, None, pos_smem, q_barrier, b=b,
-                                                     rows=rows))
-
-        q_pe = plmgpu.load(q_ref.at[b, rows, pl.ds(2 * c_half, r_dim)], (), layout=plmgpu.Layout.WGMMA,
-                           optimized=False)
-        q_pe_operand = _staged_for_interpreter(q_pe, interpret_scratch[0].at[wg]) if interpret else q_pe
-        plmgpu.barrier_wait(q_barrier)
+        q_pe_operand, row_pos = _mgpu_queries_with_pe_in_registers(
+            q_ref, row_pos_ref, q_c_smem, pos_smem, q_barrier, interpret_scratch, b=b, rows=rows, wg=wg, r_dim=r_dim,
+            interpret=interpret)
         row_layout = plmgpu.Layout.WGMMA.reduce(1)
         load_rows = lambda ref: plmgpu.load(ref, (), layout=row_layout, optimized=False)
-        row_pos = load_rows(pos_smem)
         m_i, l_i, acc = _mgpu_softmax_start()
         key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, key_half), 1, layout=plmgpu.Layout.WGMMA)
 
@@ -717,7 +727,7 @@ def _mgpu_alternate_decode_kernel(
                                                                  paired)
     wg = jax.lax.axis_index("wg")
     layer = layer_ref[0]
-    c_half, r_dim = MGPU_VALUE_HALF, r_smem.shape[-1]
+    r_dim = r_smem.shape[-1]
 
     @pl.when(wg == 2)
     def _memory_warpgroup():
@@ -729,16 +739,11 @@ def _mgpu_alternate_decode_kernel(
     def _compute_warpgroup():
         plmgpu.set_max_registers(232, action="increase")
 
-        pl.when(wg == 0)(lambda: _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, None, pos_smem, q_barrier, b=b,
-                                                     rows=rows))
-
-        q_pe = plmgpu.load(q_ref.at[b, rows, pl.ds(2 * c_half, r_dim)], (), layout=plmgpu.Layout.WGMMA,
-                           optimized=False)
-        q_pe_operand = _staged_for_interpreter(q_pe, interpret_scratch[0].at[wg]) if interpret else q_pe
-        plmgpu.barrier_wait(q_barrier)
+        q_pe_operand, row_pos = _mgpu_queries_with_pe_in_registers(
+            q_ref, row_pos_ref, q_c_smem, pos_smem, q_barrier, interpret_scratch, b=b, rows=rows, wg=wg, r_dim=r_dim,
+            interpret=interpret)
         row_layout = plmgpu.Layout.WGMMA.reduce(1)
         load_rows = lambda ref: plmgpu.load(ref, (), layout=row_layout, optimized=False)
-        row_pos = load_rows(pos_smem)
         m_i, l_i, acc = _mgpu_softmax_start()
         slot_of = lambda step: jax.lax.rem(step, stages)
         parity = lambda step: jax.lax.rem(step, 2)
