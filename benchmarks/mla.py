@@ -590,7 +590,7 @@ def run_backends(bench, pool, copy_gbps) -> list:
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate", mosaic_paired=True)),
         ("mosaic kv64 x2 split paired", md.mla_decode,
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split", mosaic_paired=True)),
-        # each compute warpgroup scores every other block whole; both accumulate every block (FlashMLA's division)
+        # each compute warpgroup scores every other block whole; both accumulate every block (after FlashMLA's design)
         ("mosaic kv64 x2 alternate", md.mla_decode,
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="alternate", mosaic_paired=False)),
         ("mosaic kv64 x2 alternate paired", md.mla_decode,

@@ -466,6 +466,21 @@ def _mgpu_queries_with_pe_in_registers(q_ref, row_pos_ref, q_c_smem, pos_smem, q
     return q_pe_operand, plmgpu.load(pos_smem, (), layout=plmgpu.Layout.WGMMA.reduce(1), optimized=False)
 
 
+def _mgpu_visible_scores(s, first_key, key_offsets, row_pos, softmax_scale):
+    """A compute warpgroup's raw scores s [64, width] (keys first_key + key_offsets) as base-2 logits, -inf where
+    a key lies after the row's position (the causal mask inside a draft; padding rows, position -1, see none)."""
+    s = s * (softmax_scale * LOG2E)
+    visible = first_key + key_offsets <= jax.lax.broadcast_in_dim(row_pos, s.shape, [0])
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def _mgpu_probabilities(s, m_prev, m_next):
+    """exp2(s - m_next) per row and the accumulator's rescale exp2(m_prev - m_next); a row that has seen no key
+    yet (m_next = -inf) subtracts 0 instead, which keeps both finite (-> 0)."""
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    return jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0])), jnp.exp2(m_prev - m_safe)
+
+
 def _mgpu_decode_kernel(
     work_request_ref,  # [W] int32 GMEM, -1 = padding item
     work_start_ref,  # [W] int32 GMEM first KV block
@@ -532,14 +547,9 @@ def _mgpu_decode_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plmgpu.ACC((MGPU_ROWS, block_kv), jnp.float32))
-            s = s * (softmax_scale * LOG2E)
-            key_pos = (blk_start + step) * block_kv + key_offsets
-            visible = key_pos <= jax.lax.broadcast_in_dim(row_pos, (MGPU_ROWS, block_kv), [0])
-            s = jnp.where(visible, s, -jnp.inf)
+            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv, key_offsets, row_pos, softmax_scale)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            alpha = jnp.exp2(m_prev - m_safe)
+            p, alpha = _mgpu_probabilities(s, m_prev, m_next)
             l_next = l_prev * alpha + p.sum(axis=1)
             p16 = p.astype(q_c_smem.dtype)
             values = c_smem.at[slot, wg]  # [block_kv, 256]: this warpgroup's value columns
@@ -640,10 +650,8 @@ def _mgpu_split_decode_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plmgpu.ACC((MGPU_ROWS, key_half), jnp.float32))
-            s = s * (softmax_scale * LOG2E)
-            key_pos = (blk_start + step) * block_kv + wg * key_half + key_offsets
-            visible = key_pos <= jax.lax.broadcast_in_dim(row_pos, (MGPU_ROWS, key_half), [0])
-            s = jnp.where(visible, s, -jnp.inf)
+            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv + wg * key_half, key_offsets, row_pos,
+                                     softmax_scale)
             # row maxima over both halves: each warpgroup publishes its own, then reads both (the barrier's phase
             # also orders this block's writes after the other warpgroup's reads of the previous block's: those came
             # before its probabilities, which this warpgroup waited for)
@@ -651,9 +659,7 @@ def _mgpu_split_decode_kernel(
             plmgpu.barrier_arrive(max_barrier)
             plmgpu.barrier_wait(max_barrier)
             m_next = jnp.maximum(load_rows(stat_smem.at[0]), load_rows(stat_smem.at[1]))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            alpha = jnp.exp2(m_prev - m_safe)
+            p, alpha = _mgpu_probabilities(s, m_prev, m_next)
             l_next = l_prev * alpha + p.sum(axis=1)  # this warpgroup's keys only: the halves are summed at the end
             p_smem.at[wg][...] = p.astype(p_smem.dtype)
             plmgpu.commit_smem()
@@ -745,6 +751,7 @@ def _mgpu_alternate_decode_kernel(
         row_layout = plmgpu.Layout.WGMMA.reduce(1)
         load_rows = lambda ref: plmgpu.load(ref, (), layout=row_layout, optimized=False)
         m_i, l_i, acc = _mgpu_softmax_start()
+        key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, block_kv), 1, layout=plmgpu.Layout.WGMMA)
         slot_of = lambda step: jax.lax.rem(step, stages)
         parity = lambda step: jax.lax.rem(step, 2)
 
@@ -775,15 +782,9 @@ def _mgpu_alternate_decode_kernel(
             return acc, l_own, m_step
 
         def lead(acc, l_own, m_prev, s, step, after_other):  # block `step`, scored here: softmax, publish, accumulate
-            s = s * (softmax_scale * LOG2E)
-            key_pos = (blk_start + step) * block_kv + plmgpu.broadcasted_iota(
-                jnp.int32, (MGPU_ROWS, block_kv), 1, layout=plmgpu.Layout.WGMMA)
-            visible = key_pos <= jax.lax.broadcast_in_dim(row_pos, (MGPU_ROWS, block_kv), [0])
-            s = jnp.where(visible, s, -jnp.inf)
+            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv, key_offsets, row_pos, softmax_scale)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            alpha = jnp.exp2(m_prev - m_safe)
+            p, alpha = _mgpu_probabilities(s, m_prev, m_next)
             p_sum = p.sum(axis=1)
 
             if after_other:  # the previous block's probabilities (and stat rows) are done with, by both
