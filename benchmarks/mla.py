@@ -32,8 +32,8 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
             histories 1/63/513/4097 in the shared pool, then timed at B64 x 32k q_len 1 and 4: the
             committed kernel when benchmarks/_mla_decode_head.py exists
             (`git show HEAD:pallas_kernels/mla_decode.py > benchmarks/_mla_decode_head.py`, never committed),
-            this tree's Triton kernel, the Mosaic GPU kernel in its schedules ("mosaic kv64 x2", "... split",
-            "... alternate"), each alone per row block and "... paired" (2-CTA clusters sharing each page by multicast;
+            this tree's Triton kernel, the Mosaic GPU kernel in its two schedules ("mosaic kv64 x2" and
+            "... split"), each alone per row block and "... paired" (2-CTA clusters sharing each page by multicast;
             the GPU default where row blocks pair up); --variants picks by substring.
   --backend mosaic: the decode table with the Mosaic GPU kernel.
   --shape-sweep: only the decode tiling sweep at one model's decode shape (default k3-small's, as
@@ -590,11 +590,6 @@ def run_backends(bench, pool, copy_gbps) -> list:
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate", mosaic_paired=True)),
         ("mosaic kv64 x2 split paired", md.mla_decode,
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split", mosaic_paired=True)),
-        # each compute warpgroup scores every other block whole; both accumulate every block (after FlashMLA's design)
-        ("mosaic kv64 x2 alternate", md.mla_decode,
-         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="alternate", mosaic_paired=False)),
-        ("mosaic kv64 x2 alternate paired", md.mla_decode,
-         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="alternate", mosaic_paired=True)),
     ]
     if bench.args.variants:
         variants = [v for v in variants if any(w in v[0] for w in bench.args.variants.split(","))]

@@ -86,6 +86,17 @@ against 0.99-1.21, 16 heads 0.34-0.38 against 0.23. With the probabilities loop-
 serialisation went away and the time barely moved. ptxas reports 168 registers for the kernel and spills 212 bytes in
 the pipelined form against 100 in "split" (the extra live [64, 32] scores and [64, 64] operands beside the in-flight
 [64, 256] accumulator); moving the key-offset iota into the loop changed neither spills nor time.
+Tried and not kept (2026-12-05, thirty-fourth session; docs/results/mla_alternate_h100_2026-12-05.json): an
+"alternate" schedule after FlashMLA's Hopper design -- compute warpgroup w scored the blocks s % 2 == w whole
+([64, 64] = Q K^T, block s's scores issued before waiting for block s - 1's probabilities), published the block's
+probabilities and row maxima / rescale through shared memory, and both warpgroups accumulated every block's P @ C
+(P read from shared memory; a variant loaded the other's P into registers and released the buffer before its own
+softmax). Right on the GPU (8 cases at 96 and 16 heads, 16- and 64-token pages, paired and not), but on one H100,
+interleaved with "split": B64 x 32k q_len 1 2.44 / 2.39 against 1.46 ms, q_len 4 7.24 / 7.00 against 4.07, 32
+histories 4k-131k 1.59 / 1.54 against 0.95; at 16 heads 1.41 / 1.47 against 0.88 ("duplicate" 0.87). ptxas: 168
+registers and 784 / 724 bytes of spills against "split"'s 104 -- block s's [64, 64] fp32 scores and its key offsets
+live beside the [64, 256] accumulator during block s - 1's P @ C. The same lesson as the pipelined form: two
+64-row compute warpgroups with a 128-register accumulator each have no room for a second block's scores.
 Floors at B64 x 32k: 0.57 ms by bandwidth and 0.57 ms by bf16 MMA (769 TFLOP/s measured, 438 GFLOP
 useful; 0.76 ms with 96 heads padded to 128 rows); q_len 4 is compute-bound: >= 2.3 ms (25% of the copy
 bandwidth at best), so "q_len 4 at the q_len 1 bandwidth" cannot be met by any kernel."""
@@ -303,8 +314,7 @@ MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value colum
 # The H200-checked setting (benchmarks/mla.py --backends, 2026-11-30): 64-key blocks, a 2-slot TMA ring (~216 KiB)
 MGPU_DEFAULT_BLOCK_KV = 64
 MGPU_DEFAULT_STAGES = 2
-MGPU_SCHEDULES = ("duplicate", "split", "alternate")  # how the two compute warpgroups share a KV block
-# (mla_decode's mosaic_schedule; "alternate": _mgpu_alternate_decode_kernel, not yet timed on the GPU)
+MGPU_SCHEDULES = ("duplicate", "split")  # how the two compute warpgroups share a KV block (mla_decode's mosaic_schedule)
 
 
 def default_mgpu_schedule(rows: int) -> str:
@@ -453,7 +463,7 @@ def _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_re
 
 def _mgpu_queries_with_pe_in_registers(q_ref, row_pos_ref, q_c_smem, pos_smem, q_barrier, interpret_scratch, *, b,
                                        rows, wg, r_dim, interpret):
-    """A compute warpgroup of the "split" / "alternate" kernels: warpgroup 0 issues the item's q_latent halves and
+    """A compute warpgroup of the "split" kernel: warpgroup 0 issues the item's q_latent halves and
     row positions by TMA, every compute warpgroup loads q_pe [64, R] into registers (a wgmma A operand; staged in
     interpret_scratch[0] for the interpreter), then waits for the TMA. Returns (q_pe operand, row positions [64] in
     the WGMMA row layout)."""
@@ -688,160 +698,6 @@ def _mgpu_split_decode_kernel(
                                                    item=item, rows=rows, wg=wg))
 
 
-def _mgpu_alternate_decode_kernel(
-    # GMEM refs, as _mgpu_decode_kernel's
-    work_request_ref, work_start_ref, work_end_ref, q_ref, row_pos_ref, page_table_ref, layer_ref, kv_ref, part_o_ref,
-    part_lse_ref,
-    q_c_smem,  # [2, 64, 256] bf16: q_latent halves
-    p_smem,  # [64, block_kv] bf16: the probabilities of the block last scored (by either compute warpgroup)
-    kv_union,  # as _mgpu_split_decode_kernel's
-    pos_smem,  # [64] int32 row positions
-    stat_smem,  # [4, 64] fp32: the last scored block's row maxima and rescale (rows 0, 1); each warpgroup's row sums
-    # at the end (rows 2, 3)
-    q_barrier,  # 1 barrier, 3 TMA arrivals (two q_latent halves, positions)
-    kv_barriers,  # [stages] barriers, 3 TMA arrivals per page
-    consumed_barriers,  # [stages] barriers, one arrival per compute warpgroup (after its P @ C of the slot's block)
-    ready_barriers,  # [2] barriers by block parity, 1 arrival: the block's scorer published p_smem and stat_smem
-    free_barriers,  # [2] barriers by block parity, 2 arrivals: both compute warpgroups are done with the block's p_smem
-    sum_barrier,  # both compute warpgroups wrote their row sums (2 arrivals, once)
-    done_barrier,  # both compute warpgroups are past their last read of c_smem / r_smem (2 arrivals)
-    *interpret_scratch,  # interpret mode: [2, 64, R] bf16, q_pe staged as a wgmma operand
-    block_kv: int,
-    page_size: int,
-    stages: int,
-    softmax_scale: float,
-    interpret: bool,
-    paired: bool = False,
-    l2_prefetch: int = 0,
-):
-    """The "alternate" schedule of the Mosaic kernel (after FlashMLA's Hopper kernel, as I read its design: the
-    math warpgroups take turns at the scores): compute warpgroup w scores the blocks s with s % 2 == w whole
-    ([64, block_kv] = Q K^T, N = block_kv, so the queries are read from shared memory once a block, not once per
-    warpgroup as in "split"), runs their
-    softmax against the previous block's row maxima (published by the other warpgroup) and publishes the block's
-    probabilities (p_smem) and row maxima and rescale (stat_smem); both warpgroups then accumulate P @ C for every
-    block over their own 256 value columns, P read from shared memory. While one warpgroup runs a block's softmax,
-    the other's Q K^T of the next block and both warpgroups' P @ C of earlier blocks keep the tensor cores busy.
-    Each warpgroup keeps the row sums of the blocks it scored, rescaled by every block's alpha; the two are added at
-    the end. p_smem and stat_smem's rows hold one block: their writer (the follower of the previous block) waits
-    until both warpgroups are done with the previous block's (free_barriers, by block parity). Every warpgroup
-    observes every phase of the barriers it arrives on, and never more than one phase behind (a parity wait two
-    phases late would block): a block's scorer waits for its own publication at once, and for both releases of its
-    block s - 2 once its next block's KV has landed (the slot's refill needed both)."""
-    (c_smem, r_smem), (o_smem, lse_smem) = kv_union
-    item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref,
-                                                                 paired)
-    wg = jax.lax.axis_index("wg")
-    layer = layer_ref[0]
-    r_dim = r_smem.shape[-1]
-
-    @pl.when(wg == 2)
-    def _memory_warpgroup():
-        _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, b=b,
-                        blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages,
-                        paired=paired, l2_prefetch=l2_prefetch)
-
-    @pl.when(wg < 2)
-    def _compute_warpgroup():
-        plmgpu.set_max_registers(232, action="increase")
-
-        q_pe_operand, row_pos = _mgpu_queries_with_pe_in_registers(
-            q_ref, row_pos_ref, q_c_smem, pos_smem, q_barrier, interpret_scratch, b=b, rows=rows, wg=wg, r_dim=r_dim,
-            interpret=interpret)
-        row_layout = plmgpu.Layout.WGMMA.reduce(1)
-        load_rows = lambda ref: plmgpu.load(ref, (), layout=row_layout, optimized=False)
-        m_i, l_i, acc = _mgpu_softmax_start()
-        key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, block_kv), 1, layout=plmgpu.Layout.WGMMA)
-        slot_of = lambda step: jax.lax.rem(step, stages)
-        parity = lambda step: jax.lax.rem(step, 2)
-
-        def scores(step):  # the whole [64, block_kv] score tile of block `step`, once it has landed
-            slot = slot_of(step)
-            plmgpu.barrier_wait(kv_barriers.at[slot])
-
-            def issue(s_ref):
-                for half in range(2):
-                    plmgpu.wgmma(s_ref, q_c_smem.at[half], c_smem.at[slot, half].transpose((1, 0)))
-                plmgpu.wgmma(s_ref, q_pe_operand, r_smem.at[slot].transpose((1, 0)))
-                return s_ref[...]
-
-            return pl.run_scoped(issue, plmgpu.ACC((MGPU_ROWS, block_kv), jnp.float32))
-
-        def accumulate(acc, l_own, alpha, step):
-            """acc * alpha + P @ C of block `step` (P from p_smem, published for it), this warpgroup's own row sums
-            rescaled alike; then the block's probabilities and KV slot are released by this warpgroup."""
-            acc = _mgpu_rescale_accumulate(acc, alpha, p_smem, c_smem.at[slot_of(step), wg], interpret=interpret)
-            plmgpu.barrier_arrive(free_barriers.at[parity(step)])
-            plmgpu.barrier_arrive(consumed_barriers.at[slot_of(step)])
-            return acc, l_own * alpha
-
-        def follow(acc, l_own, step):  # block `step`, scored by the other warpgroup: wait for it, accumulate it
-            plmgpu.barrier_wait(ready_barriers.at[parity(step)])
-            m_step, alpha = load_rows(stat_smem.at[0]), load_rows(stat_smem.at[1])
-            acc, l_own = accumulate(acc, l_own, alpha, step)
-            return acc, l_own, m_step
-
-        def lead(acc, l_own, m_prev, s, step, after_other):  # block `step`, scored here: softmax, publish, accumulate
-            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv, key_offsets, row_pos, softmax_scale)
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
-            p, alpha = _mgpu_probabilities(s, m_prev, m_next)
-            p_sum = p.sum(axis=1)
-
-            if after_other:  # the previous block's probabilities (and stat rows) are done with, by both
-                plmgpu.barrier_wait(free_barriers.at[parity(step - 1)])
-
-            p_smem[...] = p.astype(p_smem.dtype)
-            stat_smem.at[0][...] = m_next
-            stat_smem.at[1][...] = alpha
-            plmgpu.commit_smem()
-            plmgpu.barrier_arrive(ready_barriers.at[parity(step)])
-            plmgpu.barrier_wait(ready_barriers.at[parity(step)])  # its own arrival (every waiter sees every phase)
-            acc, l_own = accumulate(acc, l_own, alpha, step)
-            return acc, l_own + p_sum, m_next
-
-        # warpgroup w scores blocks w, w + 2, ...; before scoring block s >= 1 it accumulates block s - 1 (scored by
-        # the other warpgroup, whose row maxima block s's softmax continues from). Warpgroup 0's first block has no
-        # predecessor (a prologue of 0 or 1 trips); a last block scored by the other warpgroup is followed in a tail.
-        def first(_, carry):
-            acc, l_own, m_prev = carry
-            return lead(acc, l_own, m_prev, scores(0), 0, after_other=False)
-
-        def pair(j, carry):
-            acc, l_own, _ = carry
-            step = 2 * j + wg
-            s = scores(step)  # issued before waiting for the other warpgroup's softmax of block step - 1
-
-            @pl.when(step >= 2)  # block step - 2 (scored here) was released by both, as its slot was refilled
-            def _():
-                plmgpu.barrier_wait(free_barriers.at[parity(step)])
-
-            acc, l_own, m_prev = follow(acc, l_own, step - 1)
-            return lead(acc, l_own, m_prev, s, step, after_other=True)
-
-        def tail(_, carry):
-            acc, l_own, _ = carry
-            return follow(acc, l_own, num_steps - 1)
-
-        any_block = jnp.minimum(num_steps, 1)
-        carry = (acc, l_i, m_i)
-        carry = jax.lax.fori_loop(0, (1 - wg) * any_block, first, carry)
-        carry = jax.lax.fori_loop(1 - wg, (num_steps - wg + 1) // 2, pair, carry)
-        last_is_other = jnp.where(parity(num_steps - 1) != wg, any_block, 0)
-        acc, l_own, m_i = jax.lax.fori_loop(0, last_is_other, tail, carry)
-        stat_smem.at[2 + wg][...] = l_own
-        plmgpu.barrier_arrive(sum_barrier)
-        plmgpu.barrier_wait(sum_barrier)
-        # the releases no lead observed: of the last block scored here, and of the last block if the other scored it
-        pl.when(num_steps > wg)(lambda: plmgpu.barrier_wait(free_barriers.at[wg]))
-        pl.when(last_is_other > 0)(lambda: plmgpu.barrier_wait(free_barriers.at[1 - wg]))
-        l_i = load_rows(stat_smem.at[2]) + load_rows(stat_smem.at[3])
-        plmgpu.barrier_arrive(done_barrier)
-        plmgpu.barrier_wait(done_barrier)
-
-        pl.when(valid)(lambda: _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_ref,
-                                                   item=item, rows=rows, wg=wg))
-
-
 def _mgpu_rescale_accumulate(acc, alpha, probs, values, *, interpret):
     """acc * alpha (per row) + probs @ values by wgmma: one online-softmax step of a compute warpgroup's [64, 256]
     accumulator (probs [64, block_kv] bf16 in registers, or staged in shared memory for the interpreter)."""
@@ -871,9 +727,8 @@ def mgpu_smem_bytes(block_kv: int, stages: int, r_dim: int, schedule: str = "dup
     q = MGPU_ROWS * (2 * MGPU_VALUE_HALF + r_dim) * 2 + MGPU_ROWS * 4
     ring = stages * block_kv * (2 * MGPU_VALUE_HALF + r_dim) * 2
     outputs = 2 * MGPU_ROWS * MGPU_VALUE_HALF * 4 + MGPU_ROWS * 4
-    if schedule in ("split", "alternate"):  # + probabilities and row statistics, - the q_pe buffer (q_pe in registers)
-        stat_rows = 4 if schedule == "alternate" else 2
-        q += MGPU_ROWS * block_kv * 2 + stat_rows * MGPU_ROWS * 4 - MGPU_ROWS * r_dim * 2
+    if schedule == "split":  # + probabilities and row statistics, - the q_pe buffer (q_pe in registers)
+        q += MGPU_ROWS * block_kv * 2 + 2 * MGPU_ROWS * 4 - MGPU_ROWS * r_dim * 2
     return q + max(ring, outputs)
 
 
@@ -931,25 +786,6 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
             scratch["q_pe_staged"] = swizzled((2, MGPU_ROWS, r_dim))
             scratch["p_staged"] = swizzled((2, MGPU_ROWS, block_kv))
         body = _mgpu_split_decode_kernel
-    elif schedule == "alternate":
-        scratch.update(
-            p_smem=swizzled((MGPU_ROWS, block_kv)),
-            kv_union=mgpu.RefUnion(
-                (swizzled((stages, 2, block_kv, MGPU_VALUE_HALF)), swizzled((stages, block_kv, r_dim))),
-                outputs),
-            pos_smem=mgpu.SMEM((MGPU_ROWS,), jnp.int32),
-            stat_smem=mgpu.SMEM((4, MGPU_ROWS), jnp.float32),
-            q_barrier=mgpu.Barrier(num_arrivals=3),
-            kv_barriers=mgpu.Barrier(num_arrivals=3 * (block_kv // page_size), num_barriers=stages),
-            consumed_barriers=consumed,
-            ready_barriers=mgpu.Barrier(num_arrivals=1, num_barriers=2),
-            free_barriers=mgpu.Barrier(num_arrivals=2, num_barriers=2),
-            sum_barrier=mgpu.Barrier(num_arrivals=2),
-            done_barrier=mgpu.Barrier(num_arrivals=2),
-        )
-        if interpret:
-            scratch["q_pe_staged"] = swizzled((2, MGPU_ROWS, r_dim))
-        body = _mgpu_alternate_decode_kernel
     else:
         scratch.update(
             q_r_smem=swizzled((MGPU_ROWS, r_dim)),
@@ -1221,9 +1057,7 @@ def mla_decode(
         model takes it when k3jax.mla.MLA_DECODE_KERNEL == "mosaic").
       mosaic_schedule: the Mosaic kernel's division of a KV block between its two compute warpgroups: "duplicate"
         (both score every key; no exchange) or "split" (each scores half the keys; row maxima and probabilities
-        exchanged through shared memory, a third less MMA work; _mgpu_split_decode_kernel) or "alternate" (the
-        warpgroups score alternate blocks whole and both accumulate every block from shared memory;
-        _mgpu_alternate_decode_kernel; interpreter-checked, not yet timed on the GPU); None:
+        exchanged through shared memory, a third less MMA work; _mgpu_split_decode_kernel); None:
         default_mgpu_schedule(T*H) on the GPU, "duplicate" under the interpreter.
       mosaic_paired: run each work item's row blocks in 2-CTA clusters whose KV pages are multicast by TMA (each
         page read from L2 once per pair instead of once per row block); needs an even number of 64-row blocks

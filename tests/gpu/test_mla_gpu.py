@@ -136,7 +136,7 @@ def test_k3_small_decode_shape_through_the_model_switch(kernel, q_len, monkeypat
 @pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("page", [16, 64])
 def test_mosaic_schedules_at_k3_heads(schedule, q_len, paired, page):
-    """The Mosaic kernel's schedules at K3's 96 heads (2 / 6 row blocks of 64 at q_len 1 / 4, a causal draft at
+    """The Mosaic kernel's two schedules at K3's 96 heads (2 / 6 row blocks of 64 at q_len 1 / 4, a causal draft at
     4), 16- and 64-token shuffled pages, the ragged histories, the balanced plan with the model's Mosaic knobs: "split"
     exchanges row maxima and probabilities between its compute warpgroups, which the interpreter runs but cannot
     race-check, so it is checked here on the GPU; so is `paired` (2-CTA clusters, each page multicast by TMA: the
