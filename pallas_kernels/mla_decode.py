@@ -314,7 +314,8 @@ MGPU_VALUE_HALF = 256  # each compute warpgroup owns half of the 512 value colum
 # The H200-checked setting (benchmarks/mla.py --backends, 2026-11-30): 64-key blocks, a 2-slot TMA ring (~216 KiB)
 MGPU_DEFAULT_BLOCK_KV = 64
 MGPU_DEFAULT_STAGES = 2
-MGPU_SCHEDULES = ("duplicate", "split")  # how the two compute warpgroups share a KV block (mla_decode's mosaic_schedule)
+# how the two compute warpgroups share a KV block (mla_decode's mosaic_schedule)
+MGPU_SCHEDULES = ("duplicate", "split")
 
 
 def default_mgpu_schedule(rows: int) -> str:
