@@ -316,6 +316,11 @@ MGPU_DEFAULT_BLOCK_KV = 64
 MGPU_DEFAULT_STAGES = 2
 # how the two compute warpgroups share a KV block (mla_decode's mosaic_schedule)
 MGPU_SCHEDULES = ("duplicate", "split")
+# setmaxnreg caps (compute warpgroups, memory warpgroup) by schedule: 384 threads launch at 168 registers each, so
+# 2 x compute + memory <= 504. "split" spills less at 240 (ptxas: 56 bytes against 104 at 232) and ran 1.03-1.05x
+# faster at 96 heads x q_len 1 (one H100, 2026-12-05, two calls; q_len 4 and 16 heads unchanged; 224 / 56: 204
+# bytes, 1.13x slower), so its memory warpgroup gets by on 24; "duplicate" measured the same at 16 heads either way.
+MGPU_REGISTERS = {"duplicate": (232, 40), "split": (240, 24)}
 
 
 def default_mgpu_schedule(rows: int) -> str:
@@ -386,7 +391,7 @@ def _mgpu_softmax_start():
 
 
 def _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, *, b, blk_start,
-                    num_steps, layer, page_size, stages, paired=False, l2_prefetch=0):
+                    num_steps, layer, page_size, stages, registers, paired=False, l2_prefetch=0):
     """The Mosaic kernels' memory warpgroup: streams the item's KV blocks page by page into the `stages`-slot TMA
     ring (c_smem [stages, 2, block_kv, 256] latent halves, r_smem [stages, block_kv, R] rope part), refilling a
     slot once both compute warpgroups have arrived on its consumed barrier.
@@ -397,7 +402,7 @@ def _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consume
     `l2_prefetch` > 0: issuing block s also asks TMA to bring block s + l2_prefetch into L2 (no shared memory, no
     barrier), so the ring's refills read L2 rather than HBM; the ring holds only 2 blocks (the queries take a third
     of shared memory), too shallow to cover HBM latency by itself."""
-    plmgpu.set_max_registers(40, action="decrease")
+    plmgpu.set_max_registers(registers, action="decrease")
     block_kv, c_half, r_dim = c_smem.shape[2], MGPU_VALUE_HALF, r_smem.shape[-1]
     pages_per_block = block_kv // page_size
     pair = MGPU_PAIR_AXIS if paired else None
@@ -532,11 +537,11 @@ def _mgpu_decode_kernel(
     def _memory_warpgroup():
         _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, b=b,
                         blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages,
-                        paired=paired, l2_prefetch=l2_prefetch)
+                        registers=MGPU_REGISTERS["duplicate"][1], paired=paired, l2_prefetch=l2_prefetch)
 
     @pl.when(wg < 2)
     def _compute_warpgroup():
-        plmgpu.set_max_registers(232, action="increase")
+        plmgpu.set_max_registers(MGPU_REGISTERS["duplicate"][0], action="increase")
 
         pl.when(wg == 0)(lambda: _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, q_r_smem, pos_smem, q_barrier,
                                                      b=b, rows=rows))
@@ -635,11 +640,11 @@ def _mgpu_split_decode_kernel(
     def _memory_warpgroup():
         _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consumed_barriers, b=b,
                         blk_start=blk_start, num_steps=num_steps, layer=layer, page_size=page_size, stages=stages,
-                        paired=paired, l2_prefetch=l2_prefetch)
+                        registers=MGPU_REGISTERS["split"][1], paired=paired, l2_prefetch=l2_prefetch)
 
     @pl.when(wg < 2)
     def _compute_warpgroup():
-        plmgpu.set_max_registers(232, action="increase")
+        plmgpu.set_max_registers(MGPU_REGISTERS["split"][0], action="increase")
 
         q_pe_operand, row_pos = _mgpu_queries_with_pe_in_registers(
             q_ref, row_pos_ref, q_c_smem, pos_smem, q_barrier, interpret_scratch, b=b, rows=rows, wg=wg, r_dim=r_dim,

@@ -404,3 +404,14 @@ def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, paired, monke
                                   backend="mosaic", mosaic_schedule=schedule, mosaic_paired=paired,
                                   mosaic_l2_prefetch=4 if schedule == "split" else 0)
     assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("schedule", md.MGPU_SCHEDULES)
+def test_mosaic_register_caps_fit_the_launch(schedule):
+    """setmaxnreg moves registers between the warpgroups of a CTA launched at 168 a thread (384 threads): the two
+    compute warpgroups' raised caps and the memory warpgroup's lowered one must fit in those 504 per lane, or the
+    raise waits forever; caps are multiples of 8 in 24..256 (PTX setmaxnreg)."""
+    compute, memory = md.MGPU_REGISTERS[schedule]
+    assert 2 * compute + memory <= 3 * 168
+    assert all(24 <= r <= 256 and r % 8 == 0 for r in (compute, memory))
+    assert compute >= 232 and memory < 168  # the accumulator (128 a thread) and the scores need the raise
