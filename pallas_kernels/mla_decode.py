@@ -394,7 +394,8 @@ def _mgpu_stream_kv(kv_ref, page_table_ref, c_smem, r_smem, kv_barriers, consume
                     num_steps, layer, page_size, stages, registers, paired=False, l2_prefetch=0):
     """The Mosaic kernels' memory warpgroup: streams the item's KV blocks page by page into the `stages`-slot TMA
     ring (c_smem [stages, 2, block_kv, 256] latent halves, r_smem [stages, block_kv, R] rope part), refilling a
-    slot once both compute warpgroups have arrived on its consumed barrier.
+    slot once both compute warpgroups have arrived on its consumed barrier. It first lowers its register cap to
+    `registers` (the schedule's MGPU_REGISTERS entry), freeing them for the compute warpgroups.
     `paired` (a 2-CTA cluster on the same work item): each CTA's copy is half of every tile, multicast into both
     CTAs' rings, so a page crosses L2 -> SM once for both row blocks (each CTA's kv barrier still counts the whole
     tile's bytes); consumed_barriers are then cluster barriers: a slot is refilled once the compute warpgroups of
