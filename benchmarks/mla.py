@@ -31,7 +31,8 @@ in fp8), 16-token pages (the serving default) in one shuffled pool. Sections, ea
   --backends: A/B of kernel variants in one process, each first checked against mla_decode_reference on
             histories 1/63/513/4097 in the shared pool, then timed at B64 x 32k q_len 1 and 4: the
             committed kernel when benchmarks/_mla_decode_head.py exists
-            (`git show HEAD:pallas_kernels/mla_decode.py > benchmarks/_mla_decode_head.py`, never committed),
+            (`git show HEAD:pallas_kernels/mla_decode.py > benchmarks/_mla_decode_head.py`, never committed;
+            its Triton kernel and its Mosaic "split"),
             this tree's Triton kernel, the Mosaic GPU kernel in its two schedules ("mosaic kv64 x2" and
             "... split"), each alone per row block and "... paired" (2-CTA clusters sharing each page by multicast;
             the GPU default where row blocks pair up); --variants picks by substring.
@@ -570,9 +571,11 @@ def run_backends(bench, pool, copy_gbps) -> list:
     except ImportError:
         head = None
     variants = []
-    if head is not None:
+    if head is not None:  # (the Mosaic one: e.g. the register caps before and after e6c5fd7, same process)
         variants.append(("triton HEAD 64/64/8/2", head.mla_decode,
                          dict(block_kv=64, block_rows=64, num_warps=8, num_stages=2)))
+        variants.append(("mosaic HEAD kv64 x2 split", head.mla_decode,
+                         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split")))
     variants += [
         ("triton 64/64/8/2", md.mla_decode, dict(block_kv=64, block_rows=64, num_warps=8, num_stages=2)),
         # one stage: tells a software-pipelining fault in the page-table -> page gather chain (the GPU-vs-
