@@ -470,10 +470,9 @@ def _mgpu_write_partial(acc, m_i, l_i, o_smem, lse_smem, part_o_ref, part_lse_re
 
 def _mgpu_queries_with_pe_in_registers(q_ref, row_pos_ref, q_c_smem, pos_smem, q_barrier, interpret_scratch, *, b,
                                        rows, wg, r_dim, interpret):
-    """A compute warpgroup of the "split" kernel: warpgroup 0 issues the item's q_latent halves and
-    row positions by TMA, every compute warpgroup loads q_pe [64, R] into registers (a wgmma A operand; staged in
-    interpret_scratch[0] for the interpreter), then waits for the TMA. Returns (q_pe operand, row positions [64] in
-    the WGMMA row layout)."""
+    """A compute warpgroup of the "split" kernel: warpgroup 0 issues the item's q_latent halves and row positions by
+    TMA, every compute warpgroup loads q_pe [64, R] into registers (a wgmma A operand; staged in interpret_scratch[0]
+    for the interpreter), then waits for the TMA. Returns (q_pe operand, row positions [64] in the WGMMA row layout)."""
     pl.when(wg == 0)(lambda: _mgpu_issue_queries(q_ref, row_pos_ref, q_c_smem, None, pos_smem, q_barrier, b=b,
                                                  rows=rows))
     q_pe = plmgpu.load(q_ref.at[b, rows, pl.ds(2 * MGPU_VALUE_HALF, r_dim)], (), layout=plmgpu.Layout.WGMMA,
