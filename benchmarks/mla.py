@@ -593,6 +593,13 @@ def run_backends(bench, pool, copy_gbps) -> list:
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate", mosaic_paired=True)),
         ("mosaic kv64 x2 split paired", md.mla_decode,
          dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split", mosaic_paired=True)),
+        # the causal mask only on the blocks crossing a request's earliest position (mla_decode's mosaic_skip_masks)
+        ("mosaic kv64 x2 skip-masks", md.mla_decode,
+         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="duplicate", mosaic_paired=False,
+              mosaic_skip_masks=True)),
+        ("mosaic kv64 x2 split paired skip-masks", md.mla_decode,
+         dict(block_kv=64, num_stages=2, backend="mosaic", mosaic_schedule="split", mosaic_paired=True,
+              mosaic_skip_masks=True)),
     ]
     if bench.args.variants:
         variants = [v for v in variants if any(w in v[0] for w in bench.args.variants.split(","))]

@@ -321,6 +321,9 @@ MGPU_SCHEDULES = ("duplicate", "split")
 # faster at 96 heads x q_len 1 (one H100, 2026-12-05, two calls; q_len 4 and 16 heads unchanged; 224 / 56: 204
 # bytes, 1.13x slower), so its memory warpgroup gets by on 24; "duplicate" measured the same at 16 heads either way.
 MGPU_REGISTERS = {"duplicate": (232, 40), "split": (240, 24)}
+# mla_decode's mosaic_skip_masks when not given. Off until timed on a GPU: skipping the masks (2026-12-06) is checked
+# against the reference under the interpreter and lowers for sm_90, but no GPU could be had that session.
+MGPU_DEFAULT_SKIP_MASKS = False
 
 
 def default_mgpu_schedule(rows: int) -> str:
@@ -482,12 +485,32 @@ def _mgpu_queries_with_pe_in_registers(q_ref, row_pos_ref, q_c_smem, pos_smem, q
     return q_pe_operand, plmgpu.load(pos_smem, (), layout=plmgpu.Layout.WGMMA.reduce(1), optimized=False)
 
 
-def _mgpu_visible_scores(s, first_key, key_offsets, row_pos, softmax_scale):
-    """A compute warpgroup's raw scores s [64, width] (keys first_key + key_offsets) as base-2 logits, -inf where
-    a key lies after the row's position (the causal mask inside a draft; padding rows, position -1, see none)."""
+def _mgpu_visible_scores(s, first_key, row_pos, softmax_scale, *, masked, key_offsets=None):
+    """A compute warpgroup's raw scores s [64, width] (keys first_key + key_offsets, the [64, width] int32 column
+    index; None: made here) as base-2 logits; with `masked`, -inf where a key lies after the row's position (the
+    causal mask inside a draft; padding rows, position -1, see none)."""
     s = s * (softmax_scale * LOG2E)
+    if not masked:
+        return s
+    if key_offsets is None:
+        key_offsets = plmgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plmgpu.Layout.WGMMA)
     visible = first_key + key_offsets <= jax.lax.broadcast_in_dim(row_pos, s.shape, [0])
     return jnp.where(visible, s, -jnp.inf)
+
+
+def _mgpu_kv_loop(kv_step, carry, *, unmasked_blocks_ref, b, blk_start, num_steps, skip_masks):
+    """The compute warpgroups' KV loop over the item's blocks, each step masked; with `skip_masks`, in two parts:
+    the blocks that every real query row of request b sees whole (unmasked_blocks_ref[b] of the request, counted
+    from its first block: no causal mask), then the rest (masked: the blocks crossing the rows' positions).
+    Padding rows (position -1) see keys in the first part; their outputs are never merged (combine_partials takes
+    the real rows only)."""
+    if not skip_masks:
+        return jax.lax.fori_loop(0, num_steps, functools.partial(kv_step, masked=True), carry)
+    # (the masked steps then make their own key offsets: made before the loop, as without skip_masks, they would stay
+    # live in registers through the unmasked part too)
+    first_masked = jnp.clip(unmasked_blocks_ref[b] - blk_start, 0, num_steps)
+    carry = jax.lax.fori_loop(0, first_masked, functools.partial(kv_step, masked=False), carry)
+    return jax.lax.fori_loop(first_masked, num_steps, functools.partial(kv_step, masked=True), carry)
 
 
 def _mgpu_probabilities(s, m_prev, m_next):
@@ -505,6 +528,7 @@ def _mgpu_decode_kernel(
     row_pos_ref,  # [B, M_pad] int32 GMEM position of each row (-1 padding)
     page_table_ref,  # [B, max_pages_padded] int32 GMEM
     layer_ref,  # [1] int32 GMEM
+    unmasked_blocks_ref,  # [B] int32 GMEM KV blocks every real query row of the request sees whole
     kv_ref,  # [L, P, page_size, C+R] bf16 GMEM
     part_o_ref,  # [W, M_pad, C] fp32 GMEM normalised partial outputs
     part_lse_ref,  # [W, M_pad] fp32 GMEM base-2 log-sum-exp of each partial
@@ -526,6 +550,7 @@ def _mgpu_decode_kernel(
     interpret: bool,
     paired: bool = False,
     l2_prefetch: int = 0,
+    skip_masks: bool = False,
 ):
     (c_smem, r_smem), (o_smem, lse_smem) = kv_union
     item, b, valid, blk_start, num_steps, rows = _mgpu_work_item(work_request_ref, work_start_ref, work_end_ref,
@@ -549,9 +574,10 @@ def _mgpu_decode_kernel(
         plmgpu.barrier_wait(q_barrier)
         row_pos = plmgpu.load(pos_smem, (), layout=plmgpu.Layout.WGMMA.reduce(1), optimized=False)
         m_i, l_i, acc = _mgpu_softmax_start()
-        key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, block_kv), 1, layout=plmgpu.Layout.WGMMA)
+        key_offsets = None if skip_masks else plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, block_kv), 1,
+                                                                      layout=plmgpu.Layout.WGMMA)
 
-        def kv_step(step, carry):
+        def kv_step(step, carry, *, masked):
             acc, m_prev, l_prev = carry
             slot = jax.lax.rem(step, stages)
             plmgpu.barrier_wait(kv_barriers.at[slot])
@@ -563,7 +589,8 @@ def _mgpu_decode_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plmgpu.ACC((MGPU_ROWS, block_kv), jnp.float32))
-            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv, key_offsets, row_pos, softmax_scale)
+            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv, row_pos, softmax_scale, masked=masked,
+                                     key_offsets=key_offsets)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
             p, alpha = _mgpu_probabilities(s, m_prev, m_next)
             l_next = l_prev * alpha + p.sum(axis=1)
@@ -575,7 +602,8 @@ def _mgpu_decode_kernel(
             plmgpu.barrier_arrive(consumed_barriers.at[slot])
             return acc, m_next, l_next
 
-        acc, m_i, l_i = jax.lax.fori_loop(0, num_steps, kv_step, (acc, m_i, l_i))
+        acc, m_i, l_i = _mgpu_kv_loop(kv_step, (acc, m_i, l_i), unmasked_blocks_ref=unmasked_blocks_ref, b=b,
+                                      blk_start=blk_start, num_steps=num_steps, skip_masks=skip_masks)
         # o_smem / lse_smem alias c_smem / r_smem: neither warpgroup writes them before both are done reading
         plmgpu.barrier_arrive(done_barrier)
         plmgpu.barrier_wait(done_barrier)
@@ -586,8 +614,8 @@ def _mgpu_decode_kernel(
 
 def _mgpu_split_decode_kernel(
     # GMEM refs, as _mgpu_decode_kernel's
-    work_request_ref, work_start_ref, work_end_ref, q_ref, row_pos_ref, page_table_ref, layer_ref, kv_ref, part_o_ref,
-    part_lse_ref,
+    work_request_ref, work_start_ref, work_end_ref, q_ref, row_pos_ref, page_table_ref, layer_ref, unmasked_blocks_ref,
+    kv_ref, part_o_ref, part_lse_ref,
     q_c_smem,  # [2, 64, 256] bf16: q_latent halves
     p_smem,  # [2, 64, block_kv / 2] bf16: each compute warpgroup's probabilities (its half of the keys)
     kv_union,  # shared memory used twice: ((c_smem, r_smem) in the KV loop, (o_smem, lse_smem) after it):
@@ -609,6 +637,7 @@ def _mgpu_split_decode_kernel(
     interpret: bool,
     paired: bool = False,
     l2_prefetch: int = 0,
+    skip_masks: bool = False,
 ):
     """The "split" schedule of the Mosaic kernel: each compute warpgroup scores its own half of a KV block's keys
     (no duplicated Q K^T), the two exchange row maxima and probabilities through shared memory, and each
@@ -652,9 +681,10 @@ def _mgpu_split_decode_kernel(
         row_layout = plmgpu.Layout.WGMMA.reduce(1)
         load_rows = lambda ref: plmgpu.load(ref, (), layout=row_layout, optimized=False)
         m_i, l_i, acc = _mgpu_softmax_start()
-        key_offsets = plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, key_half), 1, layout=plmgpu.Layout.WGMMA)
+        key_offsets = None if skip_masks else plmgpu.broadcasted_iota(jnp.int32, (MGPU_ROWS, key_half), 1,
+                                                                      layout=plmgpu.Layout.WGMMA)
 
-        def kv_step(step, carry):
+        def kv_step(step, carry, *, masked):
             acc, m_prev, l_prev = carry
             slot = jax.lax.rem(step, stages)
             plmgpu.barrier_wait(kv_barriers.at[slot])
@@ -666,8 +696,8 @@ def _mgpu_split_decode_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plmgpu.ACC((MGPU_ROWS, key_half), jnp.float32))
-            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv + wg * key_half, key_offsets, row_pos,
-                                     softmax_scale)
+            s = _mgpu_visible_scores(s, (blk_start + step) * block_kv + wg * key_half, row_pos, softmax_scale,
+                                     masked=masked, key_offsets=key_offsets)
             # row maxima over both halves: each warpgroup publishes its own, then reads both (the barrier's phase
             # also orders this block's writes after the other warpgroup's reads of the previous block's: those came
             # before its probabilities, which this warpgroup waited for)
@@ -691,7 +721,8 @@ def _mgpu_split_decode_kernel(
             plmgpu.barrier_arrive(consumed_barriers.at[slot])
             return acc, m_next, l_next
 
-        acc, m_i, l_i = jax.lax.fori_loop(0, num_steps, kv_step, (acc, m_i, l_i))
+        acc, m_i, l_i = _mgpu_kv_loop(kv_step, (acc, m_i, l_i), unmasked_blocks_ref=unmasked_blocks_ref, b=b,
+                                      blk_start=blk_start, num_steps=num_steps, skip_masks=skip_masks)
         # the row sums of both halves (stat_smem's maxima were last read before the last probabilities barrier)
         stat_smem.at[wg][...] = l_i
         plmgpu.barrier_arrive(max_barrier)
@@ -746,9 +777,9 @@ def mgpu_supported(c_dim: int, r_dim: int, page_size: int, kv_dtype, block_kv: i
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "block_kv", "stages", "schedule", "paired",
-                                             "l2_prefetch", "interpret"))
+                                             "l2_prefetch", "skip_masks", "interpret"))
 def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan, layer, *, kv_lora_rank, scale,
-                     block_kv, stages, schedule, paired, l2_prefetch, interpret):
+                     block_kv, stages, schedule, paired, l2_prefetch, skip_masks, interpret):
     kv_pages, _, layer = stacked_pool(kv_pages, None, layer)
     mgpu = plmgpu
     b, t, h, c_dim = q_latent.shape
@@ -808,7 +839,7 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
         body = _mgpu_decode_kernel
     kernel = mgpu.kernel(
         functools.partial(body, block_kv=block_kv, page_size=page_size, stages=stages, softmax_scale=scale,
-                          interpret=interpret, paired=paired, l2_prefetch=l2_prefetch),
+                          interpret=interpret, paired=paired, l2_prefetch=l2_prefetch, skip_masks=skip_masks),
         out_type=(jax.ShapeDtypeStruct((num_items, m_pad, c_dim), jnp.float32),
                   jax.ShapeDtypeStruct((num_items, m_pad), jnp.float32)),
         scratch_types=list(scratch.values()),
@@ -818,7 +849,14 @@ def _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, plan
         compiler_params=mgpu.CompilerParams(approx_math=True),
         interpret=mgpu.InterpretGPUParams(**_MGPU_INTERPRET_KW) if interpret else None,
     )
-    part_o, part_lse = kernel(work_request, work_start, work_end, q, row_pos, page_table, layer, kv_pages)
+    # KV blocks that every real row of a request sees whole (up to its earliest query position; a -1 row: none); read
+    # only with skip_masks (without, a constant: no extra op in the step)
+    if skip_masks:
+        unmasked_blocks = (jnp.min(query_positions, axis=1).astype(jnp.int32) + 1) // block_kv
+    else:
+        unmasked_blocks = jnp.zeros((b,), jnp.int32)
+    part_o, part_lse = kernel(work_request, work_start, work_end, q, row_pos, page_table, layer, unmasked_blocks,
+                              kv_pages)
     # only the real rows are merged (16 heads x q_len 1: 16 of the 64 rows)
     out = combine_partials(part_o, part_lse, plan[3], plan[4], t * h, interpret=interpret)
     return out.reshape(b, t, h, c_dim)
@@ -1036,6 +1074,7 @@ def mla_decode(
     mosaic_schedule: str | None = None,
     mosaic_paired: bool | None = None,
     mosaic_l2_prefetch: int | None = None,
+    mosaic_skip_masks: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed MLA decode over a paged latent cache (the cache already holds this step's tokens).
@@ -1070,6 +1109,9 @@ def mla_decode(
         (96 heads x q_len 1: 2). None: default_mgpu_paired.
       mosaic_l2_prefetch: KV blocks ahead of the TMA ring that the Mosaic kernel prefetches into L2 (0: none; None:
         default_mgpu_l2_prefetch).
+      mosaic_skip_masks: the Mosaic kernel skips the causal mask on the KV blocks every real query row of a request
+        sees whole (all but the last one or two), so the mask's [64, block] key offsets are not live through the
+        whole loop (None: MGPU_DEFAULT_SKIP_MASKS).
       interpret: run the Pallas interpreter (CPU).
 
     Returns: o_latent [B, T, H, C] fp32 (sum_s p_s c_s, before W_UV).
@@ -1114,6 +1156,8 @@ def mla_decode(
                              f"64-row blocks, an odd number")
         if mosaic_l2_prefetch is None:
             mosaic_l2_prefetch = default_mgpu_l2_prefetch(bool(mosaic_paired))
+        if mosaic_skip_masks is None:
+            mosaic_skip_masks = MGPU_DEFAULT_SKIP_MASKS
         if not 0 <= mosaic_l2_prefetch <= MGPU_MAX_L2_PREFETCH:
             raise ValueError(f"mosaic_l2_prefetch must be in [0, {MGPU_MAX_L2_PREFETCH}], got {mosaic_l2_prefetch}")
         smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1], mosaic_schedule)
@@ -1126,7 +1170,8 @@ def mla_decode(
         return _mla_decode_mgpu(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), layer,
                                 kv_lora_rank=kv_lora_rank, scale=float(scale), block_kv=block_kv,
                                 stages=num_stages, schedule=mosaic_schedule, paired=bool(mosaic_paired),
-                                l2_prefetch=int(mosaic_l2_prefetch), interpret=interpret)
+                                l2_prefetch=int(mosaic_l2_prefetch), skip_masks=bool(mosaic_skip_masks),
+                                interpret=interpret)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
     return _mla_decode(q_latent, q_pe, kv_pages, page_table, query_positions, tuple(plan), kv_scales, layer,

@@ -328,6 +328,43 @@ def test_mosaic_decode_at_16_heads_and_64_token_pages():
     assert got.shape == (b, 1, heads, c_dim)
     for r in range(b):
         assert rel(got[r], want[r]) < TOL, r
+
+
+@pytest.mark.parametrize("skip_masks", [True, False], ids=["skip_masks", "every_block_masked"])
+@pytest.mark.parametrize("schedule", md.MGPU_SCHEDULES)
+def test_mosaic_mask_skipped_only_where_every_row_sees_the_whole_block(schedule, skip_masks):
+    """mosaic_skip_masks: the Mosaic kernel masks only the KV blocks at or after a request's earliest query position
+    (the loop's unmasked part ends at (min position + 1) // 64, counted from each work item's first block); without
+    it every block is masked (the same results, the baseline here). Each request has a row that must not see the
+    last keys of a block another row sees whole: a draft out of order (positions 63, 61, 64, 62: the earliest row
+    is not t = 0, the first row completes block 0), one across a block edge (125-128), a 604-token one the plan
+    splits so that its crossing block lies inside a later item, and a draft padded with position -1 (a padding
+    row: every block masked for that request). Rows of real positions match the reference to the tolerance above;
+    a block left unmasked for a row that must not see all of it moves that row by O(1e-1). (The bound taken from
+    the last or the first row, or not offset by the item's first block, fails here.)"""
+    heads, c_dim, r_dim, q_len, page = 8, 512, 64, 4, 16
+    rng = np.random.default_rng(23)
+    hist = np.array([61, 125, 600, 300])
+    positions = hist[:, None] + np.array([[2, 0, 3, 1], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]])
+    positions[3, 2:] = -1
+    b = len(hist)
+    max_pages = -(-(positions.max() + 1) // page) + 1
+    num_pages = b * max_pages + 3
+    table = jnp.asarray(shuffled_page_tables(rng, b, max_pages, num_pages))
+    kv = jnp.asarray(rng.standard_normal((num_pages, page, c_dim + r_dim)), jnp.bfloat16)
+    q_latent = jnp.asarray(rng.standard_normal((b, q_len, heads, c_dim)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((b, q_len, heads, r_dim)), jnp.bfloat16)
+    positions = jnp.asarray(positions, jnp.int32)
+    scale = 192**-0.5
+    plan = mla_plan.plan_balanced(kv_lens(positions, table), block_kv=64, num_parts=6)
+    assert (plan.request_num_work > 1).sum() >= 2, plan.request_num_work
+    got = md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale, block_kv=64,
+                        num_stages=2, backend="mosaic", mosaic_schedule=schedule, mosaic_skip_masks=skip_masks,
+                        interpret=True)
+    want = md.mla_decode_reference(q_latent, q_pe, kv, table, positions, kv_lora_rank=c_dim, scale=scale)
+    for r in range(b):
+        real = np.asarray(positions[r]) >= 0
+        assert rel(np.asarray(got[r])[real], np.asarray(want[r])[real]) < TOL, r
     call = lambda **kw: md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale,
                                       backend="mosaic", interpret=True, **kw)
     with pytest.raises(ValueError, match="shared memory"):  # 2 slots of 128 keys: 288 KiB with the queries
@@ -378,16 +415,18 @@ def test_mosaic_schedule_default_follows_the_rows(heads, q_len, want, monkeypatc
     assert call(True) == "duplicate"  # the interpreter keeps "duplicate" (split needs >= 3 host devices there)
 
 
+@pytest.mark.parametrize("skip_masks", [False, True], ids=["masked", "skip_masks"])
 @pytest.mark.parametrize("schedule,page,paired", [("duplicate", 64, False), ("split", 16, False), ("split", 64, True),
                                                    ("duplicate", 16, True)])
-def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, paired, monkeypatch):
+def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, paired, skip_masks, monkeypatch):
     """The Mosaic kernel lowers for sm_90 at K3's decode shape (96 heads: two 64-row blocks, 64-key blocks, a 2-slot
     ring) on a machine without a GPU: Mosaic's layout inference and the shared-memory limit are checked at lowering,
     and the interpreter checks neither. The split schedule fits only with q_pe as a register operand (with a
     shared-memory buffer for it, it was 1,088 B over the H200's 227 KiB). `_infer_arch` asks the local GPU (none
     here); the Triton combine after the kernel needs a GPU to lower, so a stand-in replaces it. `paired`: the 2-CTA
     cluster form, whose multicast copies (each CTA half of a tile: the tiled, swizzled page must split on a leading
-    dimension) the interpreter does not model -- it copies whole tiles -- so only lowering checks them here."""
+    dimension) the interpreter does not model -- it copies whole tiles -- so only lowering checks them here. Both
+    loop forms: every block masked, and mosaic_skip_masks (an unmasked loop, then a masked one)."""
     import jax
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -402,7 +441,7 @@ def test_mosaic_kernel_lowers_for_the_h200_offline(schedule, page, paired, monke
             s((b, 1), jnp.int32))
     fn = lambda *a: md.mla_decode(*a, plan, kv_lora_rank=512, scale=192**-0.5, layer=0, block_kv=64, num_stages=2,
                                   backend="mosaic", mosaic_schedule=schedule, mosaic_paired=paired,
-                                  mosaic_l2_prefetch=4 if schedule == "split" else 0)
+                                  mosaic_l2_prefetch=4 if schedule == "split" else 0, mosaic_skip_masks=skip_masks)
     assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
