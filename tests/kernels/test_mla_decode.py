@@ -328,6 +328,13 @@ def test_mosaic_decode_at_16_heads_and_64_token_pages():
     assert got.shape == (b, 1, heads, c_dim)
     for r in range(b):
         assert rel(got[r], want[r]) < TOL, r
+    call = lambda **kw: md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale,
+                                      backend="mosaic", interpret=True, **kw)
+    with pytest.raises(ValueError, match="shared memory"):  # 2 slots of 128 keys: 288 KiB with the queries
+        call(block_kv=128, num_stages=2)
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        call(num_stages=1)
+    assert md.mgpu_smem_bytes(64, 2, r_dim) == 221440  # ~216 KiB: 72 KiB of queries + two 72 KiB slots
 
 
 @pytest.mark.parametrize("skip_masks", [True, False], ids=["skip_masks", "every_block_masked"])
@@ -365,13 +372,6 @@ def test_mosaic_mask_skipped_only_where_every_row_sees_the_whole_block(schedule,
     for r in range(b):
         real = np.asarray(positions[r]) >= 0
         assert rel(np.asarray(got[r])[real], np.asarray(want[r])[real]) < TOL, r
-    call = lambda **kw: md.mla_decode(q_latent, q_pe, kv, table, positions, plan, kv_lora_rank=c_dim, scale=scale,
-                                      backend="mosaic", interpret=True, **kw)
-    with pytest.raises(ValueError, match="shared memory"):  # 2 slots of 128 keys: 288 KiB with the queries
-        call(block_kv=128, num_stages=2)
-    with pytest.raises(ValueError, match="num_stages >= 2"):
-        call(num_stages=1)
-    assert md.mgpu_smem_bytes(64, 2, r_dim) == 221440  # ~216 KiB: 72 KiB of queries + two 72 KiB slots
 
 
 @pytest.mark.parametrize("block_rows,block_cols,unroll", [(None, None, md.COMBINE_UNROLL), (2, 16, 1), (3, 32, 2),
