@@ -487,8 +487,10 @@ def _mgpu_queries_with_pe_in_registers(q_ref, row_pos_ref, q_c_smem, pos_smem, q
 
 def _mgpu_visible_scores(s, first_key, row_pos, softmax_scale, *, masked, key_offsets=None):
     """A compute warpgroup's raw scores s [64, width] (keys first_key + key_offsets, the [64, width] int32 column
-    index; None: made here) as base-2 logits; with `masked`, -inf where a key lies after the row's position (the
-    causal mask inside a draft; padding rows, position -1, see none)."""
+    index) as base-2 logits; with `masked`, -inf where a key lies after the row's position (the causal mask inside a
+    draft; padding rows, position -1, see none). key_offsets None: made here, in the masked step itself -- the
+    kernels pass None with skip_masks, since offsets made before the KV loop would stay live in registers through
+    its unmasked part too."""
     s = s * (softmax_scale * LOG2E)
     if not masked:
         return s
@@ -506,8 +508,6 @@ def _mgpu_kv_loop(kv_step, carry, *, unmasked_blocks_ref, b, blk_start, num_step
     the real rows only)."""
     if not skip_masks:
         return jax.lax.fori_loop(0, num_steps, functools.partial(kv_step, masked=True), carry)
-    # (the masked steps then make their own key offsets: made before the loop, as without skip_masks, they would stay
-    # live in registers through the unmasked part too)
     first_masked = jnp.clip(unmasked_blocks_ref[b] - blk_start, 0, num_steps)
     carry = jax.lax.fori_loop(0, first_masked, functools.partial(kv_step, masked=False), carry)
     return jax.lax.fori_loop(first_masked, num_steps, functools.partial(kv_step, masked=True), carry)
@@ -1156,10 +1156,10 @@ def mla_decode(
                              f"64-row blocks, an odd number")
         if mosaic_l2_prefetch is None:
             mosaic_l2_prefetch = default_mgpu_l2_prefetch(bool(mosaic_paired))
-        if mosaic_skip_masks is None:
-            mosaic_skip_masks = MGPU_DEFAULT_SKIP_MASKS
         if not 0 <= mosaic_l2_prefetch <= MGPU_MAX_L2_PREFETCH:
             raise ValueError(f"mosaic_l2_prefetch must be in [0, {MGPU_MAX_L2_PREFETCH}], got {mosaic_l2_prefetch}")
+        if mosaic_skip_masks is None:
+            mosaic_skip_masks = MGPU_DEFAULT_SKIP_MASKS
         smem = mgpu_smem_bytes(block_kv, num_stages, q_pe.shape[-1], mosaic_schedule)
         if num_stages < 2:  # one slot: the Mosaic GPU interpreter never finishes (2026-11-30, not understood)
             raise ValueError(f"the Mosaic GPU kernel needs num_stages >= 2 (a TMA ring of >= 2 slots), "
